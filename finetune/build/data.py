@@ -1,0 +1,200 @@
+"""Training and eval data: read local files or hub datasets, rename columns, detect the
+row format, check every row (a bad one is reported with its file and row number), and
+split off eval rows. Tokenization is left to the method's TRL trainer."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+from datasets import Dataset, concatenate_datasets, load_dataset
+
+from finetune.config.rules import DATA_SUFFIXES, is_local
+from finetune.config.schema import DataSource, Experiment
+from finetune.errors import DataError
+
+# format -> (required columns, optional columns)
+FORMATS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "messages": (("messages",), ()),
+    "prompt_completion": (("prompt", "completion"), ()),
+    "text": (("text",), ()),
+    "preference": (("chosen", "rejected"), ("prompt",)),
+}
+ROLES = ("system", "user", "assistant", "tool")
+BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+
+
+@dataclass
+class Splits:
+    train: Dataset
+    eval: Dataset | None
+    format: str
+
+
+def _files(path: Path) -> list[Path]:
+    if path.is_dir():
+        files = sorted(p for p in path.iterdir() if p.suffix.lower() in DATA_SUFFIXES)
+        if not files:
+            raise DataError(f"{path}: no {'/'.join(DATA_SUFFIXES)} files in this directory")
+        return files
+    if path.suffix.lower() not in DATA_SUFFIXES:
+        raise DataError(f"{path}: unsupported file type; use {', '.join(DATA_SUFFIXES)}")
+    return [path]
+
+
+def _json_syntax_error(path: Path) -> str | None:
+    """Locate the first malformed line of a JSON Lines file (datasets' message does not)."""
+    with path.open() as handle:
+        for number, line in enumerate(handle, 1):
+            if line.strip():
+                try:
+                    json.loads(line)
+                except json.JSONDecodeError as exc:
+                    return f"{path} line {number}: invalid JSON: {exc.msg}"
+    return None
+
+
+def _read_file(path: Path) -> Dataset:
+    builder = BUILDERS[path.suffix.lower()]
+    try:
+        return load_dataset(builder, data_files=str(path), split="train")
+    except Exception as exc:  # datasets raises many types; the user needs file and cause
+        located = _json_syntax_error(path) if path.suffix.lower() == ".jsonl" else None
+        raise DataError(located or f"{path}: cannot read as {builder}: {exc}") from None
+
+
+def _read_source(source: DataSource, where: str) -> list[tuple[str, Dataset]]:
+    """(label, dataset) per file, so row numbers stay per file."""
+    if is_local(source.path):
+        parts = [(str(f), _read_file(f)) for f in _files(Path(source.path))]
+    else:
+        try:
+            parts = [(source.path, load_dataset(source.path, source.subset, split=source.split,
+                                                revision=source.revision))]
+        except Exception as exc:
+            raise DataError(f"{where}: cannot load hub dataset {source.path!r}: {exc}") from None
+    out = []
+    for label, ds in parts:
+        for target, original in source.columns.items():
+            if original not in ds.column_names:
+                raise DataError(f"{where}.columns.{target}: {label} has no column {original!r} "
+                                f"(columns: {', '.join(ds.column_names)})")
+            if target != original:
+                if target in ds.column_names:
+                    ds = ds.remove_columns(target)
+                ds = ds.rename_column(original, target)
+        out.append((label, ds))
+    return out
+
+
+def detect_format(columns: Iterable[str], method: str, label: str) -> str:
+    columns = set(columns)
+    if method in ("reward", "dpo"):
+        candidates = ["preference"]
+    else:
+        candidates = ["messages", "prompt_completion", "text"]
+    for name in candidates:
+        if set(FORMATS[name][0]) <= columns:
+            return name
+    wanted = " or ".join("/".join(FORMATS[c][0]) for c in candidates)
+    raise DataError(f"{label}: method {method} needs columns {wanted}; found "
+                    f"{', '.join(sorted(columns)) or 'none'} (rename with data.<split>[i].columns)")
+
+
+def _check_messages(value: Any, field: str) -> str | None:
+    if not isinstance(value, list):
+        return f"`{field}` must be a list of messages, got {type(value).__name__}"
+    if not value:
+        return f"`{field}` is an empty conversation"
+    for i, message in enumerate(value):
+        if not isinstance(message, dict) or "role" not in message or "content" not in message:
+            return f"`{field}[{i}]` must have `role` and `content`"
+        if message["role"] not in ROLES:
+            return f"`{field}[{i}].role` is {message['role']!r}; expected one of {', '.join(ROLES)}"
+        if not isinstance(message["content"], str):
+            return f"`{field}[{i}].content` must be text, got {type(message['content']).__name__}"
+    return None
+
+
+def _check_text_or_messages(value: Any, field: str) -> str | None:
+    if isinstance(value, str):
+        return None if value.strip() else f"`{field}` is empty"
+    if isinstance(value, list):
+        return _check_messages(value, field)
+    return f"`{field}` must be text or a list of messages, got {type(value).__name__}"
+
+
+def check_row(row: dict[str, Any], fmt: str, method: str) -> str | None:
+    required, optional = FORMATS[fmt]
+    for field in required:
+        if row.get(field) is None:
+            return f"missing `{field}`"
+    if fmt == "messages":
+        problem = _check_messages(row["messages"], "messages")
+        if problem is None and not any(m["role"] == "assistant" for m in row["messages"]):
+            problem = "no assistant message to learn from"
+        return problem
+    if fmt == "text":
+        return _check_text_or_messages(row["text"], "text") if isinstance(row["text"], str) \
+            else "`text` must be a string"
+    if fmt == "preference" and method == "dpo" and row.get("prompt") is None:
+        return "missing `prompt` (dpo needs prompt/chosen/rejected)"
+    fields = [f for f in required + optional if row.get(f) is not None]
+    kinds = {type(row[f]) for f in fields}
+    if len(kinds) > 1:
+        return f"mixes plain text and message lists across {', '.join(fields)}"
+    for field in fields:
+        problem = _check_text_or_messages(row[field], field)
+        if problem:
+            return problem
+    return None
+
+
+def _validated(label: str, ds: Dataset, fmt: str, method: str) -> Dataset:
+    required, optional = FORMATS[fmt]
+    missing = [c for c in required if c not in ds.column_names]
+    if missing:
+        raise DataError(f"{label}: format {fmt} needs column(s) {', '.join(missing)}; "
+                        f"found {', '.join(ds.column_names)}")
+    keep = [c for c in required + optional if c in ds.column_names]
+    ds = ds.select_columns(keep)
+    for number, row in enumerate(ds, 1):
+        problem = check_row(row, fmt, method)
+        if problem:
+            raise DataError(f"{label} row {number}: {problem}")
+    if len(ds) == 0:
+        raise DataError(f"{label}: no rows")
+    return ds
+
+
+def _load_split(sources: list[DataSource], split: str, experiment: Experiment,
+                fmt: str | None) -> tuple[Dataset, str]:
+    parts = []
+    for i, source in enumerate(sources):
+        for label, ds in _read_source(source, f"data.{split}[{i}]"):
+            if fmt is None:
+                fmt = detect_format(ds.column_names, experiment.method, label)
+            ds = _validated(label, ds, fmt, experiment.method)
+            if source.max_samples is not None:
+                ds = ds.select(range(min(source.max_samples, len(ds))))
+            parts.append(ds)
+    try:
+        return (parts[0] if len(parts) == 1 else concatenate_datasets(parts)), fmt
+    except ValueError as exc:
+        raise DataError(f"data.{split}: the sources do not share one schema: {exc}") from None
+
+
+def load_data(experiment: Experiment) -> Splits:
+    spec = experiment.data
+    fmt = None if spec.format == "auto" else spec.format
+    train, fmt = _load_split(spec.train, "train", experiment, fmt)
+    evaluation = None
+    if spec.eval is not None:
+        evaluation, _ = _load_split(spec.eval, "eval", experiment, fmt)
+    elif spec.eval_fraction is not None:
+        seed = experiment.training.get("seed", 42)
+        parts = train.train_test_split(test_size=spec.eval_fraction, seed=seed, shuffle=True)
+        train, evaluation = parts["train"], parts["test"]
+    return Splits(train=train, eval=evaluation, format=fmt)

@@ -1,0 +1,276 @@
+"""Experiment files -> a validated Experiment, or a ConfigError naming YAML paths and lines.
+
+One pass, in order: read each file safely (remembering where every key is written), merge
+`extends:` bases under it, apply `a.b=value` overrides, fill the name, validate the schema,
+check `training:` against the TRL class, then the cross-field rules. Imports no torch.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from finetune.config import rules, trl_fields
+from finetune.config.schema import Experiment
+from finetune.errors import ConfigError
+
+Loc = tuple  # a path into the experiment: ("training", "learning_rate") or ("data", "train", 0)
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that also reads 1e-4 as a float (YAML 1.1 needs a dot: 1.0e-4)."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def parse_scalar(text: str) -> Any:
+    """Type a command-line value the way YAML would."""
+    return yaml.load(text, Loader=_Loader) if text.strip() else None
+
+
+def dotted(loc: Loc) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+class _Origins:
+    """Where each key was last written: loc -> 'file:line' or 'override'."""
+
+    def __init__(self) -> None:
+        self.where: dict[Loc, str] = {}
+
+    def of(self, loc: Loc) -> str | None:
+        for end in range(len(loc), 0, -1):
+            if loc[:end] in self.where:
+                return self.where[loc[:end]]
+        return None
+
+
+def _read_yaml(path: Path, origins: _Origins, problems: list[str]) -> dict[str, Any]:
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError([f"{path}: cannot read experiment file: {exc.strerror}"]) from None
+    try:
+        node = yaml.compose(text, Loader=_Loader)
+        data = yaml.load(text, Loader=_Loader)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise ConfigError([f"{where}: YAML syntax error: {problem}"]) from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError([f"{path}: an experiment file must be a mapping of sections"])
+
+    def walk(n: yaml.Node, loc: Loc) -> None:
+        if isinstance(n, yaml.MappingNode):
+            seen = set()
+            for key_node, value_node in n.value:
+                key = key_node.value
+                here = f"{path}:{key_node.start_mark.line + 1}"
+                if key in seen:
+                    problems.append(f"{here}: {dotted(loc + (key,))}: duplicate key")
+                seen.add(key)
+                origins.where[loc + (key,)] = here
+                walk(value_node, loc + (key,))
+        elif isinstance(n, yaml.SequenceNode):
+            for i, item in enumerate(n.value):
+                origins.where[loc + (i,)] = f"{path}:{item.start_mark.line + 1}"
+                walk(item, loc + (i,))
+
+    walk(node, ())
+    return data
+
+
+def _local(value: Any, base: Path) -> Any:
+    """Make a relative path absolute against the file that names it, when it is local.
+
+    A bare relative name that exists next to the file is local; one starting with ./ or
+    ../ is local whether it exists or not (validation reports it missing); anything else
+    is left as written (a hub id).
+    """
+    if not isinstance(value, str) or not value:
+        return value
+    if value.startswith("~"):
+        return str(Path(value).expanduser())
+    if Path(value).is_absolute():
+        return value
+    candidate = base / value
+    if value.startswith(("./", "../")) or candidate.exists():
+        return str(candidate.resolve())
+    return value
+
+
+def _resolve_paths(data: dict[str, Any], base: Path) -> None:
+    """Input paths are relative to the YAML file that names them (outputs: to the CWD)."""
+    for section, key in (("model", "name_or_path"), ("tokenizer", "name_or_path"),
+                         ("dpo", "ref_model")):
+        block = data.get(section)
+        if isinstance(block, dict) and key in block:
+            block[key] = _local(block[key], base)
+    tok = data.get("tokenizer")
+    if isinstance(tok, dict) and isinstance(tok.get("chat_template"), str):
+        if "{{" not in tok["chat_template"] and "{%" not in tok["chat_template"]:
+            tok["chat_template"] = _local(tok["chat_template"], base)
+    block = data.get("data")
+    if isinstance(block, dict):
+        for split in ("train", "eval"):
+            sources = block.get(split)
+            items = sources if isinstance(sources, list) else [sources]
+            for i, item in enumerate(items):
+                if isinstance(item, str):
+                    items[i] = _local(item, base)
+                elif isinstance(item, dict) and "path" in item:
+                    item["path"] = _local(item["path"], base)
+            if isinstance(sources, str):
+                block[split] = items[0]
+
+
+def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in top.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _load_file(path: Path, origins: _Origins, problems: list[str],
+               chain: tuple[Path, ...] = ()) -> dict[str, Any]:
+    path = path.resolve()
+    if path in chain:
+        cycle = " -> ".join(str(p) for p in chain + (path,))
+        raise ConfigError([f"{path}: extends: cycle: {cycle}"])
+    if not path.is_file():
+        where = f"{chain[-1]}: extends: " if chain else ""
+        raise ConfigError([f"{where}{path}: no such experiment file"])
+    data = _read_yaml(path, origins, problems)
+    _resolve_paths(data, path.parent)
+    parents = data.pop("extends", None)
+    if parents is None:
+        return data
+    if isinstance(parents, str):
+        parents = [parents]
+    if not isinstance(parents, list) or not all(isinstance(p, str) for p in parents):
+        raise ConfigError([f"{path}: extends: expected a file name or a list of them"])
+    # Bases are read first so the file's own keys (and their line numbers) win.
+    own = dict(origins.where)
+    merged: dict[str, Any] = {}
+    for parent in parents:
+        merged = _merge(merged, _load_file(path.parent / parent, origins, problems,
+                                           chain + (path,)))
+    origins.where.update(own)
+    return _merge(merged, data)
+
+
+def apply_override(data: dict[str, Any], override: str, origins: _Origins) -> None:
+    if "=" not in override:
+        raise ConfigError([f"override {override!r}: expected key.sub=value"])
+    key, _, text = override.partition("=")
+    parts: list[Any] = [int(p) if p.isdigit() else p for p in key.strip().split(".")]
+    if not all(str(p) for p in parts):
+        raise ConfigError([f"override {override!r}: empty key segment"])
+    value = parse_scalar(text)
+    if parts[-1] in ("path", "name_or_path", "ref_model", "chat_template") or \
+            parts[:2] in (["data", "train"], ["data", "eval"]):
+        value = _local(value, Path.cwd())
+    node: Any = data
+    for i, part in enumerate(parts[:-1]):
+        if isinstance(node, list) and isinstance(part, int) and part < len(node):
+            node = node[part]
+        elif isinstance(node, dict):
+            node = node.setdefault(part, {})
+        else:
+            raise ConfigError([f"override {override!r}: {dotted(tuple(parts[:i + 1]))} "
+                               "is not a section"])
+    last = parts[-1]
+    if isinstance(node, list) and isinstance(last, int) and last < len(node):
+        node[last] = value
+    elif isinstance(node, dict):
+        node[last] = value
+    else:
+        raise ConfigError([f"override {override!r}: {dotted(tuple(parts[:-1]))} is not a section"])
+    origins.where[tuple(parts)] = "command line"
+
+
+def _submodel(annotation: Any) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in typing.get_args(annotation):
+        found = _submodel(arg)
+        if found:
+            return found
+    return None
+
+
+def _fields_at(loc: Loc) -> list[str]:
+    """Field names of the section that holds the key at loc (for suggestions)."""
+    model: type[BaseModel] | None = Experiment
+    for part in loc[:-1]:
+        if isinstance(part, int) or model is None:
+            continue
+        field = model.model_fields.get(part)
+        model = _submodel(field.annotation) if field else None
+    return list(model.model_fields) if model else []
+
+
+def _describe(error: dict[str, Any]) -> str:
+    kind, loc = error["type"], error["loc"]
+    if kind == "extra_forbidden":
+        close = difflib.get_close_matches(str(loc[-1]), _fields_at(loc), n=1)
+        return "unknown key" + (f", did you mean {close[0]}?" if close else "")
+    if kind == "missing":
+        return "required, but missing"
+    message = error["msg"]
+    if "input" in error and kind not in ("model_type", "dict_type"):
+        message += f" (got {error['input']!r})"
+    return message
+
+
+def _problem(origins: _Origins, loc: Loc, message: str, default: str) -> str:
+    where = origins.of(loc) or default
+    return f"{where}: {dotted(loc)}: {message}"
+
+
+def load_experiment(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Experiment:
+    path = Path(path)
+    origins = _Origins()
+    problems: list[str] = []
+    data = _load_file(path, origins, problems)
+    for override in overrides:
+        apply_override(data, override, origins)
+    data.setdefault("name", path.stem)
+    # The training section is checked even when the schema fails, so every problem of
+    # the file is reported in one go.
+    training = data.get("training")
+    if data.get("method") in trl_fields.CONFIG_CLASSES and isinstance(training, dict):
+        data["training"], training_problems = trl_fields.check_training(data["method"], training)
+        problems += [_problem(origins, ("training", key), msg, str(path))
+                     for key, msg in training_problems]
+    try:
+        experiment = Experiment.model_validate(data)
+    except ValidationError as exc:
+        problems += [_problem(origins, tuple(err["loc"]), _describe(err), str(path))
+                     for err in exc.errors()]
+    if problems:
+        raise ConfigError(problems)
+    problems = [_problem(origins, loc, msg, str(path)) for loc, msg in rules.check(experiment)]
+    if problems:
+        raise ConfigError(problems)
+    return experiment

@@ -1,0 +1,104 @@
+"""Cross-field rules, all in one place. Each returns (loc, problem) pairs; imports no torch."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Iterator
+
+from finetune.config.schema import Experiment, PeftSection
+
+Problem = tuple[tuple, str]
+
+DATA_SUFFIXES = (".json", ".jsonl", ".csv", ".parquet")
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+FORMATS = {
+    "sft": ("auto", "messages", "prompt_completion", "text"),
+    "reward": ("auto", "preference"),
+    "dpo": ("auto", "preference"),
+}
+
+
+def is_local(path: str) -> bool:
+    return path.startswith(("/", "./", "../", "~")) or Path(path).exists()
+
+
+def _paths(exp: Experiment) -> Iterator[Problem]:
+    for split in ("train", "eval"):
+        for i, source in enumerate(getattr(exp.data, split) or []):
+            loc = ("data", split, i, "path")
+            if is_local(source.path):
+                if not Path(source.path).exists():
+                    yield loc, f"no such file or directory: {source.path}"
+            elif source.path.lower().endswith(DATA_SUFFIXES):
+                yield loc, f"no such file: {source.path} (relative paths are relative to " \
+                           "the YAML file that names them)"
+            elif not HUB_ID.match(source.path):
+                yield loc, f"neither a local file nor a hub dataset id: {source.path!r}"
+    for loc, value in ((("model", "name_or_path"), exp.model.name_or_path),
+                       (("tokenizer", "name_or_path"), exp.tokenizer.name_or_path),
+                       (("dpo", "ref_model"), exp.dpo.ref_model)):
+        if value is None:
+            continue
+        if is_local(value):
+            if not Path(value).is_dir():
+                yield loc, f"no such model directory: {value}"
+            elif loc[0] == "model" and not (Path(value) / "config.json").is_file():
+                yield loc, f"{value} has no config.json"
+        elif not HUB_ID.match(value):
+            yield loc, f"neither a local directory nor a hub id: {value!r}"
+    template = exp.tokenizer.chat_template
+    if template and "{{" not in template and "{%" not in template and not Path(template).is_file():
+        yield ("tokenizer", "chat_template"), f"neither a Jinja template nor a file: {template!r}"
+
+
+def _peft(exp: Experiment) -> Iterator[Problem]:
+    given = exp.peft.model_fields_set
+    if exp.peft.type != "qlora":
+        for name in sorted(given & set(PeftSection.QLORA_ONLY)):
+            yield ("peft", name), f"only applies to peft.type qlora (type is {exp.peft.type})"
+    if exp.peft.type == "none":
+        for name in sorted(given & set(PeftSection.LORA_ONLY)):
+            yield ("peft", name), "only applies to peft.type lora or qlora (type is none)"
+
+
+def _data(exp: Experiment) -> Iterator[Problem]:
+    if exp.data.eval is not None and exp.data.eval_fraction is not None:
+        yield ("data", "eval_fraction"), "give data.eval or data.eval_fraction, not both"
+    if exp.data.format not in FORMATS[exp.method]:
+        yield ("data", "format"), f"method {exp.method} takes {', '.join(FORMATS[exp.method])}"
+    has_eval = exp.data.eval is not None or exp.data.eval_fraction is not None
+    strategy = exp.training.get("eval_strategy", "no")
+    if strategy != "no" and not has_eval:
+        yield ("training", "eval_strategy"), "needs held-out data: set data.eval or " \
+                                             "data.eval_fraction"
+    if exp.evaluation.exact_match:
+        if exp.method != "sft":
+            yield ("evaluation", "exact_match"), "only for method sft"
+        elif exp.data.format == "text":
+            yield ("evaluation", "exact_match"), "needs prompts and answers, not format text"
+        if not has_eval:
+            yield ("evaluation", "exact_match"), "needs data.eval or data.eval_fraction"
+    if exp.training.get("assistant_only_loss") and exp.data.format in ("text", "prompt_completion"):
+        yield ("training", "assistant_only_loss"), "needs conversational data (format messages)"
+    if exp.training.get("completion_only_loss") and exp.data.format in ("text", "messages"):
+        yield ("training", "completion_only_loss"), "needs prompt/completion data; for " \
+                                                    "messages use assistant_only_loss"
+
+
+def _precision(exp: Experiment) -> Iterator[Problem]:
+    if exp.precision == "fp16" and exp.distributed.device == "cpu":
+        yield ("precision",), "fp16 needs a CUDA device; on CPU use fp32 or bf16"
+
+
+def _method_sections(exp: Experiment) -> Iterator[Problem]:
+    for section in Experiment.METHOD_SECTIONS:
+        if section != exp.method and getattr(exp, section).model_fields_set:
+            yield (section,), f"options for method {section}, but method is {exp.method}"
+
+
+RULES = (_paths, _peft, _data, _precision, _method_sections)
+
+
+def check(exp: Experiment) -> list[Problem]:
+    return [problem for rule in RULES for problem in rule(exp)]

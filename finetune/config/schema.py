@@ -1,0 +1,171 @@
+"""The experiment schema: one pydantic model per YAML section, unknown keys rejected.
+
+Descriptions live in Field(description=...) so `finetune validate --schema` and the docs
+come from this file instead of being written twice. Imports no torch.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+Method = Literal["sft", "reward", "dpo"]
+METHODS: tuple[str, ...] = ("sft", "reward", "dpo")
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_default=True)
+
+
+class ModelSection(Section):
+    name_or_path: str = Field(
+        description="Hub model id (org/name) or a local directory, relative to the YAML file.")
+    init: Literal["pretrained", "random"] = Field(
+        "pretrained",
+        description="'pretrained' loads weights; 'random' builds the architecture from "
+        "config.json with freshly initialised weights (seeded by training.seed).")
+    revision: str | None = Field(None, description="Hub revision (branch, tag or commit).")
+    trust_remote_code: bool = Field(
+        False, description="Run modelling code shipped with the model. Off unless you trust it.")
+    attn_implementation: Literal["auto", "eager", "sdpa", "flash_attention_2",
+                                 "flash_attention_3"] = Field(
+        "auto", description="Attention kernel; 'auto' lets transformers pick (sdpa if available).")
+
+
+class TokenizerSection(Section):
+    name_or_path: str | None = Field(
+        None, description="Tokenizer to load; defaults to model.name_or_path.")
+    chat_template: str | None = Field(
+        None, description="A Jinja chat template, inline or as a path to a .jinja file; "
+        "replaces the tokenizer's own.")
+    pad_token: str | None = Field(
+        None, description="Padding token; defaults to the tokenizer's, else its EOS token.")
+
+
+class PeftSection(Section):
+    type: Literal["none", "lora", "qlora"] = Field(
+        "none", description="none: full fine-tuning; lora: LoRA adapters; qlora: LoRA on a "
+        "model quantized with bitsandbytes.")
+    r: int = Field(16, gt=0, description="LoRA rank.")
+    alpha: float = Field(32, gt=0, description="LoRA scaling alpha.")
+    dropout: float = Field(0.05, ge=0, lt=1, description="Dropout on the LoRA input.")
+    target_modules: str | list[str] = Field(
+        "all-linear", description="'all-linear', a module-name regex, or a list of module names.")
+    modules_to_save: list[str] | None = Field(
+        None, description="Extra modules trained in full and saved with the adapter.")
+    bias: Literal["none", "all", "lora_only"] = Field("none", description="Which biases train.")
+    use_rslora: bool = Field(False, description="Rank-stabilised LoRA scaling.")
+    use_dora: bool = Field(False, description="Weight-decomposed LoRA (DoRA).")
+    bits: Literal[4, 8] = Field(4, description="qlora only: quantization bits.")
+    quant_type: Literal["nf4", "fp4"] = Field("nf4", description="qlora only, 4-bit: data type.")
+    double_quant: bool = Field(True, description="qlora only, 4-bit: quantize the scales too.")
+
+    QLORA_ONLY: ClassVar[tuple[str, ...]] = ("bits", "quant_type", "double_quant")
+    LORA_ONLY: ClassVar[tuple[str, ...]] = ("r", "alpha", "dropout", "target_modules", "modules_to_save", "bias",
+                 "use_rslora", "use_dora")
+
+
+class DataSource(Section):
+    path: str = Field(
+        description="A local .json/.jsonl/.csv/.parquet file (relative to the YAML file), a "
+        "directory of them, or a hub dataset id.")
+    split: str = Field("train", description="Split to read from a hub dataset.")
+    subset: str | None = Field(None, description="Hub dataset configuration name.")
+    revision: str | None = Field(None, description="Hub dataset revision.")
+    columns: dict[str, str] = Field(
+        default_factory=dict,
+        description="Rename columns, as {expected_name: name_in_the_file}, e.g. "
+        "{messages: conversations}.")
+    max_samples: int | None = Field(None, gt=0, description="Keep only the first N rows.")
+
+
+def _as_source_list(value: Any) -> Any:
+    """Accept `path`, {path: ...} or a list of either."""
+    if value is None:
+        return value
+    items = value if isinstance(value, list) else [value]
+    return [{"path": item} if isinstance(item, str) else item for item in items]
+
+
+DataFormat = Literal["auto", "messages", "prompt_completion", "text", "preference"]
+
+
+class DataSection(Section):
+    train: list[DataSource] = Field(description="Training data: one source or a list.")
+    eval: list[DataSource] | None = Field(
+        None, description="Held-out data: one source or a list. Exclusive with eval_fraction.")
+    eval_fraction: float | None = Field(
+        None, gt=0, lt=1, description="Hold out this fraction of the training rows "
+        "(shuffled with training.seed) when no eval data is given.")
+    format: DataFormat = Field(
+        "auto", description="Row format; 'auto' detects it from the columns. sft: messages, "
+        "prompt_completion or text; reward and dpo: preference.")
+
+    @field_validator("train", "eval", mode="before")
+    @classmethod
+    def _sources(cls, value: Any) -> Any:
+        return _as_source_list(value)
+
+
+class DPOSection(Section):
+    ref_model: str | None = Field(
+        None, description="Reference model path or hub id. Default: the starting policy "
+        "(the adapter-disabled model under LoRA, a frozen copy otherwise).")
+
+
+class EvaluationSection(Section):
+    before_training: bool = Field(
+        True, description="Evaluate once before training, so the summary shows the change.")
+    exact_match: bool = Field(
+        False, description="sft: greedy-generate answers for the eval prompts and report "
+        "the fraction that equals the reference exactly (after stripping whitespace).")
+    max_new_tokens: int = Field(64, gt=0, description="exact_match: generation length limit.")
+    max_samples: int = Field(256, gt=0, description="exact_match: eval rows to generate for.")
+
+
+class DistributedSection(Section):
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="'auto' uses CUDA when available, else the CPU.")
+
+
+class OutputSection(Section):
+    dir: str | None = Field(
+        None, description="Run directory; default runs/<name> under the current directory.")
+    save_final: bool = Field(True, description="Save the final model or adapter to <dir>/final.")
+    plot: bool = Field(True, description="Write the loss curve to <dir>/loss.png.")
+
+
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+class Experiment(Section):
+    name: str = Field(description="Run name; the run directory is runs/<name> by default.")
+    method: Method = Field(description="Training method.")
+    model: ModelSection
+    tokenizer: TokenizerSection = Field(default_factory=TokenizerSection)
+    peft: PeftSection = Field(default_factory=PeftSection)
+    data: DataSection
+    precision: Literal["auto", "bf16", "fp16", "fp32"] = Field(
+        "auto", description="Mixed precision for the whole run. 'auto': bf16 where the GPU "
+        "supports it, fp16 on older GPUs, fp32 on CPU.")
+    training: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Passed to the method's TRL config class (SFTConfig, RewardConfig, "
+        "DPOConfig): any of its fields under its own name.")
+    evaluation: EvaluationSection = Field(default_factory=EvaluationSection)
+    dpo: DPOSection = Field(default_factory=DPOSection)
+    distributed: DistributedSection = Field(default_factory=DistributedSection)
+    output: OutputSection = Field(default_factory=OutputSection)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        if not NAME_RE.match(value):
+            raise ValueError("use letters, digits, '.', '_' and '-' only, starting with a "
+                             "letter or digit")
+        return value
+
+    # Sections that configure one method only.
+    METHOD_SECTIONS: ClassVar[tuple[str, ...]] = ("dpo",)

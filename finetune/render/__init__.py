@@ -1,0 +1,1 @@
+"""Experiment -> the configs that the libraries consume. Torch-free."""

@@ -1,0 +1,29 @@
+"""The one mapping from an Experiment to the keyword arguments of the method's TRL
+config class. Everything the experiment owns (output directory, precision, device) is set
+here and nowhere else; the rest of `training:` passes through unchanged."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from finetune.config.schema import Experiment
+
+# Our defaults where TRL's do not suit a tool that writes its own run directory.
+DEFAULTS: dict[str, Any] = {
+    "report_to": "none",
+    "logging_first_step": True,
+    "save_strategy": "steps",
+}
+
+
+def training_kwargs(experiment: Experiment, run_dir: Path, device: str,
+                    precision: str) -> dict[str, Any]:
+    kwargs = {**DEFAULTS, "run_name": experiment.name, **experiment.training}
+    kwargs.update(
+        output_dir=str(run_dir / "checkpoints"),
+        bf16=precision == "bf16",
+        fp16=precision == "fp16",
+        use_cpu=device == "cpu",
+    )
+    return kwargs

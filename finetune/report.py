@@ -1,0 +1,113 @@
+"""What a run tells its user: the environment record, the start and end summaries, the
+loss curve."""
+
+from __future__ import annotations
+
+import json
+import platform
+import socket
+import sys
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from finetune import __version__
+
+PACKAGES = ("torch", "transformers", "accelerate", "peft", "trl", "datasets", "deepspeed",
+            "bitsandbytes", "pydantic")
+
+
+def environment(device: str, precision: str) -> dict[str, Any]:
+    import torch
+
+    versions = {}
+    for name in PACKAGES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    info: dict[str, Any] = {
+        "finetune": __version__, "python": sys.version.split()[0],
+        "platform": platform.platform(), "host": socket.gethostname(),
+        "packages": versions, "device": device, "precision": precision,
+        "cpu_count": __import__("os").cpu_count(),
+    }
+    if device == "cuda":
+        info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return info
+
+
+def _count(n: int) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f}{unit}"
+    return str(n)
+
+
+def start_summary(job, trainable: int, total: int) -> str:
+    exp, args = job.experiment, job.args
+    world = args.world_size
+    effective = args.per_device_train_batch_size * args.gradient_accumulation_steps * world
+    length = f"{args.max_steps} steps" if args.max_steps > 0 else f"{args.num_train_epochs} epochs"
+    eval_rows = len(job.data.eval) if job.data.eval is not None else 0
+    lines = [
+        f"finetune: run {exp.name} in {job.run_dir}",
+        f"  method     {exp.method} (data format {job.data.format})",
+        f"  model      {exp.model.name_or_path} ({exp.model.init})",
+        f"  parameters {_count(trainable)} trainable of {_count(total)} "
+        f"({100 * trainable / max(total, 1):.2f}%), peft {exp.peft.type}",
+        f"  hardware   {job.hardware.device}, precision {job.hardware.precision}",
+        f"  data       {len(job.data.train)} train rows, {eval_rows} eval rows",
+        f"  batch      {args.per_device_train_batch_size} per device x "
+        f"{args.gradient_accumulation_steps} accumulation x {world} process(es) "
+        f"= {effective} effective; {length}, learning rate {args.learning_rate:g}",
+    ]
+    return "\n".join(lines)
+
+
+def end_summary(run_dir: Path, seconds: float, before: dict, after: dict,
+                final_dir: Path | None) -> str:
+    lines = [f"finetune: done in {seconds:.1f} s"]
+    if final_dir is not None:
+        lines.append(f"  model      {final_dir}")
+    for key in sorted(after):
+        if not isinstance(after[key], (int, float)) or any(
+                word in key for word in ("runtime", "per_second", "preparation_time",
+                                         "num_tokens", "epoch", "entropy")):
+            continue
+        start = before.get(key)
+        change = f"{start:.4g} -> {after[key]:.4g}" if isinstance(start, (int, float)) \
+            else f"{after[key]:.4g}"
+        lines.append(f"  {key:<28} {change}")
+    lines.append(f"  metrics    {run_dir / 'metrics.jsonl'}, summary {run_dir / 'summary.json'}")
+    return "\n".join(lines)
+
+
+def plot_loss(records: list[dict], path: Path, title: str) -> bool:
+    train = [(r["step"], r["loss"]) for r in records if "loss" in r and "step" in r]
+    evals = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
+    if not train and not evals:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if train:
+        ax.plot(*zip(*train), label="train loss")
+    if evals:
+        ax.plot(*zip(*evals), "o-", label="eval loss")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def write_json(path: Path, value: Any) -> None:
+    path.write_text(json.dumps(value, indent=2, default=str) + "\n")

@@ -1,0 +1,78 @@
+"""The run directory: where a run's resolved experiment, environment, metrics, checkpoints
+and final model live. Torch-free; the worker adds what needs torch (environment.json).
+
+runs/<name>/
+  experiment.yaml    the resolved experiment, every default filled, secrets redacted
+  environment.json   package versions, python, platform, device (written by the worker)
+  training_args.json the TRL config the trainer ran with (written by the worker)
+  metrics.jsonl      one JSON object per log/eval event
+  summary.json       metrics before and after training, where the model is
+  loss.png           the loss curve
+  checkpoints/       checkpoint-<step>/ written by the Trainer
+  final/             the final model or adapter, with its tokenizer
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from finetune import __version__
+from finetune.config.schema import Experiment
+from finetune.errors import RunError
+
+REDACTED = "<redacted>"
+_SECRET = re.compile(r"(^|_)(token|api_key|apikey|password|secret|access_key)$")
+_NOT_SECRET = re.compile(r"^(pad|eos|bos|unk|sep|cls|mask)_token$")
+
+
+def is_secret(key: str) -> bool:
+    return bool(_SECRET.search(key)) and not _NOT_SECRET.match(key)
+
+
+def redact(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: (REDACTED if is_secret(str(k)) and v else redact(v)) for k, v in value.items()}
+    if isinstance(value, list):
+        return [redact(v) for v in value]
+    return value
+
+
+def resolved_yaml(experiment: Experiment) -> str:
+    body = redact(experiment.model_dump(mode="json"))
+    header = f"# resolved by finetune {__version__}; secrets redacted\n"
+    return header + yaml.safe_dump(body, sort_keys=False, allow_unicode=True)
+
+
+def run_dir_of(experiment: Experiment) -> Path:
+    return Path(experiment.output.dir or Path("runs") / experiment.name).absolute()
+
+
+def holds_a_run(run_dir: Path) -> list[str]:
+    """What in run_dir would be overwritten by a fresh run."""
+    found = []
+    if (run_dir / "final").exists():
+        found.append("a final model (final/)")
+    checkpoints = sorted((run_dir / "checkpoints").glob("checkpoint-*"))
+    if checkpoints:
+        found.append(f"{len(checkpoints)} checkpoint(s) (checkpoints/)")
+    return found
+
+
+def prepare_run_dir(experiment: Experiment) -> Path:
+    """Create the run directory and write the resolved experiment into it.
+
+    A directory that already holds a trained model or checkpoints is never overwritten.
+    """
+    run_dir = run_dir_of(experiment)
+    existing = holds_a_run(run_dir)
+    if existing and not experiment.training.get("resume_from_checkpoint"):
+        raise RunError(f"{run_dir} already holds {' and '.join(existing)}; nothing was "
+                       "changed. Choose another run name (name=...) or output.dir, or move "
+                       "that directory away.")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "experiment.yaml").write_text(resolved_yaml(experiment))
+    return run_dir

@@ -1,0 +1,98 @@
+"""What runs on every rank: build tokenizer, data, model and adapters from the experiment,
+hand them to the method's trainer, train, evaluate before and after, save."""
+
+from __future__ import annotations
+
+import importlib
+import time
+from pathlib import Path
+from typing import Any
+
+from finetune.build.data import load_data
+from finetune.build.device import Hardware, resolve_hardware
+from finetune.build.model import count_parameters, load_model
+from finetune.build.peft import apply_peft, match_adapter_precision
+from finetune.build.tokenizer import load_tokenizer
+from finetune.callbacks import MetricsFile, read_metrics
+from finetune.config import trl_fields
+from finetune.config.schema import Experiment
+from finetune.errors import ConfigError
+from finetune.evaluation import exact_match
+from finetune.methods import Job, build_trainer
+from finetune.render.training_args import training_kwargs
+from finetune.report import end_summary, environment, plot_loss, start_summary, write_json
+
+
+def make_training_args(experiment: Experiment, run_dir: Path, hw: Hardware) -> Any:
+    module, name = trl_fields.CONFIG_CLASSES[experiment.method]
+    cls = getattr(importlib.import_module(module), name)
+    try:
+        return cls(**training_kwargs(experiment, run_dir, hw.device, hw.precision))
+    except (ValueError, TypeError) as exc:
+        raise ConfigError([f"training: {module}.{name} rejected these settings: {exc}"]) from None
+
+
+def _evaluate(trainer, job: Job, metrics: MetricsFile, when: str) -> dict[str, Any]:
+    if job.data.eval is None:
+        return {}
+    results = dict(trainer.evaluate())
+    spec = job.experiment.evaluation
+    if spec.exact_match:
+        scored = exact_match(trainer.model, job.tokenizer, job.data.eval, job.data.format,
+                             spec.max_new_tokens, spec.max_samples)
+        results["eval_exact_match"] = scored["exact_match"]
+        if trainer.is_world_process_zero():
+            metrics.write({"step": trainer.state.global_step, "when": when,
+                           "eval_exact_match": scored["exact_match"],
+                           "exact_match_samples": scored["samples"],
+                           "exact_match_examples": scored["examples"]})
+    return results
+
+
+def train(experiment: Experiment, run_dir: Path) -> dict[str, Any]:
+    from transformers import set_seed
+
+    started = time.time()
+    hw = resolve_hardware(experiment)
+    tokenizer = load_tokenizer(experiment)
+    data = load_data(experiment)
+    args = make_training_args(experiment, run_dir, hw)
+    set_seed(args.seed)
+    model = load_model(experiment, hw, tokenizer, run_dir)
+    model = apply_peft(model, experiment, args.gradient_checkpointing)
+
+    metrics = MetricsFile(run_dir / "metrics.jsonl")
+    job = Job(experiment=experiment, run_dir=run_dir, hardware=hw, tokenizer=tokenizer,
+              model=model, data=data, args=args, callbacks=[metrics])
+    trainer = build_trainer(job)
+    if experiment.peft.type == "qlora":
+        match_adapter_precision(trainer.model, hw.precision)
+    main = trainer.is_world_process_zero()
+    if main:
+        write_json(run_dir / "environment.json", environment(hw.device, hw.precision))
+        write_json(run_dir / "training_args.json", args.to_dict())
+        print(start_summary(job, *count_parameters(trainer.model)), flush=True)
+
+    before = _evaluate(trainer, job, metrics, "before") if experiment.evaluation.before_training \
+        else {}
+    trainer.train(resume_from_checkpoint=experiment.training.get("resume_from_checkpoint"))
+    after = _evaluate(trainer, job, metrics, "after")
+
+    final_dir = run_dir / "final" if experiment.output.save_final else None
+    if final_dir is not None:
+        trainer.save_model(str(final_dir))
+        if main:
+            tokenizer.save_pretrained(str(final_dir))
+    summary = {"name": experiment.name, "method": experiment.method,
+               "seconds": round(time.time() - started, 2), "global_step": trainer.state.global_step,
+               "before": before, "after": after,
+               "train": next((r for r in reversed(trainer.state.log_history)
+                              if "train_loss" in r), {}),
+               "final_model": str(final_dir) if final_dir else None}
+    if main:
+        write_json(run_dir / "summary.json", summary)
+        if experiment.output.plot:
+            plot_loss(read_metrics(run_dir / "metrics.jsonl"), run_dir / "loss.png",
+                      f"{experiment.name} ({experiment.method})")
+        print(end_summary(run_dir, summary["seconds"], before, after, final_dir), flush=True)
+    return summary
