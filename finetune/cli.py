@@ -43,6 +43,13 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _reference(args: argparse.Namespace) -> int:
+    from finetune.config.reference import markdown
+
+    sys.stdout.write(markdown())
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="finetune",
@@ -65,6 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
                     "process (CPU or one GPU).")
     _add_experiment_args(train)
     train.set_defaults(func=_train)
+
+    reference = commands.add_parser(
+        "reference", help="print every experiment key with its type, default and meaning",
+        description="Print the experiment reference (Markdown), generated from the schema.")
+    reference.set_defaults(func=_reference)
     return parser
 
 

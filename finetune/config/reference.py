@@ -1,0 +1,51 @@
+"""The experiment reference, generated from the schema's field descriptions
+(docs/experiment.md is this output; a test keeps them equal)."""
+
+from __future__ import annotations
+
+import typing
+
+from pydantic import BaseModel
+from pydantic_core import PydanticUndefined
+
+from finetune.config.schema import Experiment, Section
+
+
+def _type_name(annotation) -> str:
+    text = str(annotation).replace("typing.", "")
+    for prefix in ("finetune.config.schema.", "<class '"):
+        text = text.replace(prefix, "")
+    return text.replace("'>", "").replace("NoneType", "None")
+
+
+def _rows(model: type[BaseModel], prefix: str) -> list[str]:
+    rows = []
+    for name, field in model.model_fields.items():
+        sub = next((a for a in (field.annotation, *typing.get_args(field.annotation))
+                    if isinstance(a, type) and issubclass(a, Section)), None)
+        if sub is not None and sub is not model and not typing.get_origin(field.annotation) is list:
+            rows += _rows(sub, f"{prefix}{name}.")
+            continue
+        if field.default is not PydanticUndefined:
+            default = f"`{field.default!r}`"
+        elif field.default_factory is not None:
+            default = f"`{field.default_factory()!r}`"
+        else:
+            default = "required"
+        kind = _type_name(field.annotation).replace("|", "\\|")
+        description = (field.description or "").replace("|", "\\|")
+        rows.append(f"| `{prefix}{name}` | {kind} | {default} | {description} |")
+        if sub is not None:  # a list of sections: document the item's fields too
+            rows += _rows(sub, f"{prefix}{name}[].")
+    return rows
+
+
+def markdown() -> str:
+    lines = ["# Experiment reference", "",
+             "Generated from finetune/config/schema.py by `finetune reference`.",
+             "Unknown keys are errors. `extends:` (a file or a list, relative to the file) "
+             "merges bases under the file. `training:` takes any field of the method's TRL config "
+             "class (trl.SFTConfig, trl.RewardConfig, trl.DPOConfig) except those finetune "
+             "sets from another section.", "",
+             "| key | type | default | description |", "|---|---|---|---|"]
+    return "\n".join(lines + _rows(Experiment, "")) + "\n"

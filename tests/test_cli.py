@@ -1,0 +1,63 @@
+"""The CLI as a user runs it: help for every command, validate, exit codes, no traceback,
+and no heavy imports on the light paths."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from conftest import DATA, REPO, TINY_MODEL, run_cli
+from finetune.cli import build_parser
+
+COMMANDS = sorted(build_parser()._subparsers._group_actions[0].choices)
+
+
+@pytest.mark.parametrize("command", [None] + COMMANDS)
+def test_help(command, tmp_path):
+    args = ["--help"] if command is None else [command, "--help"]
+    result = run_cli(*args, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "usage: finetune" in result.stdout
+
+
+def test_light_paths_import_no_torch(write):
+    config = write("exp.yaml", f"method: sft\nmodel:\n  name_or_path: {TINY_MODEL}\n"
+                               f"data:\n  train: {DATA}/sft_train.jsonl\n")
+    code = ("import sys\nfrom finetune.cli import main\n"
+            f"assert main(['validate', {str(config)!r}]) == 0\n"
+            "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+            "heavy = sorted(m for m in ('torch', 'transformers', 'trl', 'peft', 'datasets', "
+            "'accelerate', 'deepspeed') if m in sys.modules)\n"
+            "assert not heavy, heavy\n")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+def test_validate_ok_and_print(write, tmp_path):
+    config = write("exp.yaml", f"method: sft\nmodel:\n  name_or_path: {TINY_MODEL}\n"
+                               f"data:\n  train: {DATA}/sft_train.jsonl\n")
+    result = run_cli("validate", str(config), cwd=tmp_path)
+    assert result.returncode == 0 and ": ok (sft" in result.stdout
+    result = run_cli("validate", str(config), "training.seed=7", "--print", cwd=tmp_path)
+    assert result.returncode == 0 and "seed: 7" in result.stdout and "save_final: true" in result.stdout
+
+
+def test_bad_config_exits_2_with_one_line_per_problem(write, tmp_path):
+    config = write("exp.yaml", f"method: sft\nmodel:\n  name_or_path: {TINY_MODEL}\n"
+                               f"data:\n  train: {DATA}/sft_train.jsonl\n"
+                               "training:\n  max_steps: thirty\n  learning_rat: 0.1\n")
+    result = run_cli("validate", str(config), cwd=tmp_path)
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 2 and all(line.startswith(f"error: {config}:") for line in lines)
+    result = run_cli("train", str(config), cwd=tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+
+
+def test_missing_file_exits_2(tmp_path):
+    result = run_cli("validate", "nope.yaml", cwd=tmp_path)
+    assert result.returncode == 2 and "no such experiment file" in result.stderr
+    assert "Traceback" not in result.stderr

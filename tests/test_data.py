@@ -1,0 +1,103 @@
+"""Data loading: formats, file types, column renames, splits, and bad rows reported with
+their file and row number."""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+
+from conftest import TINY_MODEL
+from finetune.build.data import load_data
+from finetune.config import load_experiment
+from finetune.errors import DataError
+
+
+def experiment(write, method, train, extra=""):
+    return load_experiment(write("exp.yaml", f"method: {method}\nmodel:\n  name_or_path: "
+                                             f"{TINY_MODEL}\ndata:\n  train: {train}\n{extra}"))
+
+
+def jsonl(tmp_path, name, rows):
+    path = tmp_path / name
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
+
+
+@pytest.mark.parametrize("rows,fmt", [
+    ([CHAT], "messages"),
+    ([{"prompt": "2+2=", "completion": "4"}], "prompt_completion"),
+    ([{"text": "plain text"}], "text"),
+])
+def test_sft_formats_detected(write, tmp_path, rows, fmt):
+    path = jsonl(tmp_path, "d.jsonl", rows * 5)
+    splits = load_data(experiment(write, "sft", path))
+    assert splits.format == fmt and len(splits.train) == 5 and splits.eval is None
+
+
+@pytest.mark.parametrize("row,message", [
+    ({"messages": []}, "row 3: `messages` is an empty conversation"),
+    ({"messages": [{"role": "user", "content": "x"}]}, "row 3: no assistant message to learn from"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, "row 3: `messages[0].role` is 'robot'"),
+    ({"messages": [{"role": "user"}]}, "row 3: `messages[0]` must have `role` and `content`"),
+    ({"messages": None}, "row 3: missing `messages`"),
+])
+def test_bad_conversation_rows_name_file_and_row(write, tmp_path, row, message):
+    path = jsonl(tmp_path, "chat.jsonl", [CHAT, CHAT, row, CHAT])
+    with pytest.raises(DataError) as info:
+        load_data(experiment(write, "sft", path))
+    assert str(info.value).startswith(f"{path} {message}"), str(info.value)
+
+
+def test_invalid_json_line_is_located(write, tmp_path):
+    path = tmp_path / "broken.jsonl"
+    path.write_text(json.dumps(CHAT) + "\n" + json.dumps(CHAT) + "\n{not json\n")
+    with pytest.raises(DataError, match=rf"{path} line 3: invalid JSON"):
+        load_data(experiment(write, "sft", path))
+
+
+def test_missing_columns_are_named(write, tmp_path):
+    path = jsonl(tmp_path, "d.jsonl", [{"question": "q", "answer": "a"}])
+    with pytest.raises(DataError, match="needs columns messages or prompt/completion or text; "
+                                        "found answer, question"):
+        load_data(experiment(write, "sft", path))
+    exp = experiment(write, "sft", f"{{path: {path}, columns: {{prompt: question, "
+                                   "completion: answer}}")
+    assert load_data(exp).train[0] == {"prompt": "q", "completion": "a"}
+
+
+def test_csv_and_parquet_rows(write, tmp_path):
+    rows = [{"prompt": "p", "completion": "c"}] * 3 + [{"prompt": "p", "completion": "  "}]
+    csv_path = tmp_path / "d.csv"
+    pd.DataFrame(rows).to_csv(csv_path, index=False)
+    with pytest.raises(DataError, match=rf"{csv_path} row 4: `completion` is empty"):
+        load_data(experiment(write, "sft", csv_path))
+    parquet = tmp_path / "d.parquet"
+    pd.DataFrame(rows[:3]).to_parquet(parquet)
+    assert len(load_data(experiment(write, "sft", parquet)).train) == 3
+
+
+def test_directory_of_files_and_eval_fraction(write, tmp_path):
+    (tmp_path / "dir").mkdir()
+    for i in range(2):
+        jsonl(tmp_path / "dir", f"part{i}.jsonl", [{"text": f"row {i} {j}"} for j in range(50)])
+    splits = load_data(experiment(write, "sft", tmp_path / "dir", "  eval_fraction: 0.1\n"))
+    assert len(splits.train) == 90 and len(splits.eval) == 10
+    texts = set(splits.train["text"]) | set(splits.eval["text"])
+    assert len(texts) == 100
+
+
+def test_preference_rows(write, tmp_path):
+    good = {"prompt": "p", "chosen": "a", "rejected": "b"}
+    path = jsonl(tmp_path, "p.jsonl", [good, {"chosen": "a", "rejected": "b"}])
+    assert len(load_data(experiment(write, "reward", path)).train) == 2  # prompt optional
+    with pytest.raises(DataError, match=r"row 2: missing `prompt` \(dpo needs"):
+        load_data(experiment(write, "dpo", path))
+    mixed = jsonl(tmp_path, "m.jsonl", [{"prompt": "p", "chosen": [
+        {"role": "assistant", "content": "a"}], "rejected": [{"role": "assistant", "content": "b"}]}])
+    with pytest.raises(DataError, match="row 1: mixes plain text and message lists"):
+        load_data(experiment(write, "dpo", mixed))

@@ -1,0 +1,32 @@
+"""Committed files that are generated must equal what their generator makes today."""
+
+from __future__ import annotations
+
+import filecmp
+import json
+import subprocess
+import sys
+
+from conftest import QUICKSTART, REPO
+from finetune.config import trl_fields
+
+
+def test_trl_field_manifest_matches_installed_trl():
+    committed = json.loads(trl_fields.MANIFEST.read_text())
+    assert committed == trl_fields.generate(), \
+        "run `python -m finetune.config.trl_fields` and commit finetune/config/trl_fields.json"
+
+
+def test_quickstart_assets_regenerate_identically(tmp_path):
+    subprocess.run([sys.executable, str(REPO / "scripts" / "make_quickstart_assets.py"),
+                    "--out", str(tmp_path)], check=True, capture_output=True)
+    for path in sorted(p for p in tmp_path.rglob("*") if p.is_file()):
+        committed = QUICKSTART / path.relative_to(tmp_path)
+        assert committed.exists() and filecmp.cmp(path, committed, shallow=False), committed
+
+
+def test_experiment_reference_doc_is_current():
+    from finetune.config.reference import markdown
+
+    assert (REPO / "docs" / "experiment.md").read_text() == markdown(), \
+        "run `finetune reference > docs/experiment.md`"
