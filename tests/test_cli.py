@@ -61,3 +61,11 @@ def test_missing_file_exits_2(tmp_path):
     result = run_cli("validate", "nope.yaml", cwd=tmp_path)
     assert result.returncode == 2 and "no such experiment file" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_unreachable_hub_model_is_a_clear_error(write, tmp_path):
+    config = write("hub.yaml", "method: sft\nmodel:\n  name_or_path: Qwen/Qwen2.5-0.5B-Instruct\n"
+                               f"data:\n  train: {DATA}/sft_train.jsonl\n")
+    result = run_cli("train", str(config), cwd=tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "cannot load the tokenizer from 'Qwen/Qwen2.5-0.5B-Instruct'" in result.stderr

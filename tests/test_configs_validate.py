@@ -17,3 +17,13 @@ def test_there_are_experiments():
 @pytest.mark.parametrize("path", EXPERIMENTS, ids=lambda p: str(p.relative_to(REPO)))
 def test_experiment_validates(path):
     load_experiment(path)
+
+
+@pytest.mark.parametrize("method", ["sft", "reward", "dpo"])
+def test_quickstart_with_a_hub_model_validates(method):
+    """The quickstart file with a hub model and hub data is a valid experiment as is."""
+    data = "trl-lib/Capybara" if method == "sft" else "trl-lib/ultrafeedback_binarized"
+    exp = load_experiment(REPO / "configs" / "quickstart" / f"{method}.yaml", [
+        "model.name_or_path=Qwen/Qwen2.5-0.5B-Instruct", "model.init=pretrained",
+        f"data.train={data}", "data.eval=null", "data.eval_fraction=0.01"])
+    assert exp.model.name_or_path == "Qwen/Qwen2.5-0.5B-Instruct"

@@ -94,10 +94,20 @@ def test_directory_of_files_and_eval_fraction(write, tmp_path):
 def test_preference_rows(write, tmp_path):
     good = {"prompt": "p", "chosen": "a", "rejected": "b"}
     path = jsonl(tmp_path, "p.jsonl", [good, {"chosen": "a", "rejected": "b"}])
-    assert len(load_data(experiment(write, "reward", path)).train) == 2  # prompt optional
-    with pytest.raises(DataError, match=r"row 2: missing `prompt` \(dpo needs"):
-        load_data(experiment(write, "dpo", path))
+    # prompt is optional: TRL takes the common prefix of chosen and rejected as the prompt
+    assert len(load_data(experiment(write, "reward", path)).train) == 2
+    assert len(load_data(experiment(write, "dpo", path)).train) == 2
+    bad = jsonl(tmp_path, "b.jsonl", [good, {"prompt": "p", "chosen": "a", "rejected": 3}])
+    with pytest.raises(DataError, match=r"b.jsonl row 2: `rejected` must be text or a list of messages, got int"):
+        load_data(experiment(write, "dpo", bad))
     mixed = jsonl(tmp_path, "m.jsonl", [{"prompt": "p", "chosen": [
         {"role": "assistant", "content": "a"}], "rejected": [{"role": "assistant", "content": "b"}]}])
     with pytest.raises(DataError, match="row 1: mixes plain text and message lists"):
         load_data(experiment(write, "dpo", mixed))
+
+
+def test_unreachable_hub_dataset_is_a_clear_error(write):
+    # The suite runs offline: a hub id cannot load, and says so with the YAML path.
+    with pytest.raises(DataError, match=r"data.train\[0\]: cannot load hub dataset "
+                                        r"'trl-lib/Capybara'"):
+        load_data(experiment(write, "sft", "trl-lib/Capybara"))

@@ -137,18 +137,16 @@ def check_row(row: dict[str, Any], fmt: str, method: str) -> str | None:
             problem = "no assistant message to learn from"
         return problem
     if fmt == "text":
-        return _check_text_or_messages(row["text"], "text") if isinstance(row["text"], str) \
-            else "`text` must be a string"
-    if fmt == "preference" and method == "dpo" and row.get("prompt") is None:
-        return "missing `prompt` (dpo needs prompt/chosen/rejected)"
+        if not isinstance(row["text"], str):
+            return f"`text` must be a string, got {type(row['text']).__name__}"
+        return None if row["text"].strip() else "`text` is empty"
     fields = [f for f in required + optional if row.get(f) is not None]
-    kinds = {type(row[f]) for f in fields}
-    if len(kinds) > 1:
-        return f"mixes plain text and message lists across {', '.join(fields)}"
     for field in fields:
         problem = _check_text_or_messages(row[field], field)
         if problem:
             return problem
+    if len({type(row[f]) for f in fields}) > 1:
+        return f"mixes plain text and message lists across {', '.join(fields)}"
     return None
 
 

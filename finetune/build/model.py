@@ -10,6 +10,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequence
 
 from finetune.build.device import Hardware
 from finetune.config.schema import Experiment
+from finetune.errors import RunError
 
 # Which head each method trains, and the PEFT task type that matches it.
 HEADS = {
@@ -41,8 +42,11 @@ def load_model(experiment: Experiment, hw: Hardware, tokenizer: PreTrainedTokeni
     auto_class, _ = HEADS[experiment.method]
     spec = experiment.model
     extra = {"num_labels": 1} if experiment.method == "reward" else {}
-    config = AutoConfig.from_pretrained(spec.name_or_path, revision=spec.revision,
-                                        trust_remote_code=spec.trust_remote_code, **extra)
+    try:
+        config = AutoConfig.from_pretrained(spec.name_or_path, revision=spec.revision,
+                                            trust_remote_code=spec.trust_remote_code, **extra)
+    except OSError as exc:  # missing files, no network, unknown hub id
+        raise RunError(f"cannot load the model config from {spec.name_or_path!r}: {exc}") from None
     config.pad_token_id = tokenizer.pad_token_id
     kwargs = {"trust_remote_code": spec.trust_remote_code}
     if spec.attn_implementation != "auto":
