@@ -10,6 +10,7 @@ runs/<name>/
   loss.png           the loss curve
   checkpoints/       checkpoint-<step>/ written by the Trainer
   final/             the final model or adapter, with its tokenizer
+  init-model/        the starting weights of a model.init: random run
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ def test_trl_field_manifest_matches_installed_trl():
 
 
 def test_quickstart_assets_regenerate_identically(tmp_path):
-    subprocess.run([sys.executable, str(REPO / "scripts" / "make_quickstart_assets.py"),
+    subprocess.run([sys.executable, str(QUICKSTART / "make_assets.py"),
                     "--out", str(tmp_path)], check=True, capture_output=True)
     for path in sorted(p for p in tmp_path.rglob("*") if p.is_file()):
         committed = QUICKSTART / path.relative_to(tmp_path)

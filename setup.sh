@@ -2,7 +2,7 @@
 # Create .venv and install finetune into it, CPU torch first (a bare `torch` requirement
 # would pull several GB of CUDA packages). Idempotent: re-runs only when pyproject changes.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")"
 python=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$python" -m venv .venv
 stamp=.venv/.finetune-install
