@@ -4,6 +4,7 @@ loss curve."""
 from __future__ import annotations
 
 import json
+import os
 import platform
 import socket
 import sys
@@ -30,7 +31,7 @@ def environment(device: str, precision: str) -> dict[str, Any]:
         "finetune": __version__, "python": sys.version.split()[0],
         "platform": platform.platform(), "host": socket.gethostname(),
         "packages": versions, "device": device, "precision": precision,
-        "cpu_count": __import__("os").cpu_count(),
+        "cpu_count": os.cpu_count(),
     }
     if device == "cuda":
         info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
