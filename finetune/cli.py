@@ -32,15 +32,59 @@ def _validate(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
+    import os
+
     from finetune.config import load_experiment
+    from finetune.launch.environment import rank_of
     from finetune.rundir import prepare_run_dir
 
     experiment = load_experiment(args.config, args.overrides)
-    run_dir = prepare_run_dir(experiment)
+    experiment, run_dir = prepare_run_dir(experiment, rank=rank_of(os.environ))
     from finetune.worker import train  # heavy: torch, transformers, trl
 
     train(experiment, run_dir)
     return 0
+
+
+def _launch_overrides(args: argparse.Namespace) -> list[str]:
+    """Launch flags are sugar for distributed.* overrides."""
+    flags = {"num_processes": args.num_processes, "num_machines": args.num_machines,
+             "main_process_ip": args.main_process_ip,
+             "main_process_port": args.main_process_port, "launcher": args.launcher}
+    return [f"distributed.{key}={value}" for key, value in flags.items() if value is not None]
+
+
+def _render(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from finetune.config import load_experiment
+    from finetune.render.bundle import write_bundle
+    from finetune.rundir import run_dir_of
+
+    experiment = load_experiment(args.config, args.overrides)
+    out = Path(args.out) if args.out else run_dir_of(experiment)
+    for path in write_bundle(experiment, out.absolute()):
+        print(path)
+    return 0
+
+
+def _launch(args: argparse.Namespace) -> int:
+    import os
+    import shlex
+
+    from finetune.config import load_experiment
+    from finetune.launch.command import launch_argv
+    from finetune.rundir import prepare_run_dir
+
+    overrides = [*args.overrides, *_launch_overrides(args)]
+    experiment = load_experiment(args.config, overrides)
+    experiment, run_dir = prepare_run_dir(experiment)
+    argv = launch_argv(experiment, run_dir, args.machine_rank)
+    print(f"finetune: bundle in {run_dir}; machine {args.machine_rank} runs:\n  "
+          f"{shlex.join(argv)}", flush=True)
+    if args.dry_run:
+        return 0
+    os.execv(argv[0], argv)  # the launcher takes this process: signals reach it directly
 
 
 def _reference(args: argparse.Namespace) -> int:
@@ -72,6 +116,32 @@ def build_parser() -> argparse.ArgumentParser:
                     "process (CPU or one GPU).")
     _add_experiment_args(train)
     train.set_defaults(func=_train)
+
+    render = commands.add_parser(
+        "render", help="write the run bundle (accelerate.yaml, deepspeed.json, launch.sh)",
+        description="Write the resolved experiment, the Accelerate config, the DeepSpeed "
+                    "config (strategy deepspeed) and launch.sh, without starting anything.")
+    _add_experiment_args(render)
+    render.add_argument("--out", help="directory to write to (default: the run directory)")
+    render.set_defaults(func=_render)
+
+    launch = commands.add_parser(
+        "launch", help="start the run's processes on this machine",
+        description="Write the run bundle and start this machine's processes with "
+                    "accelerate launch (default) or torchrun. Each process runs `finetune "
+                    "train` and checks its world size, rank and backend before training.")
+    _add_experiment_args(launch)
+    launch.add_argument("--num-processes", type=int,
+                        help="processes in total (distributed.num_processes)")
+    launch.add_argument("--num-machines", type=int, help="distributed.num_machines")
+    launch.add_argument("--machine-rank", type=int, default=0, help="this machine's rank")
+    launch.add_argument("--main-process-ip", help="distributed.main_process_ip")
+    launch.add_argument("--main-process-port", type=int, help="distributed.main_process_port")
+    launch.add_argument("--launcher", choices=["accelerate", "torchrun"],
+                        help="distributed.launcher")
+    launch.add_argument("--dry-run", action="store_true",
+                        help="write the bundle and print the command, start nothing")
+    launch.set_defaults(func=_launch)
 
     reference = commands.add_parser(
         "reference", help="print every experiment key with its type, default and meaning",

@@ -3,6 +3,9 @@ and final model live. Torch-free; the worker adds what needs torch (environment.
 
 runs/<name>/
   experiment.yaml    the resolved experiment, every default filled, secrets redacted
+  accelerate.yaml    the Accelerate config of the launch (accelerate's own format)
+  deepspeed.json     the DeepSpeed config, with strategy deepspeed
+  launch.sh          the exact launch command of each machine: bash launch.sh RANK
   environment.json   package versions, python, platform, device (written by the worker)
   training_args.json the TRL config the trainer ran with (written by the worker)
   metrics.jsonl      one JSON object per log/eval event
@@ -63,17 +66,22 @@ def holds_a_run(run_dir: Path) -> list[str]:
     return found
 
 
-def prepare_run_dir(experiment: Experiment) -> Path:
-    """Create the run directory and write the resolved experiment into it.
+def prepare_run_dir(experiment: Experiment, rank: int = 0) -> tuple[Experiment, Path]:
+    """Fix the run directory in the experiment and, on rank 0, write the run bundle.
 
     A directory that already holds a trained model or checkpoints is never overwritten.
     """
+    from finetune.render.bundle import write_bundle
+
     run_dir = run_dir_of(experiment)
     existing = holds_a_run(run_dir)
     if existing and not experiment.training.get("resume_from_checkpoint"):
         raise RunError(f"{run_dir} already holds {' and '.join(existing)}; nothing was "
                        "changed. Choose another run name (name=...) or output.dir, or move "
                        "that directory away.")
+    output = experiment.output.model_copy(update={"dir": str(run_dir)})
+    experiment = experiment.model_copy(update={"output": output})
+    if rank == 0:
+        write_bundle(experiment, run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "experiment.yaml").write_text(resolved_yaml(experiment))
-    return run_dir
+    return experiment, run_dir

@@ -4,6 +4,7 @@ hand them to the method's trainer, train, evaluate before and after, save."""
 from __future__ import annotations
 
 import importlib
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -16,20 +17,42 @@ from finetune.build.tokenizer import load_tokenizer
 from finetune.callbacks import MetricsFile, read_metrics
 from finetune.config import trl_fields
 from finetune.config.schema import Experiment
-from finetune.errors import ConfigError
+from finetune.errors import ConfigError, RunError
 from finetune.evaluation import exact_match
+from finetune.launch.environment import launch_problems, process_group_problems
 from finetune.methods import Job, build_trainer
 from finetune.render.training_args import training_kwargs
 from finetune.report import end_summary, environment, plot_loss, start_summary, write_json
+from finetune.rundir import REDACTED
 
 
 def make_training_args(experiment: Experiment, run_dir: Path, hw: Hardware) -> Any:
+    """The method's TRL config; creating it also sets up torch.distributed. Every rank
+    first checks its launch environment, then the process group it joined."""
+    problems = launch_problems(experiment, os.environ, hw.precision)
+    if problems:
+        raise RunError("; ".join(problems))
+    if experiment.distributed.strategy == "deepspeed" and hw.device == "cpu":
+        import deepspeed  # ZeRO-3 model creation needs the gloo group before the arguments
+
+        deepspeed.init_distributed(dist_backend="gloo")
     module, name = trl_fields.CONFIG_CLASSES[experiment.method]
     cls = getattr(importlib.import_module(module), name)
     try:
-        return cls(**training_kwargs(experiment, run_dir, hw.device, hw.precision))
+        args = cls(**training_kwargs(experiment, run_dir, hw.device, hw.precision))
     except (ValueError, TypeError) as exc:
         raise ConfigError([f"training: {module}.{name} rejected these settings: {exc}"]) from None
+    problems = process_group_problems(experiment, args, hw.device)
+    if problems:
+        raise RunError("; ".join(problems))
+    return args
+
+
+def _without_redacted(experiment: Experiment) -> Experiment:
+    """A resolved experiment read back has '<redacted>' where secrets were: those come
+    from the environment (HF_TOKEN), never from a file."""
+    training = {k: v for k, v in experiment.training.items() if v != REDACTED}
+    return experiment.model_copy(update={"training": training})
 
 
 def _evaluate(trainer, job: Job, metrics: MetricsFile, when: str) -> dict[str, Any]:
@@ -53,6 +76,7 @@ def train(experiment: Experiment, run_dir: Path) -> dict[str, Any]:
     from transformers import set_seed
 
     started = time.time()
+    experiment = _without_redacted(experiment)
     hw = resolve_hardware(experiment)
     tokenizer = load_tokenizer(experiment)
     data = load_data(experiment)

@@ -181,3 +181,14 @@ def test_secrets_are_redacted_in_the_resolved_file(write):
 
 def test_trust_remote_code_is_off_by_default(write):
     assert load_experiment(write("exp.yaml", BASE)).model.trust_remote_code is False
+
+
+def test_the_resolved_experiment_validates_to_the_same_experiment(write, tmp_path):
+    """Every rank reads the resolved file back: it must mean exactly the same."""
+    exp = load_experiment(write("exp.yaml", BASE + textwrap.dedent("""\
+        peft: {type: lora, r: 8}
+        distributed: {strategy: deepspeed, num_processes: 2, deepspeed: {zero_stage: 3}}
+        training: {max_steps: 4, learning_rate: 1e-3}
+        """)))
+    again = load_experiment(write("resolved/experiment.yaml", resolved_yaml(exp)))
+    assert again.model_dump() == exp.model_dump()

@@ -123,6 +123,10 @@ def _resolve_paths(data: dict[str, Any], base: Path) -> None:
         block = data.get(section)
         if isinstance(block, dict) and key in block:
             block[key] = _local(block[key], base)
+    ds = (data.get("distributed") or {}).get("deepspeed") if isinstance(
+        data.get("distributed"), dict) else None
+    if isinstance(ds, dict) and isinstance(ds.get("config_file"), str):
+        ds["config_file"] = _local(ds["config_file"], base)
     tok = data.get("tokenizer")
     if isinstance(tok, dict) and isinstance(tok.get("chat_template"), str):
         if "{{" not in tok["chat_template"] and "{%" not in tok["chat_template"]:
@@ -187,7 +191,7 @@ def apply_override(data: dict[str, Any], override: str, origins: _Origins) -> No
     if not all(str(p) for p in parts):
         raise ConfigError([f"override {override!r}: empty key segment"])
     value = parse_scalar(text)
-    if parts[-1] in ("path", "name_or_path", "ref_model", "chat_template") or \
+    if parts[-1] in ("path", "name_or_path", "ref_model", "chat_template", "config_file") or \
             parts[:2] in (["data", "train"], ["data", "eval"]):
         value = _local(value, Path.cwd())
     node: Any = data

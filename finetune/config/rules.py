@@ -6,6 +6,8 @@ import re
 from pathlib import Path
 from typing import Iterator
 
+from pydantic import BaseModel
+
 from finetune.config.schema import Experiment, PeftSection
 
 Problem = tuple[tuple, str]
@@ -52,8 +54,15 @@ def _paths(exp: Experiment) -> Iterator[Problem]:
         yield ("tokenizer", "chat_template"), f"neither a Jinja template nor a file: {template!r}"
 
 
+def changed(section: BaseModel) -> set[str]:
+    """Fields set to something other than their default. A resolved experiment spells
+    out every default, so "was it given?" must mean "does it differ?"."""
+    return {name for name, field in type(section).model_fields.items()
+            if getattr(section, name) != field.get_default(call_default_factory=True)}
+
+
 def _peft(exp: Experiment) -> Iterator[Problem]:
-    given = exp.peft.model_fields_set
+    given = changed(exp.peft)
     if exp.peft.type != "qlora":
         for name in sorted(given & set(PeftSection.QLORA_ONLY)):
             yield ("peft", name), f"only applies to peft.type qlora (type is {exp.peft.type})"
@@ -93,11 +102,45 @@ def _precision(exp: Experiment) -> Iterator[Problem]:
 
 def _method_sections(exp: Experiment) -> Iterator[Problem]:
     for section in Experiment.METHOD_SECTIONS:
-        if section != exp.method and getattr(exp, section).model_fields_set:
+        if section != exp.method and changed(getattr(exp, section)):
             yield (section,), f"options for method {section}, but method is {exp.method}"
 
 
-RULES = (_paths, _peft, _data, _precision, _method_sections)
+def _distributed(exp: Experiment) -> Iterator[Problem]:
+    dist = exp.distributed
+    given = changed(dist)
+    world = dist.world_size
+    if dist.strategy == "none" and world > 1:
+        yield ("distributed", "strategy"), f"{world} processes need strategy ddp, fsdp or deepspeed"
+    if world % dist.num_machines:
+        yield ("distributed", "num_processes"), f"{world} processes do not divide evenly over " \
+                                                f"{dist.num_machines} machines"
+    if dist.num_processes is not None and dist.processes_per_machine is not None and \
+            dist.num_processes != dist.processes_per_machine * dist.num_machines:
+        yield ("distributed", "num_processes"), "disagrees with processes_per_machine x " \
+                                                "num_machines; give one of them"
+    for name in ("deepspeed", "fsdp"):
+        if name in given and dist.strategy != name:
+            yield ("distributed", name), f"options for strategy {name}, but strategy is " \
+                                         f"{dist.strategy}"
+    ds = dist.deepspeed
+    if ds.offload_params != "none" and ds.zero_stage != 3:
+        yield ("distributed", "deepspeed", "offload_params"), "needs zero_stage 3"
+    if ds.offload_optimizer != "none" and ds.zero_stage == 0:
+        yield ("distributed", "deepspeed", "offload_optimizer"), "needs zero_stage 1, 2 or 3"
+    if "nvme" in (ds.offload_optimizer, ds.offload_params) and not ds.nvme_path:
+        yield ("distributed", "deepspeed", "nvme_path"), "required for nvme offload"
+    if ds.config_file and not Path(ds.config_file).is_file():
+        yield ("distributed", "deepspeed", "config_file"), f"no such file: {ds.config_file}"
+    if dist.strategy == "fsdp" and dist.device == "cpu":
+        yield ("distributed", "strategy"), "fsdp needs CUDA devices; on CPU use ddp or deepspeed"
+    if exp.peft.type == "qlora" and (dist.strategy == "fsdp" or
+                                     (dist.strategy == "deepspeed" and ds.zero_stage == 3)):
+        yield ("peft", "type"), "qlora cannot be combined with FSDP or ZeRO-3 here; use " \
+                                "ddp or ZeRO-2"
+
+
+RULES = (_paths, _peft, _data, _precision, _method_sections, _distributed)
 
 
 def check(exp: Experiment) -> list[Problem]:

@@ -125,9 +125,63 @@ class EvaluationSection(Section):
     max_samples: int = Field(256, gt=0, description="exact_match: eval rows to generate for.")
 
 
+class DeepSpeedSection(Section):
+    zero_stage: Literal[0, 1, 2, 3] = Field(2, description="ZeRO stage.")
+    offload_optimizer: Literal["none", "cpu", "nvme"] = Field(
+        "none", description="Where optimizer states live (ZeRO 1-3).")
+    offload_params: Literal["none", "cpu", "nvme"] = Field(
+        "none", description="Where parameters live between uses (ZeRO-3 only).")
+    nvme_path: str | None = Field(None, description="Directory for nvme offload.")
+    save_16bit_model: bool = Field(
+        True, description="ZeRO-3: gather the weights into one 16/32-bit model when saving.")
+    config_file: str | None = Field(
+        None, description="A hand-written DeepSpeed JSON to use instead of the generated one; "
+        "checked against the experiment (stage, precision, batch, accumulation, clipping).")
+
+
+class FSDPSection(Section):
+    version: Literal[1, 2] = Field(2, description="FSDP version.")
+    sharding_strategy: Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"] = Field(
+        "FULL_SHARD", description="What is sharded across processes.")
+    auto_wrap_policy: Literal["TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP"] = Field(
+        "TRANSFORMER_BASED_WRAP", description="How modules are wrapped into FSDP units.")
+    cpu_offload: bool = Field(False, description="Keep parameters on the CPU between uses.")
+    state_dict_type: Literal["FULL_STATE_DICT", "SHARDED_STATE_DICT"] = Field(
+        "SHARDED_STATE_DICT", description="Checkpoint format; the final model is always full.")
+
+
 class DistributedSection(Section):
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="'auto' uses CUDA when available, else the CPU.")
+    strategy: Literal["none", "ddp", "fsdp", "deepspeed"] = Field(
+        "none", description="none: one process; ddp: data parallel; fsdp or deepspeed: "
+        "sharded data parallel.")
+    num_machines: int = Field(1, ge=1, description="Machines (nodes) in the job.")
+    num_processes: int | None = Field(
+        None, ge=1, description="Processes in total, over all machines. Default: "
+        "processes_per_machine x num_machines, or 1 with strategy none.")
+    processes_per_machine: int | None = Field(
+        None, ge=1, description="Processes on each machine (usually its GPU count).")
+    main_process_ip: str = Field("127.0.0.1", description="Address of machine 0.")
+    main_process_port: int = Field(29500, ge=1, le=65535, description="Rendezvous port.")
+    rdzv_backend: Literal["static", "c10d"] = Field("static", description="Rendezvous backend.")
+    rdzv_timeout: int = Field(
+        120, gt=0, description="Seconds a process waits for the others to join before it "
+        "fails with an error.")
+    launcher: Literal["accelerate", "torchrun"] = Field(
+        "accelerate", description="What `finetune launch` starts the processes with.")
+    deepspeed: DeepSpeedSection = Field(default_factory=DeepSpeedSection)
+    fsdp: FSDPSection = Field(default_factory=FSDPSection)
+
+    @property
+    def world_size(self) -> int:
+        if self.num_processes is not None:
+            return self.num_processes
+        return (self.processes_per_machine or 1) * self.num_machines
+
+    @property
+    def per_machine(self) -> int:
+        return self.world_size // self.num_machines
 
 
 class OutputSection(Section):

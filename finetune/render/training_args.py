@@ -1,6 +1,6 @@
 """The one mapping from an Experiment to the keyword arguments of the method's TRL
 config class. Everything the experiment owns (output directory, precision, device) is set
-here and nowhere else; the rest of `training:` passes through unchanged."""
+here and nowhere else; the rest of `training:` passes through unchanged. Torch-free."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from finetune.config.schema import Experiment
+from finetune.render.bundle import deepspeed_dict
 
 # Our defaults where TRL's do not suit a tool that writes its own run directory.
 DEFAULTS: dict[str, Any] = {
@@ -26,4 +27,9 @@ def training_kwargs(experiment: Experiment, run_dir: Path, device: str,
         fp16=precision == "fp16",
         use_cpu=device == "cpu",
     )
+    if device == "cpu":
+        kwargs.setdefault("ddp_backend", "gloo")
+    if experiment.distributed.strategy == "deepspeed":
+        # A dict, rebuilt from the experiment: the bundle's deepspeed.json is its record.
+        kwargs["deepspeed"] = deepspeed_dict(experiment)
     return kwargs

@@ -1,0 +1,68 @@
+"""Each rank checks that it was started the way the experiment says, before training:
+some launches exit 0 while running one process, or N independent copies (STACK_NOTES), and
+an Accelerate config can silently change precision or turn on DeepSpeed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Mapping
+
+from finetune.config.schema import Experiment
+from finetune.render.accelerate import MIXED_PRECISION
+from finetune.render.deepspeed import contradictions
+
+_TRUE = ("1", "true", "yes")
+
+
+def rank_of(env: Mapping[str, str]) -> int:
+    return int(env.get("RANK", "0"))
+
+
+def launch_problems(experiment: Experiment, env: Mapping[str, str], precision: str) -> list[str]:
+    """What in the launch environment disagrees with the experiment (torch-free)."""
+    dist = experiment.distributed
+    problems = []
+    world = int(env.get("WORLD_SIZE", "1"))
+    if world != dist.world_size:
+        problems.append(
+            f"this process was started as one of {world} (WORLD_SIZE={world}), but the "
+            f"experiment asks for {dist.world_size} (distributed.num_processes / "
+            "processes_per_machine x num_machines); start it with `finetune launch`")
+    launched = env.get("ACCELERATE_MIXED_PRECISION")
+    if launched is not None and launched != MIXED_PRECISION[precision]:
+        problems.append(f"the Accelerate launch says mixed_precision {launched!r}, but the "
+                        f"experiment's precision is {precision}; set it in one place: precision")
+    for name, strategy in (("ACCELERATE_USE_DEEPSPEED", "deepspeed"),
+                           ("ACCELERATE_USE_FSDP", "fsdp")):
+        if env.get(name, "").lower() in _TRUE and dist.strategy != strategy:
+            problems.append(f"launched with {strategy} by the Accelerate config, but "
+                            f"distributed.strategy is {dist.strategy}")
+    accumulation = env.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS")
+    ours = experiment.training.get("gradient_accumulation_steps", 1)
+    if accumulation is not None and int(accumulation) != ours:
+        problems.append(f"the Accelerate launch says gradient_accumulation_steps "
+                        f"{accumulation}, but training.gradient_accumulation_steps is {ours}")
+    ds_file = env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+    if dist.strategy == "deepspeed" and ds_file and Path(ds_file).is_file():
+        problems += contradictions(json.loads(Path(ds_file).read_text()), experiment,
+                                   ds_file, precision)
+    return problems
+
+
+def process_group_problems(experiment: Experiment, args, device: str) -> list[str]:
+    """After the training arguments set up torch.distributed: world size and backend."""
+    import torch.distributed as dist
+
+    expected = experiment.distributed.world_size
+    problems = []
+    if args.world_size != expected:
+        problems.append(f"the trainer sees a world of {args.world_size} process(es), the "
+                        f"experiment asks for {expected}")
+    if expected > 1 and dist.is_available() and dist.is_initialized():
+        backend = dist.get_backend()
+        wanted = "gloo" if device == "cpu" else "nccl"
+        if backend != wanted:
+            problems.append(f"torch.distributed backend is {backend}, expected {wanted} on "
+                            f"{device}")
+    return problems

@@ -1,0 +1,68 @@
+"""Experiment -> Accelerate config file, in the form accelerate's own loader accepts.
+
+On CPU, multi-process runs use distributed_type MULTI_GPU with use_cpu=True in the
+training arguments: accelerate's own --cpu / MULTI_CPU without mpirun silently starts one
+process (STACK_NOTES)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from finetune.config.schema import Experiment
+
+MIXED_PRECISION = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
+
+
+def static_precision(experiment: Experiment) -> str:
+    """The precision a config file can state before the hardware is known: 'auto' is fp32
+    on CPU and bf16 elsewhere (the worker stops with a clear error if the GPU lacks bf16)."""
+    if experiment.precision != "auto":
+        return experiment.precision
+    return "fp32" if experiment.distributed.device == "cpu" else "bf16"
+
+
+def _fsdp(experiment: Experiment) -> dict[str, Any]:
+    spec = experiment.distributed.fsdp
+    config: dict[str, Any] = {
+        "fsdp_version": spec.version,
+        "fsdp_auto_wrap_policy": spec.auto_wrap_policy,
+        "fsdp_offload_params": spec.cpu_offload,
+        "fsdp_state_dict_type": spec.state_dict_type,
+        "fsdp_cpu_ram_efficient_loading": True,
+        "fsdp_sync_module_states": True,
+        "fsdp_use_orig_params": True,
+    }
+    if spec.version == 2:
+        config["fsdp_reshard_after_forward"] = spec.sharding_strategy == "FULL_SHARD"
+    else:
+        config["fsdp_sharding_strategy"] = spec.sharding_strategy
+    return config
+
+
+def accelerate_config(experiment: Experiment, deepspeed_file: str | None) -> dict[str, Any]:
+    dist = experiment.distributed
+    kind = {"none": "NO", "ddp": "MULTI_GPU", "fsdp": "FSDP", "deepspeed": "DEEPSPEED"}
+    config: dict[str, Any] = {
+        "compute_environment": "LOCAL_MACHINE",
+        "distributed_type": kind[dist.strategy],
+        "mixed_precision": MIXED_PRECISION[static_precision(experiment)],
+        "num_machines": dist.num_machines,
+        "num_processes": dist.world_size,
+        "machine_rank": 0,
+        "main_process_ip": dist.main_process_ip,
+        "main_process_port": dist.main_process_port,
+        "rdzv_backend": dist.rdzv_backend,
+        "same_network": True,
+        "use_cpu": False,  # see the module docstring: never accelerate's --cpu
+        "debug": False,
+        "downcast_bf16": False,
+    }
+    if dist.strategy == "deepspeed":
+        config["deepspeed_config"] = {
+            "deepspeed_config_file": deepspeed_file,
+            "zero3_init_flag": dist.deepspeed.zero_stage == 3,
+            "deepspeed_multinode_launcher": "standard",
+        }
+    if dist.strategy == "fsdp":
+        config["fsdp_config"] = _fsdp(experiment)
+    return config

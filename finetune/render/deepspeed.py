@@ -1,0 +1,70 @@
+"""Experiment -> DeepSpeed JSON. Batch size, accumulation, clipping and precision are
+"auto": transformers fills them from the training arguments, which stay the one source
+of truth. A hand-written file is checked against the experiment instead."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from finetune.config.schema import DeepSpeedSection, Experiment
+
+
+def _offload(device: str, nvme_path: str | None) -> dict[str, Any]:
+    spec: dict[str, Any] = {"device": device, "pin_memory": True}
+    if device == "nvme":
+        spec["nvme_path"] = nvme_path
+    return spec
+
+
+def deepspeed_config(ds: DeepSpeedSection) -> dict[str, Any]:
+    zero: dict[str, Any] = {"stage": ds.zero_stage}
+    if ds.zero_stage >= 1 and ds.offload_optimizer != "none":
+        zero["offload_optimizer"] = _offload(ds.offload_optimizer, ds.nvme_path)
+    if ds.zero_stage >= 2:
+        zero.update(overlap_comm=True, contiguous_gradients=True, reduce_bucket_size="auto")
+    if ds.zero_stage == 3:
+        if ds.offload_params != "none":
+            zero["offload_param"] = _offload(ds.offload_params, ds.nvme_path)
+        zero.update(stage3_prefetch_bucket_size="auto", stage3_param_persistence_threshold="auto",
+                    stage3_gather_16bit_weights_on_model_save=ds.save_16bit_model)
+    return {
+        "zero_optimization": zero,
+        # The Trainer's optimizer is used (no "optimizer" section); allow it with offload.
+        "zero_force_ds_cpu_optimizer": False,
+        "bf16": {"enabled": "auto"},
+        "fp16": {"enabled": "auto", "loss_scale": 0, "initial_scale_power": 16,
+                 "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1},
+        "train_micro_batch_size_per_gpu": "auto",
+        "train_batch_size": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "steps_per_print": 1_000_000_000,
+        "wall_clock_breakdown": False,
+    }
+
+
+def contradictions(config: dict[str, Any], experiment: Experiment, where: str,
+                   precision: str | None = None) -> list[str]:
+    """Values in a hand-written DeepSpeed config that disagree with the experiment."""
+    training = experiment.training
+    found = []
+
+    def differs(key: str, theirs: Any, ours: Any, owner: str) -> None:
+        if theirs not in (None, "auto") and theirs != ours:
+            found.append(f"{where}: {key} is {theirs!r}, but the experiment's {owner} is {ours!r}")
+
+    stage = config.get("zero_optimization", {}).get("stage")
+    differs("zero_optimization.stage", stage, experiment.distributed.deepspeed.zero_stage,
+            "distributed.deepspeed.zero_stage")
+    differs("train_micro_batch_size_per_gpu", config.get("train_micro_batch_size_per_gpu"),
+            training.get("per_device_train_batch_size", 8), "training.per_device_train_batch_size")
+    differs("gradient_accumulation_steps", config.get("gradient_accumulation_steps"),
+            training.get("gradient_accumulation_steps", 1), "training.gradient_accumulation_steps")
+    differs("gradient_clipping", config.get("gradient_clipping"),
+            training.get("max_grad_norm", 1.0), "training.max_grad_norm")
+    precision = precision or experiment.precision
+    if precision != "auto":
+        for kind in ("bf16", "fp16"):
+            enabled = config.get(kind, {}).get("enabled")
+            differs(f"{kind}.enabled", enabled, precision == kind, f"precision ({precision})")
+    return found
