@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Iterator
@@ -132,12 +133,27 @@ def _distributed(exp: Experiment) -> Iterator[Problem]:
         yield ("distributed", "deepspeed", "nvme_path"), "required for nvme offload"
     if ds.config_file and not Path(ds.config_file).is_file():
         yield ("distributed", "deepspeed", "config_file"), f"no such file: {ds.config_file}"
+    elif ds.config_file and dist.strategy == "deepspeed":
+        yield from _deepspeed_file(exp, ds.config_file)
     if dist.strategy == "fsdp" and dist.device == "cpu":
         yield ("distributed", "strategy"), "fsdp needs CUDA devices; on CPU use ddp or deepspeed"
     if exp.peft.type == "qlora" and (dist.strategy == "fsdp" or
                                      (dist.strategy == "deepspeed" and ds.zero_stage == 3)):
         yield ("peft", "type"), "qlora cannot be combined with FSDP or ZeRO-3 here; use " \
                                 "ddp or ZeRO-2"
+
+
+def _deepspeed_file(exp: Experiment, path: str) -> Iterator[Problem]:
+    from finetune.render.deepspeed import contradictions
+
+    loc = ("distributed", "deepspeed", "config_file")
+    try:
+        config = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        yield loc, f"cannot read {path} as JSON: {exc}"
+        return
+    for problem in contradictions(config, exp, path):
+        yield loc, problem
 
 
 RULES = (_paths, _peft, _data, _precision, _method_sections, _distributed)

@@ -29,8 +29,11 @@ def launch_problems(experiment: Experiment, env: Mapping[str, str], precision: s
             f"this process was started as one of {world} (WORLD_SIZE={world}), but the "
             f"experiment asks for {dist.world_size} (distributed.num_processes / "
             "processes_per_machine x num_machines); start it with `finetune launch`")
-    launched = env.get("ACCELERATE_MIXED_PRECISION")
-    if launched is not None and launched != MIXED_PRECISION[precision]:
+    # With bf16 and fp16 off, TrainingArguments takes the launcher's mixed precision: an
+    # Accelerate file saying bf16 would silently turn an fp32 experiment into bf16. A file
+    # saying 'no' changes nothing (the experiment's bf16/fp16 flags win).
+    launched = env.get("ACCELERATE_MIXED_PRECISION", "no")
+    if launched != "no" and launched != MIXED_PRECISION[precision]:
         problems.append(f"the Accelerate launch says mixed_precision {launched!r}, but the "
                         f"experiment's precision is {precision}; set it in one place: precision")
     for name, strategy in (("ACCELERATE_USE_DEEPSPEED", "deepspeed"),

@@ -27,7 +27,7 @@ def training_kwargs(experiment: Experiment, run_dir: Path, device: str,
         fp16=precision == "fp16",
         use_cpu=device == "cpu",
     )
-    if device == "cpu":
+    if device == "cpu" and experiment.distributed.world_size > 1:
         kwargs.setdefault("ddp_backend", "gloo")
     if experiment.distributed.strategy == "deepspeed":
         # A dict, rebuilt from the experiment: the bundle's deepspeed.json is its record.

@@ -1,0 +1,132 @@
+"""Generated Accelerate and DeepSpeed files, checked by the tools that consume them."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from conftest import DATA, REPO, TINY_MODEL, run_cli
+from finetune.config import load_experiment
+from finetune.errors import ConfigError
+from finetune.launch.command import launch_argv
+from finetune.render.bundle import write_bundle
+from finetune.render.presets import render_presets
+
+PRESETS = sorted((REPO / "accelerate_configs").glob("*.yaml"))
+DS_PRESETS = sorted((REPO / "ds_configs").glob("*.json"))
+
+
+def base(extra: str = "") -> str:
+    return (f"method: sft\nmodel: {{name_or_path: {TINY_MODEL}, init: random}}\n"
+            f"data:\n  train: {{path: {DATA}/sft_train.jsonl, max_samples: 16}}\n"
+            "training: {per_device_train_batch_size: 3, gradient_accumulation_steps: 2, "
+            "max_steps: 2, max_grad_norm: 0.5}\n" + extra)
+
+
+def test_presets_are_exactly_the_generator_output():
+    rendered = render_presets()
+    on_disk = {p for p in [*PRESETS, *DS_PRESETS]}
+    assert set(rendered) == on_disk, "run `python -m finetune.render.presets`"
+    for path, text in rendered.items():
+        assert path.read_text() == text, f"{path} differs: run `python -m finetune.render.presets`"
+    assert not any("num_processes: 8" in p.read_text() for p in PRESETS)
+
+
+@pytest.mark.parametrize("path", PRESETS, ids=lambda p: p.name)
+def test_accelerate_loader_accepts_presets(path):
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    config = load_config_from_file(str(path))
+    assert config.distributed_type.value == yaml.safe_load(path.read_text())["distributed_type"]
+
+
+@pytest.mark.parametrize("ds", DS_PRESETS, ids=lambda p: p.name)
+def test_deepspeed_presets_resolve_through_transformers(ds):
+    """HfTrainerDeepSpeedConfig fills every "auto" from the training arguments."""
+    code = f"""
+import json
+from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
+from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
+args = TrainingArguments(output_dir="/tmp/unused", per_device_train_batch_size=3,
+                         gradient_accumulation_steps=2, max_grad_norm=0.5, bf16=True,
+                         use_cpu=True, report_to="none")
+hf = HfTrainerDeepSpeedConfig({str(ds)!r})
+hf.trainer_config_process(args)
+model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                     num_attention_heads=4, vocab_size=128))
+hf.trainer_config_finalize(args, model, num_training_steps=10)
+text = json.dumps(hf.config)
+assert '"auto"' not in text, text
+c = hf.config
+assert c["train_batch_size"] == 3 * 2 * args.world_size, c
+assert c["train_micro_batch_size_per_gpu"] == 3 and c["gradient_accumulation_steps"] == 2
+assert c["gradient_clipping"] == 0.5 and c["bf16"]["enabled"] is True
+assert c["fp16"]["enabled"] is False
+print("ok", c["zero_optimization"]["stage"])
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-2000:]
+
+
+def test_bundle_files_and_quoting(write, tmp_path):
+    exp = load_experiment(write("exp.yaml", base(
+        "distributed: {strategy: deepspeed, num_processes: 4, num_machines: 2, "
+        "main_process_ip: 10.1.2.3, deepspeed: {zero_stage: 3}}\n")))
+    out = tmp_path / "it's a dir"
+    files = {p.name for p in write_bundle(exp, out)}
+    assert files == {"experiment.yaml", "deepspeed.json", "accelerate.yaml", "launch.sh"}
+    accel = yaml.safe_load((out / "accelerate.yaml").read_text())
+    assert accel["num_processes"] == 4 and accel["num_machines"] == 2
+    assert accel["deepspeed_config"]["deepspeed_config_file"] == str(out / "deepspeed.json")
+    assert json.loads((out / "deepspeed.json").read_text())["zero_optimization"]["stage"] == 3
+    script = (out / "launch.sh").read_text()
+    assert subprocess.run(["bash", "-n", str(out / "launch.sh")]).returncode == 0
+    for rank in (0, 1):  # each machine's line parses back to exactly the launch argv
+        line = next(l for l in script.splitlines() if l.strip().startswith(f"{rank}) exec "))
+        words = shlex.split(line.strip()[len(f"{rank}) exec "):].rstrip(" ;"))
+        assert words == launch_argv(exp, out, rank)
+        assert words[words.index("--machine_rank") + 1] == str(rank)
+
+
+def test_torchrun_launcher_argv(write, tmp_path):
+    exp = load_experiment(write("exp.yaml", base(
+        "distributed: {strategy: ddp, processes_per_machine: 2, num_machines: 2, "
+        "launcher: torchrun, rdzv_timeout: 30}\n")))
+    argv = launch_argv(exp, tmp_path, 1)
+    assert argv[1:3] == ["-m", "torch.distributed.run"]
+    joined = " ".join(argv)
+    assert "--nnodes 2 --nproc-per-node 2 --node-rank 1" in joined
+    assert "--rdzv-conf timeout=30" in joined
+
+
+def test_hand_written_deepspeed_file_that_contradicts_is_an_error(write, tmp_path):
+    ds = tmp_path / "mine.json"
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 3}, "bf16": {"enabled": True},
+                              "train_micro_batch_size_per_gpu": 8,
+                              "gradient_accumulation_steps": "auto"}))
+    path = write("exp.yaml", base(
+        f"precision: fp32\ndistributed: {{strategy: deepspeed, num_processes: 2, "
+        f"deepspeed: {{zero_stage: 2, config_file: {ds}}}}}\n"))
+    with pytest.raises(ConfigError) as info:
+        load_experiment(path)
+    text = "\n".join(info.value.problems)
+    assert "zero_optimization.stage is 3, but the experiment's distributed.deepspeed." \
+           "zero_stage is 2" in text
+    assert "train_micro_batch_size_per_gpu is 8, but the experiment's " \
+           "training.per_device_train_batch_size is 3" in text
+    assert "bf16.enabled is True, but the experiment's precision (fp32) is False" in text
+
+
+def test_render_and_dry_run_commands(write, tmp_path):
+    config = write("exp.yaml", base("distributed: {strategy: ddp, num_processes: 2}\n"))
+    result = run_cli("render", str(config), "--out", str(tmp_path / "bundle"), cwd=tmp_path)
+    assert result.returncode == 0 and "launch.sh" in result.stdout
+    result = run_cli("launch", str(config), "--dry-run", cwd=tmp_path)
+    assert result.returncode == 0 and "accelerate.commands.launch" in result.stdout
+    assert (tmp_path / "runs" / "exp" / "launch.sh").exists()
+    assert not (tmp_path / "runs" / "exp" / "final").exists()
