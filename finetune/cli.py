@@ -73,7 +73,8 @@ def _launch(args: argparse.Namespace) -> int:
     import shlex
 
     from finetune.config import load_experiment
-    from finetune.launch.command import launch_argv
+    from finetune.errors import RunError
+    from finetune.launch.command import launch_argv, wait_for_main
     from finetune.rundir import prepare_run_dir
 
     overrides = [*args.overrides, *_launch_overrides(args)]
@@ -84,6 +85,13 @@ def _launch(args: argparse.Namespace) -> int:
           f"{shlex.join(argv)}", flush=True)
     if args.dry_run:
         return 0
+    dist = experiment.distributed
+    if args.machine_rank > 0 and not wait_for_main(dist.main_process_ip, dist.main_process_port,
+                                                   dist.rdzv_timeout):
+        raise RunError(f"machine {args.machine_rank} cannot reach the main process at "
+                       f"{dist.main_process_ip}:{dist.main_process_port} within "
+                       f"{dist.rdzv_timeout} s (distributed.rdzv_timeout): is machine 0 "
+                       "started, and is that address and port reachable from here?")
     os.execv(argv[0], argv)  # the launcher takes this process: signals reach it directly
 
 

@@ -55,3 +55,19 @@ def launch_script(experiment: Experiment, run_dir: Path, python: str = sys.execu
     lines += [f'  *) echo "launch.sh: machine rank must be 0..{machines - 1}, got $rank" >&2;'
               " exit 2 ;;", "esac", ""]
     return "\n".join(lines)
+
+
+def wait_for_main(host: str, port: int, timeout: float) -> bool:
+    """On machines 1..N-1: can the main machine's rendezvous port be reached in time?"""
+    import socket
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=min(2.0, timeout)):
+                return True
+        except OSError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.5)

@@ -1,0 +1,106 @@
+"""Launching for real: several processes on CPU, two "machines" on loopback, the
+ecosystem's own `accelerate launch`, and the launches that would silently train wrong."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import torch
+from safetensors.torch import load_file
+
+from conftest import DATA, REPO, TINY_MODEL, run_cli
+
+
+def experiment(distributed: str, extra: str = "") -> str:
+    return (f"method: sft\nmodel: {{name_or_path: {TINY_MODEL}, init: random}}\n"
+            f"data:\n  train: {{path: {DATA}/sft_train.jsonl, max_samples: 8}}\n"
+            f"distributed: {distributed}\nevaluation: {{before_training: false}}\n"
+            "output: {plot: false}\n"
+            "training: {max_steps: 2, per_device_train_batch_size: 2, optim: sgd, "
+            "learning_rate: 0.1, max_grad_norm: 0.0, save_strategy: 'no', seed: 5, "
+            "activation_checkpointing: false}\n" + extra)
+
+
+def launch(*argv: str, cwd) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "finetune", *argv], cwd=cwd, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def test_two_machines_on_loopback_match_one_machine(write, tmp_path):
+    two = write("two.yaml", experiment(
+        "{strategy: ddp, num_processes: 2, num_machines: 2, main_process_port: 29621, "
+        "device: cpu}"))
+    machines = [launch("launch", str(two), "--machine-rank", str(rank), cwd=tmp_path)
+                for rank in (0, 1)]
+    outputs = [m.communicate(timeout=300) for m in machines]
+    for machine, (out, err) in zip(machines, outputs):
+        assert machine.returncode == 0, err[-3000:]
+    assert "x 2 process(es)" in outputs[0][0]
+    one = write("one.yaml", experiment(
+        "{strategy: ddp, num_processes: 2, main_process_port: 29622, device: cpu}"))
+    result = run_cli("launch", str(one), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    a = load_file(tmp_path / "runs" / "two" / "final" / "model.safetensors")
+    b = load_file(tmp_path / "runs" / "one" / "final" / "model.safetensors")
+    assert all(torch.allclose(a[k], b[k], rtol=1e-5, atol=1e-7) for k in a)
+
+
+def test_ecosystem_accelerate_launch_with_a_preset(write, tmp_path):
+    config = write("eco.yaml", experiment("{strategy: ddp, num_processes: 2, device: cpu}"))
+    result = subprocess.run(
+        [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+         str(REPO / "accelerate_configs" / "ddp.yaml"), "--main_process_port", "29623",
+         "-m", "finetune", "train", str(config)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "x 2 process(es)" in result.stdout
+
+
+def _fails(result: subprocess.CompletedProcess, message: str) -> None:
+    assert result.returncode != 0
+    assert message in result.stderr, result.stderr[-3000:]
+
+
+def test_accelerate_cpu_flag_that_starts_one_process_is_refused(write, tmp_path):
+    # `accelerate launch --cpu --num_processes 2` exits 0 having started ONE process.
+    config = write("trap.yaml", experiment("{strategy: ddp, num_processes: 2, device: cpu}"))
+    result = subprocess.run(
+        [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2",
+         "-m", "finetune", "train", str(config)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    _fails(result, "started as one of 1 (WORLD_SIZE=1), but the experiment asks for 2")
+
+
+def test_torchrun_copies_of_a_one_process_experiment_are_refused(write, tmp_path):
+    config = write("copies.yaml", experiment("{strategy: none, device: cpu}"))
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--master-port", "29624", "-m", "finetune", "train", str(config)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    _fails(result, "started as one of 2 (WORLD_SIZE=2), but the experiment asks for 1")
+    assert not (tmp_path / "runs" / "copies" / "final").exists()
+
+
+def test_accelerate_precision_that_contradicts_the_experiment_is_refused(write, tmp_path):
+    config = write("mp.yaml", experiment("{strategy: ddp, num_processes: 2, device: cpu}",
+                                         "precision: fp32\n"))
+    result = subprocess.run(
+        [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+         str(REPO / "accelerate_configs" / "ddp.yaml"), "--mixed_precision", "bf16",
+         "--main_process_port", "29625", "-m", "finetune", "train", str(config)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    _fails(result, "the Accelerate launch says mixed_precision 'bf16', but the experiment's "
+                   "precision is fp32")
+
+
+def test_unreachable_main_machine_fails_in_bounded_time(write, tmp_path):
+    config = write("alone.yaml", experiment(
+        "{strategy: ddp, num_processes: 2, num_machines: 2, main_process_port: 29626, "
+        "rdzv_timeout: 3}"))
+    start = time.monotonic()
+    result = run_cli("launch", str(config), "--machine-rank", "1", cwd=tmp_path, timeout=120)
+    assert time.monotonic() - start < 60
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "machine 1 cannot reach the main process at 127.0.0.1:29626 within 3 s" in result.stderr
