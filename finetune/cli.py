@@ -69,12 +69,12 @@ def _render(args: argparse.Namespace) -> int:
 
 
 def _launch(args: argparse.Namespace) -> int:
-    import os
     import shlex
 
     from finetune.config import load_experiment
     from finetune.errors import RunError
     from finetune.launch.command import launch_argv, wait_for_main
+    from finetune.launch.forward import run_forwarding
     from finetune.rundir import prepare_run_dir
 
     overrides = [*args.overrides, *_launch_overrides(args)]
@@ -92,7 +92,43 @@ def _launch(args: argparse.Namespace) -> int:
                        f"{dist.main_process_ip}:{dist.main_process_port} within "
                        f"{dist.rdzv_timeout} s (distributed.rdzv_timeout): is machine 0 "
                        "started, and is that address and port reachable from here?")
-    os.execv(argv[0], argv)  # the launcher takes this process: signals reach it directly
+    return run_forwarding(argv)
+
+
+def _slurm(args: argparse.Namespace) -> int:
+    import subprocess
+
+    from finetune.config import load_experiment
+    from finetune.errors import RunError
+    from finetune.launch.slurm import sbatch_script, seconds
+    from finetune.rundir import prepare_run_dir
+
+    try:
+        limit = seconds(args.time)
+    except ValueError as exc:
+        raise RunError(str(exc)) from None
+    if args.signal_seconds >= limit:
+        raise RunError(f"--signal-seconds {args.signal_seconds} is not before the time limit "
+                       f"{args.time}")
+    per_node = max(args.gpus_per_node, 1)
+    overrides = [*args.overrides, f"distributed.num_machines={args.nodes}",
+                 f"distributed.processes_per_machine={per_node}",
+                 f"distributed.num_processes={args.nodes * per_node}"]
+    if args.gpus_per_node == 0:
+        overrides.append("distributed.device=cpu")
+    experiment, run_dir = prepare_run_dir(load_experiment(args.config, overrides))
+    script = run_dir / "job.sbatch"
+    script.write_text(sbatch_script(experiment, run_dir, nodes=args.nodes,
+                                    gpus_per_node=args.gpus_per_node, time=args.time,
+                                    partition=args.partition, signal_seconds=args.signal_seconds))
+    print(f"finetune: wrote {script}")
+    if not args.submit:
+        return 0
+    result = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RunError(f"sbatch failed: {result.stderr.strip()}")
+    print(f"finetune: submitted job {result.stdout.strip()}")
+    return 0
 
 
 def _reference(args: argparse.Namespace) -> int:
@@ -150,6 +186,23 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--dry-run", action="store_true",
                         help="write the bundle and print the command, start nothing")
     launch.set_defaults(func=_launch)
+
+    slurm = commands.add_parser(
+        "slurm", help="write (and submit) a SLURM batch script for the run",
+        description="Write job.sbatch into the run directory: one srun task per node, each "
+                    "running `finetune launch` with its SLURM_NODEID as machine rank; "
+                    "--requeue, and USR1 before the time limit, forwarded to the trainers.")
+    _add_experiment_args(slurm)
+    slurm.add_argument("--nodes", type=int, required=True, help="nodes (machines)")
+    slurm.add_argument("--gpus-per-node", type=int, default=0,
+                       help="GPUs (and processes) per node; 0 trains one process per node "
+                            "on the CPU")
+    slurm.add_argument("--time", required=True, help="time limit, HH:MM:SS or D-HH:MM:SS")
+    slurm.add_argument("--partition", help="SLURM partition")
+    slurm.add_argument("--signal-seconds", type=int, default=120,
+                       help="send USR1 this many seconds before the time limit")
+    slurm.add_argument("--submit", action="store_true", help="submit with sbatch")
+    slurm.set_defaults(func=_slurm)
 
     reference = commands.add_parser(
         "reference", help="print every experiment key with its type, default and meaning",

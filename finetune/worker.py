@@ -19,11 +19,12 @@ from finetune.config import trl_fields
 from finetune.config.schema import Experiment
 from finetune.errors import ConfigError, RunError
 from finetune.evaluation import exact_match
-from finetune.launch.environment import launch_problems, process_group_problems
+from finetune.launch.environment import launch_problems, process_group_problems, rank_of
 from finetune.methods import Job, build_trainer
 from finetune.render.training_args import training_kwargs
 from finetune.report import end_summary, environment, plot_loss, start_summary, write_json
 from finetune.rundir import REDACTED
+from finetune.signals import install_notice_handlers
 
 
 def make_training_args(experiment: Experiment, run_dir: Path, hw: Hardware) -> Any:
@@ -76,6 +77,7 @@ def train(experiment: Experiment, run_dir: Path) -> dict[str, Any]:
     from transformers import set_seed
 
     started = time.time()
+    install_notice_handlers(rank_of(os.environ))
     experiment = _without_redacted(experiment)
     hw = resolve_hardware(experiment)
     tokenizer = load_tokenizer(experiment)

@@ -104,3 +104,29 @@ def test_unreachable_main_machine_fails_in_bounded_time(write, tmp_path):
     assert time.monotonic() - start < 60
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "machine 1 cannot reach the main process at 127.0.0.1:29626 within 3 s" in result.stderr
+
+
+def test_usr1_to_finetune_launch_reaches_every_trainer(write, tmp_path):
+    """SIGUSR1 sent to `finetune launch` alone (as SLURM does with proctrack/cgroup) gets to
+    each training process, which reports it and keeps training."""
+    for name, distributed in (("one", "{strategy: none, device: cpu}"),
+                              ("two", "{strategy: ddp, num_processes: 2, device: cpu, "
+                                      "main_process_port: 29627}")):
+        config = write(f"{name}.yaml", experiment(distributed).replace(
+            "max_steps: 2", "max_steps: 100000").replace("save_strategy: 'no'",
+                                                          "save_strategy: 'no', logging_steps: 1"))
+        proc = launch("launch", str(config), cwd=tmp_path)
+        metrics = tmp_path / "runs" / name / "metrics.jsonl"
+        try:
+            deadline = time.monotonic() + 120
+            while not (metrics.exists() and metrics.stat().st_size) and time.monotonic() < deadline:
+                time.sleep(0.5)
+            proc.send_signal(10)  # SIGUSR1
+            time.sleep(3)
+            assert proc.poll() is None  # still training
+        finally:
+            proc.terminate()
+            _, err = proc.communicate(timeout=120)
+        ranks = 1 if name == "one" else 2
+        for rank in range(ranks):
+            assert f"rank {rank} received SIGUSR1" in err, err[-3000:]

@@ -1,0 +1,106 @@
+#!/usr/bin/env bash
+# A throwaway SLURM cluster on this machine for the test suite: munge, slurmctld and two
+# slurmd "nodes" (n1, n2) on 127.0.0.1. Needs root; installs Debian's slurm-wlm and munge
+# when missing.   bash cluster.sh start | stop
+set -euo pipefail
+STATE=${FINETUNE_SLURM_STATE:-/tmp/finetune-slurm}
+CONF=/etc/slurm/slurm.conf
+NODES=2
+
+up() { sinfo -h -N -o '%t' 2>/dev/null | grep -cE '^(idle|mix|alloc)' || true; }
+alive() { [ -s "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
+
+start() {
+  if ! command -v slurmctld >/dev/null || ! command -v munged >/dev/null; then
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+      slurm-wlm munge >/dev/null
+  fi
+  if [ ! -s /etc/munge/munge.key ]; then
+    dd if=/dev/urandom of=/etc/munge/munge.key bs=1024 count=1 status=none
+    chown munge:munge /etc/munge/munge.key; chmod 0400 /etc/munge/munge.key
+  fi
+  if ! munge -n 2>/dev/null | unmunge >/dev/null 2>&1; then
+    install -d -o munge -g munge -m 0755 /run/munge
+    runuser -u munge -- /usr/sbin/munged --force
+    for _ in $(seq 50); do munge -n 2>/dev/null | unmunge >/dev/null 2>&1 && break; sleep 0.1; done
+  fi
+  mkdir -p "$STATE/log" "$STATE/ctld" "$STATE/spool"
+  # cgroup proctrack when a v1 freezer is mounted (as on most clusters), else process groups
+  if grep -qE '^cgroup /sys/fs/cgroup/freezer cgroup ' /proc/mounts; then track=cgroup; else track=pgid; fi
+  host=$(hostname -s)
+  cpus=$(nproc)
+  mem=$(( $(awk '/MemTotal/{print int($2/1024)}' /proc/meminfo) * 8 / 10 / NODES ))
+  cat > "$STATE/slurm.conf" <<CONF
+ClusterName=finetune-test
+SlurmctldHost=$host(127.0.0.1)
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+# also the delay before a requeued job may start again (default 120 s)
+AuthInfo=cred_expire=10
+MailProg=/bin/true
+StateSaveLocation=$STATE/ctld
+SlurmdSpoolDir=$STATE/spool/%n
+SlurmctldPidFile=$STATE/slurmctld.pid
+SlurmdPidFile=$STATE/slurmd-%n.pid
+SlurmctldLogFile=$STATE/log/slurmctld.log
+SlurmdLogFile=$STATE/log/slurmd-%n.log
+SlurmdParameters=config_overrides
+ProctrackType=proctrack/$track
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+SchedulerParameters=sched_interval=2,bf_interval=2
+JobRequeue=1
+ReturnToService=2
+KillWait=10
+MinJobAge=600
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+NodeName=n[1-$NODES] NodeHostname=$host NodeAddr=127.0.0.1 Port=[17001-$((17000 + NODES))] CPUs=$cpus RealMemory=$mem State=UNKNOWN
+PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+CONF
+  if [ "$track" = cgroup ]; then
+    printf 'CgroupPlugin=cgroup/v1\nCgroupMountpoint=/sys/fs/cgroup\n' > "$STATE/cgroup.conf"
+  else
+    echo "# unused" > "$STATE/cgroup.conf"
+  fi
+  if ! cmp -s "$STATE/slurm.conf" "$CONF" || ! cmp -s "$STATE/cgroup.conf" /etc/slurm/cgroup.conf; then
+    stop_daemons
+    install -D -m 0644 "$STATE/slurm.conf" "$CONF"
+    install -m 0644 "$STATE/cgroup.conf" /etc/slurm/cgroup.conf
+  fi
+  if ! alive "$STATE/slurmctld.pid"; then rm -rf "${STATE:?}"/ctld/* "${STATE:?}"/spool/*; slurmctld; fi
+  for i in $(seq "$NODES"); do
+    alive "$STATE/slurmd-n$i.pid" || { mkdir -p "$STATE/spool/n$i"; slurmd -N "n$i"; }
+  done
+  for i in $(seq 120); do
+    [ "$(up)" -ge "$NODES" ] && break
+    [ $((i % 10)) = 0 ] && scontrol update nodename="n[1-$NODES]" state=resume 2>/dev/null || true
+    sleep 0.5
+  done
+  [ "$(up)" -ge "$NODES" ] || { sinfo -N >&2; tail -5 "$STATE"/log/*.log >&2; echo "cluster did not come up" >&2; exit 1; }
+  echo "slurm test cluster up: $(sinfo -h -o '%D nodes %T')"
+}
+
+stop_daemons() {
+  if alive "$STATE/slurmctld.pid"; then
+    jobs=$(squeue -h -o %i 2>/dev/null | tr '\n' ' ')
+    [ -n "${jobs// }" ] && scancel $jobs 2>/dev/null || true
+    scontrol shutdown >/dev/null 2>&1 || true
+  fi
+  for f in "$STATE"/slurmd-*.pid "$STATE/slurmctld.pid"; do
+    [ -e "$f" ] || continue
+    pid=$(cat "$f"); kill "$pid" 2>/dev/null || true
+    for _ in $(seq 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+    kill -9 "$pid" 2>/dev/null || true
+  done
+}
+
+case "${1:-}" in
+  start) start ;;
+  stop) stop_daemons; echo "slurm test cluster stopped" ;;
+  *) echo "usage: $0 start|stop" >&2; exit 2 ;;
+esac
