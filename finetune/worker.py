@@ -11,7 +11,7 @@ from typing import Any
 
 from finetune.build.data import load_data
 from finetune.build.device import Hardware, resolve_hardware
-from finetune.build.model import count_parameters, load_model
+from finetune.build.model import count_parameters, initial_weights, load_model
 from finetune.build.peft import apply_peft, match_adapter_precision
 from finetune.build.tokenizer import load_tokenizer
 from finetune.callbacks import MetricsFile, read_metrics
@@ -82,9 +82,12 @@ def train(experiment: Experiment, run_dir: Path) -> dict[str, Any]:
     hw = resolve_hardware(experiment)
     tokenizer = load_tokenizer(experiment)
     data = load_data(experiment)
+    seed = experiment.training.get("seed", 42)
+    initial = initial_weights(experiment, tokenizer, run_dir, seed, rank_of(os.environ))
     args = make_training_args(experiment, run_dir, hw)
+    args.distributed_state.wait_for_everyone()  # rank 0 has saved the initial weights
     set_seed(args.seed)
-    model = load_model(experiment, hw, tokenizer, run_dir)
+    model = load_model(experiment, hw, tokenizer, run_dir, initial)
     model = apply_peft(model, experiment, args.gradient_checkpointing)
 
     metrics = MetricsFile(run_dir / "metrics.jsonl")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import torch
@@ -37,9 +38,7 @@ def _load_dtype(experiment: Experiment, hw: Hardware) -> torch.dtype:
     return torch.float32 if experiment.peft.type == "none" else hw.dtype
 
 
-def load_model(experiment: Experiment, hw: Hardware, tokenizer: PreTrainedTokenizerBase,
-               run_dir: Path) -> PreTrainedModel:
-    auto_class, _ = HEADS[experiment.method]
+def _config(experiment: Experiment, tokenizer: PreTrainedTokenizerBase):
     spec = experiment.model
     extra = {"num_labels": 1} if experiment.method == "reward" else {}
     try:
@@ -48,25 +47,60 @@ def load_model(experiment: Experiment, hw: Hardware, tokenizer: PreTrainedTokeni
     except OSError as exc:  # missing files, no network, unknown hub id
         raise RunError(f"cannot load the model config from {spec.name_or_path!r}: {exc}") from None
     config.pad_token_id = tokenizer.pad_token_id
-    kwargs = {"trust_remote_code": spec.trust_remote_code}
-    if spec.attn_implementation != "auto":
-        kwargs["attn_implementation"] = spec.attn_implementation
+    return config
 
-    source, revision = spec.name_or_path, spec.revision
-    if spec.init == "random":
-        # Seeded by the caller. Saved once so that quantized loading and a later look at
-        # the starting point both read the same weights.
-        model = auto_class.from_config(config, dtype=torch.float32, **kwargs)
-        source, revision = str(run_dir / "init-model"), None
-        model.save_pretrained(source)
-        if experiment.peft.type != "qlora":
-            return model.to(_load_dtype(experiment, hw))
+
+def _kwargs(experiment: Experiment) -> dict:
+    kwargs = {"trust_remote_code": experiment.model.trust_remote_code}
+    if experiment.model.attn_implementation != "auto":
+        kwargs["attn_implementation"] = experiment.model.attn_implementation
+    return kwargs
+
+
+def initial_weights(experiment: Experiment, tokenizer: PreTrainedTokenizerBase, run_dir: Path,
+                    seed: int, rank: int) -> PreTrainedModel | None:
+    """model.init random: build the weights from the seed, before the training arguments
+    exist. Under ZeRO-3 those arguments make every model creation a partitioned zero.Init,
+    which would draw other numbers; built first, every layout starts from the same weights.
+    Rank 0 saves them to init-model/ for loading back (quantized, or partitioned)."""
+    if experiment.model.init != "random":
+        return None
+    from transformers import set_seed
+
+    set_seed(seed)
+    auto_class, _ = HEADS[experiment.method]
+    model = auto_class.from_config(_config(experiment, tokenizer), dtype=torch.float32,
+                                   **_kwargs(experiment))
+    if rank == 0:
+        target = run_dir / "init-model"
+        staging = run_dir / ".init-model.tmp"
+        shutil.rmtree(staging, ignore_errors=True)
+        model.save_pretrained(staging)
+        shutil.rmtree(target, ignore_errors=True)
+        staging.rename(target)
+    return model
+
+
+def load_model(experiment: Experiment, hw: Hardware, tokenizer: PreTrainedTokenizerBase,
+               run_dir: Path, initial: PreTrainedModel | None) -> PreTrainedModel:
+    """The model to train. `initial` is the random-init model (or None); it is used as is
+    unless it must be loaded back from init-model/ (quantized, or ZeRO-3-partitioned; the
+    caller has waited for rank 0 to save it)."""
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
     quantization = _quantization(experiment, hw)
+    if initial is not None and quantization is None and not is_deepspeed_zero3_enabled():
+        return initial.to(_load_dtype(experiment, hw))
+    source, revision = experiment.model.name_or_path, experiment.model.revision
+    if initial is not None:
+        source, revision = str(run_dir / "init-model"), None
+    kwargs = _kwargs(experiment)
     if quantization is not None:
         kwargs["quantization_config"] = quantization
         kwargs["device_map"] = {"": 0} if hw.device == "cuda" else {"": "cpu"}
-    return auto_class.from_pretrained(source, config=config, revision=revision,
-                                      dtype=_load_dtype(experiment, hw), **kwargs)
+    return HEADS[experiment.method][0].from_pretrained(
+        source, config=_config(experiment, tokenizer), revision=revision,
+        dtype=_load_dtype(experiment, hw), **kwargs)
 
 
 def count_parameters(model: torch.nn.Module) -> tuple[int, int]:

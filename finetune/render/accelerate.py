@@ -58,6 +58,9 @@ def accelerate_config(experiment: Experiment, deepspeed_file: str | None) -> dic
         "downcast_bf16": False,
     }
     if dist.strategy == "deepspeed":
+        # Precision lives in the DeepSpeed file ("auto", filled from the experiment);
+        # accelerate refuses a config file next to a mixed_precision of its own.
+        del config["mixed_precision"]
         config["deepspeed_config"] = {
             "deepspeed_config_file": deepspeed_file,
             "zero3_init_flag": dist.deepspeed.zero_stage == 3,
