@@ -124,4 +124,15 @@ def train(experiment: Experiment, run_dir: Path) -> dict[str, Any]:
             plot_loss(read_metrics(run_dir / "metrics.jsonl"), run_dir / "loss.png",
                       f"{experiment.name} ({experiment.method})")
         print(end_summary(run_dir, summary["seconds"], before, after, final_dir), flush=True)
+    _leave_process_group()
     return summary
+
+
+def _leave_process_group() -> None:
+    """Leave torch.distributed together and explicitly: left to interpreter exit, gloo's
+    threads occasionally abort a rank (SIGABRT) after a complete run."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

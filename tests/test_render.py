@@ -130,3 +130,14 @@ def test_render_and_dry_run_commands(write, tmp_path):
     assert result.returncode == 0 and "accelerate.commands.launch" in result.stdout
     assert (tmp_path / "runs" / "exp" / "launch.sh").exists()
     assert not (tmp_path / "runs" / "exp" / "final").exists()
+
+
+def test_hand_written_offload_that_would_swap_the_optimizer_is_an_error(write, tmp_path):
+    ds = tmp_path / "offload.json"
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 2, "offload_optimizer":
+                                                    {"device": "cpu"}}}))
+    path = write("exp.yaml", base(f"distributed: {{strategy: deepspeed, num_processes: 2, "
+                                  f"deepspeed: {{config_file: {ds}}}}}\n"))
+    with pytest.raises(ConfigError, match="silently replaces training.optim with "
+                                          "DeepSpeedCPUAdam"):
+        load_experiment(path)

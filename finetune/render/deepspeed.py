@@ -62,6 +62,11 @@ def contradictions(config: dict[str, Any], experiment: Experiment, where: str,
             training.get("gradient_accumulation_steps", 1), "training.gradient_accumulation_steps")
     differs("gradient_clipping", config.get("gradient_clipping"),
             training.get("max_grad_norm", 1.0), "training.max_grad_norm")
+    offload = config.get("zero_optimization", {}).get("offload_optimizer", {})
+    if offload.get("device", "none") != "none" and "optimizer" not in config and \
+            config.get("zero_force_ds_cpu_optimizer", True) is not False:
+        found.append(f"{where}: optimizer offload without zero_force_ds_cpu_optimizer: false "
+                     "silently replaces training.optim with DeepSpeedCPUAdam; add that key")
     precision = precision or experiment.precision
     if precision != "auto":
         for kind in ("bf16", "fp16"):

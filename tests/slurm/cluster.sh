@@ -72,7 +72,13 @@ CONF
     install -D -m 0644 "$STATE/slurm.conf" "$CONF"
     install -m 0644 "$STATE/cgroup.conf" /etc/slurm/cgroup.conf
   fi
-  if ! alive "$STATE/slurmctld.pid"; then rm -rf "${STATE:?}"/ctld/* "${STATE:?}"/spool/*; slurmctld; fi
+  if ! alive "$STATE/slurmctld.pid"; then
+    # Fresh state restarts job ids at 1: a step daemon left from an earlier cluster would
+    # report its job 1 as finished and abort the new job 1.
+    pkill -x slurmstepd 2>/dev/null || true
+    rm -rf "${STATE:?}"/ctld/* "${STATE:?}"/spool/*
+    slurmctld
+  fi
   for i in $(seq "$NODES"); do
     alive "$STATE/slurmd-n$i.pid" || { mkdir -p "$STATE/spool/n$i"; slurmd -N "n$i"; }
   done
@@ -88,7 +94,10 @@ CONF
 stop_daemons() {
   if alive "$STATE/slurmctld.pid"; then
     jobs=$(squeue -h -o %i 2>/dev/null | tr '\n' ' ')
-    [ -n "${jobs// }" ] && scancel $jobs 2>/dev/null || true
+    if [ -n "${jobs// }" ]; then
+      scancel $jobs 2>/dev/null || true
+      for _ in $(seq 60); do [ -z "$(squeue -h -o %i 2>/dev/null)" ] && break; sleep 0.5; done
+    fi
     scontrol shutdown >/dev/null 2>&1 || true
   fi
   for f in "$STATE"/slurmd-*.pid "$STATE/slurmctld.pid"; do
@@ -97,6 +106,12 @@ stop_daemons() {
     for _ in $(seq 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
     kill -9 "$pid" 2>/dev/null || true
   done
+  # Step daemons (and a slurmd waiting on them) can outlive the controller, retrying their
+  # last report forever. This cluster is the only SLURM on the machine: clear them.
+  pkill -x slurmstepd 2>/dev/null || true
+  pkill -x slurmd 2>/dev/null || true
+  for _ in $(seq 50); do pgrep -x 'slurmd|slurmstepd' >/dev/null || break; sleep 0.1; done
+  pkill -9 -x 'slurmd|slurmstepd' 2>/dev/null || true
 }
 
 case "${1:-}" in
