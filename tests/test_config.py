@@ -192,3 +192,21 @@ def test_the_resolved_experiment_validates_to_the_same_experiment(write, tmp_pat
         """)))
     again = load_experiment(write("resolved/experiment.yaml", resolved_yaml(exp)))
     assert again.model_dump() == exp.model_dump()
+
+
+def test_distributed_rules(write):
+    def found(distributed: str) -> str:
+        return "\n".join(problems(write("d.yaml", BASE + f"distributed: {distributed}\n")))
+
+    assert "2 processes need strategy ddp, fsdp or deepspeed" in found("{num_processes: 2}")
+    assert "3 processes do not divide evenly over 2 machines" in found(
+        "{strategy: ddp, num_processes: 3, num_machines: 2}")
+    assert "offload_params: needs zero_stage 3" in found(
+        "{strategy: deepspeed, deepspeed: {zero_stage: 2, offload_params: cpu}}")
+    assert "nvme_path: required for nvme offload" in found(
+        "{strategy: deepspeed, deepspeed: {offload_optimizer: nvme}}")
+    assert "distributed.deepspeed: options for strategy deepspeed, but strategy is ddp" in found(
+        "{strategy: ddp, num_processes: 2, deepspeed: {zero_stage: 3}}")
+    assert "fsdp needs CUDA devices" in found("{strategy: fsdp, device: cpu}")
+    assert "strategy fsdp needs launcher accelerate" in found(
+        "{strategy: fsdp, device: cuda, launcher: torchrun}")

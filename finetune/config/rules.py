@@ -135,6 +135,9 @@ def _distributed(exp: Experiment) -> Iterator[Problem]:
         yield ("distributed", "deepspeed", "config_file"), f"no such file: {ds.config_file}"
     elif ds.config_file and dist.strategy == "deepspeed":
         yield from _deepspeed_file(exp, ds.config_file)
+    if dist.strategy == "fsdp" and dist.launcher == "torchrun":
+        # FSDP is switched on through the generated Accelerate config, which torchrun skips.
+        yield ("distributed", "launcher"), "strategy fsdp needs launcher accelerate"
     if dist.strategy == "fsdp" and dist.device == "cpu":
         yield ("distributed", "strategy"), "fsdp needs CUDA devices; on CPU use ddp or deepspeed"
     if exp.peft.type == "qlora" and (dist.strategy == "fsdp" or
