@@ -82,7 +82,7 @@ def train(experiment: Experiment, run_dir: Path) -> dict[str, Any]:
     hw = resolve_hardware(experiment)
     tokenizer = load_tokenizer(experiment)
     data = load_data(experiment)
-    seed = experiment.training.get("seed", 42)
+    seed = trl_fields.training_value(experiment.method, experiment.training, "seed")
     initial = initial_weights(experiment, tokenizer, run_dir, seed, rank_of(os.environ))
     args = make_training_args(experiment, run_dir, hw)
     args.distributed_state.wait_for_everyone()  # rank 0 has saved the initial weights

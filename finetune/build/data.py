@@ -13,6 +13,7 @@ from datasets import Dataset, concatenate_datasets, load_dataset
 
 from finetune.config.rules import DATA_SUFFIXES, is_local
 from finetune.config.schema import DataSource, Experiment
+from finetune.config.trl_fields import training_value
 from finetune.errors import DataError
 
 # format -> (required columns, optional columns)
@@ -192,7 +193,7 @@ def load_data(experiment: Experiment) -> Splits:
     if spec.eval is not None:
         evaluation, _ = _load_split(spec.eval, "eval", experiment, fmt)
     elif spec.eval_fraction is not None:
-        seed = experiment.training.get("seed", 42)
+        seed = training_value(experiment.method, experiment.training, "seed")
         parts = train.train_test_split(test_size=spec.eval_fraction, seed=seed, shuffle=True)
         train, evaluation = parts["train"], parts["test"]
     return Splits(train=train, eval=evaluation, format=fmt)

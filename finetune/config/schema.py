@@ -12,7 +12,6 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 Method = Literal["sft", "reward", "dpo"]
-METHODS: tuple[str, ...] = ("sft", "reward", "dpo")
 
 
 class Section(BaseModel):

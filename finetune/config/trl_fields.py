@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import enum
+import functools
 import json
 import os
 import types
@@ -124,6 +125,7 @@ def _cache_dir() -> Path:
     return Path(base) / "finetune"
 
 
+@functools.lru_cache(maxsize=1)
 def load_manifest() -> dict[str, Any]:
     manifest = json.loads(MANIFEST.read_text())
     installed = _versions()
@@ -205,8 +207,12 @@ def check_training(method: str, training: dict[str, Any]) -> tuple[dict[str, Any
     return checked, problems
 
 
-def class_name(method: str) -> str:
-    return CONFIG_CLASSES[method][1]
+def training_value(method: str, training: dict[str, Any], key: str) -> Any:
+    """A training setting as the trainer will see it: the experiment's value, else the
+    TRL class's own default (so no module repeats TRL's defaults)."""
+    if key in training:
+        return training[key]
+    return load_manifest()["classes"][CONFIG_CLASSES[method][1]]["fields"][key].get("default")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Mapping
 
 from finetune.config.schema import Experiment
+from finetune.config.trl_fields import training_value
 from finetune.render.accelerate import MIXED_PRECISION
 from finetune.render.deepspeed import contradictions
 
@@ -42,7 +43,7 @@ def launch_problems(experiment: Experiment, env: Mapping[str, str], precision: s
             problems.append(f"launched with {strategy} by the Accelerate config, but "
                             f"distributed.strategy is {dist.strategy}")
     accumulation = env.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS")
-    ours = experiment.training.get("gradient_accumulation_steps", 1)
+    ours = training_value(experiment.method, experiment.training, "gradient_accumulation_steps")
     if accumulation is not None and int(accumulation) != ours:
         problems.append(f"the Accelerate launch says gradient_accumulation_steps "
                         f"{accumulation}, but training.gradient_accumulation_steps is {ours}")

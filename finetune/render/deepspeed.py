@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from finetune.config.schema import DeepSpeedSection, Experiment
+from finetune.config.trl_fields import training_value
 
 
 def _offload(device: str, nvme_path: str | None) -> dict[str, Any]:
@@ -46,8 +47,10 @@ def deepspeed_config(ds: DeepSpeedSection) -> dict[str, Any]:
 def contradictions(config: dict[str, Any], experiment: Experiment, where: str,
                    precision: str | None = None) -> list[str]:
     """Values in a hand-written DeepSpeed config that disagree with the experiment."""
-    training = experiment.training
     found = []
+
+    def ours(key: str):
+        return training_value(experiment.method, experiment.training, key)
 
     def differs(key: str, theirs: Any, ours: Any, owner: str) -> None:
         if theirs not in (None, "auto") and theirs != ours:
@@ -57,11 +60,11 @@ def contradictions(config: dict[str, Any], experiment: Experiment, where: str,
     differs("zero_optimization.stage", stage, experiment.distributed.deepspeed.zero_stage,
             "distributed.deepspeed.zero_stage")
     differs("train_micro_batch_size_per_gpu", config.get("train_micro_batch_size_per_gpu"),
-            training.get("per_device_train_batch_size", 8), "training.per_device_train_batch_size")
+            ours("per_device_train_batch_size"), "training.per_device_train_batch_size")
     differs("gradient_accumulation_steps", config.get("gradient_accumulation_steps"),
-            training.get("gradient_accumulation_steps", 1), "training.gradient_accumulation_steps")
+            ours("gradient_accumulation_steps"), "training.gradient_accumulation_steps")
     differs("gradient_clipping", config.get("gradient_clipping"),
-            training.get("max_grad_norm", 1.0), "training.max_grad_norm")
+            ours("max_grad_norm"), "training.max_grad_norm")
     offload = config.get("zero_optimization", {}).get("offload_optimizer", {})
     if offload.get("device", "none") != "none" and "optimizer" not in config and \
             config.get("zero_force_ds_cpu_optimizer", True) is not False:
