@@ -210,3 +210,13 @@ def test_distributed_rules(write):
     assert "fsdp needs CUDA devices" in found("{strategy: fsdp, device: cpu}")
     assert "strategy fsdp needs launcher accelerate" in found(
         "{strategy: fsdp, device: cuda, launcher: torchrun}")
+
+
+def test_override_paths_are_relative_to_the_current_directory(write, tmp_path, monkeypatch):
+    (tmp_path / "here").mkdir()
+    (tmp_path / "here" / "rows.jsonl").write_text('{"text": "a"}\n')
+    path = write("exp.yaml", BASE)
+    monkeypatch.chdir(tmp_path / "here")
+    exp = load_experiment(path, ["data.train=rows.jsonl", "data.eval={path: ./rows.jsonl}"])
+    assert exp.data.train[0].path == str(tmp_path / "here" / "rows.jsonl")
+    assert exp.data.eval[0].path == str(tmp_path / "here" / "rows.jsonl")

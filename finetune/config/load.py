@@ -116,33 +116,31 @@ def _local(value: Any, base: Path) -> Any:
     return value
 
 
-def _resolve_paths(data: dict[str, Any], base: Path) -> None:
-    """Input paths are relative to the YAML file that names them (outputs: to the CWD)."""
-    for section, key in (("model", "name_or_path"), ("tokenizer", "name_or_path"),
-                         ("dpo", "ref_model")):
-        block = data.get(section)
-        if isinstance(block, dict) and key in block:
-            block[key] = _local(block[key], base)
-    ds = (data.get("distributed") or {}).get("deepspeed") if isinstance(
-        data.get("distributed"), dict) else None
-    if isinstance(ds, dict) and isinstance(ds.get("config_file"), str):
-        ds["config_file"] = _local(ds["config_file"], base)
-    tok = data.get("tokenizer")
-    if isinstance(tok, dict) and isinstance(tok.get("chat_template"), str):
-        if "{{" not in tok["chat_template"] and "{%" not in tok["chat_template"]:
-            tok["chat_template"] = _local(tok["chat_template"], base)
-    block = data.get("data")
-    if isinstance(block, dict):
-        for split in ("train", "eval"):
-            sources = block.get(split)
-            items = sources if isinstance(sources, list) else [sources]
-            for i, item in enumerate(items):
-                if isinstance(item, str):
-                    items[i] = _local(item, base)
-                elif isinstance(item, dict) and "path" in item:
-                    item["path"] = _local(item["path"], base)
-            if isinstance(sources, str):
-                block[split] = items[0]
+_PATH_KEYS = {("model", "name_or_path"), ("tokenizer", "name_or_path"), ("dpo", "ref_model"),
+              ("tokenizer", "chat_template"), ("distributed", "deepspeed", "config_file")}
+
+
+def is_input_path(loc: Loc) -> bool:
+    """Does the key at loc name an input file or directory? data.<split> may be a path,
+    a list of paths, or sources with a `path`."""
+    if loc in _PATH_KEYS:
+        return True
+    if loc[:1] != ("data",) or len(loc) < 2 or loc[1] not in ("train", "eval"):
+        return False
+    rest = loc[2:]
+    return rest in ((), ("path",)) or (isinstance(rest[0], int) and rest[1:] in ((), ("path",)))
+
+
+def _resolve(value: Any, loc: Loc, base: Path) -> Any:
+    """Input paths are relative to the YAML file that names them (outputs: to the CWD).
+    An inline chat template is text, not a path."""
+    if isinstance(value, dict):
+        return {k: _resolve(v, loc + (k,), base) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_resolve(v, loc + (i,), base) for i, v in enumerate(value)]
+    if is_input_path(loc) and isinstance(value, str) and "{{" not in value and "{%" not in value:
+        return _local(value, base)
+    return value
 
 
 def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
@@ -164,8 +162,7 @@ def _load_file(path: Path, origins: _Origins, problems: list[str],
     if not path.is_file():
         where = f"{chain[-1]}: extends: " if chain else ""
         raise ConfigError([f"{where}{path}: no such experiment file"])
-    data = _read_yaml(path, origins, problems)
-    _resolve_paths(data, path.parent)
+    data = _resolve(_read_yaml(path, origins, problems), (), path.parent)
     parents = data.pop("extends", None)
     if parents is None:
         return data
@@ -190,10 +187,7 @@ def apply_override(data: dict[str, Any], override: str, origins: _Origins) -> No
     parts: list[Any] = [int(p) if p.isdigit() else p for p in key.strip().split(".")]
     if not all(str(p) for p in parts):
         raise ConfigError([f"override {override!r}: empty key segment"])
-    value = parse_scalar(text)
-    if parts[-1] in ("path", "name_or_path", "ref_model", "chat_template", "config_file") or \
-            parts[:2] in (["data", "train"], ["data", "eval"]):
-        value = _local(value, Path.cwd())
+    value = _resolve(parse_scalar(text), tuple(parts), Path.cwd())
     node: Any = data
     for i, part in enumerate(parts[:-1]):
         if isinstance(node, list) and isinstance(part, int) and part < len(node):
