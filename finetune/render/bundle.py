@@ -7,23 +7,14 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
 
 import yaml
 
 from finetune.config.schema import Experiment
 from finetune.launch.command import launch_script
 from finetune.render.accelerate import accelerate_config
-from finetune.render.deepspeed import deepspeed_config
+from finetune.render.deepspeed import deepspeed_dict
 from finetune.rundir import resolved_yaml
-
-
-def deepspeed_dict(experiment: Experiment) -> dict[str, Any]:
-    """The DeepSpeed config of a run: the user's file when given, else the generated one."""
-    spec = experiment.distributed.deepspeed
-    if spec.config_file:
-        return json.loads(Path(spec.config_file).read_text())
-    return deepspeed_config(spec)
 
 
 def _write(path: Path, text: str) -> None:

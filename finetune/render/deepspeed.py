@@ -4,6 +4,8 @@ of truth. A hand-written file is checked against the experiment instead."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 from finetune.config.schema import DeepSpeedSection, Experiment
@@ -42,6 +44,14 @@ def deepspeed_config(ds: DeepSpeedSection) -> dict[str, Any]:
         "steps_per_print": 1_000_000_000,
         "wall_clock_breakdown": False,
     }
+
+
+def deepspeed_dict(experiment: Experiment) -> dict[str, Any]:
+    """The DeepSpeed config of a run: the user's file when given, else the generated one."""
+    spec = experiment.distributed.deepspeed
+    if spec.config_file:
+        return json.loads(Path(spec.config_file).read_text())
+    return deepspeed_config(spec)
 
 
 def contradictions(config: dict[str, Any], experiment: Experiment, where: str,

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from finetune.config.schema import Experiment
-from finetune.render.bundle import deepspeed_dict
+from finetune.render.deepspeed import deepspeed_dict
 
 # Our defaults where TRL's do not suit a tool that writes its own run directory.
 DEFAULTS: dict[str, Any] = {
