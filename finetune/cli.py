@@ -39,10 +39,17 @@ def _train(args: argparse.Namespace) -> int:
     from finetune.rundir import prepare_run_dir
 
     experiment = load_experiment(args.config, args.overrides)
-    experiment, run_dir = prepare_run_dir(experiment, rank=rank_of(os.environ))
+    experiment, run_dir, plan = prepare_run_dir(experiment, rank=rank_of(os.environ))
+    from finetune.errors import EXIT_PREEMPTED
+    from finetune.preemption import Preempted
     from finetune.worker import train  # heavy: torch, transformers, trl
 
-    train(experiment, run_dir)
+    try:
+        train(experiment, run_dir, plan)
+    except Preempted as stopped:
+        print(f"finetune: {stopped}; exit {EXIT_PREEMPTED}. Run the same command again to "
+              "continue from it.", file=sys.stderr, flush=True)
+        return EXIT_PREEMPTED
     return 0
 
 
@@ -71,6 +78,7 @@ def _render(args: argparse.Namespace) -> int:
 def _launch(args: argparse.Namespace) -> int:
     import shlex
 
+    from finetune import checkpoints
     from finetune.config import load_experiment
     from finetune.errors import RunError
     from finetune.launch.command import launch_argv, wait_for_main
@@ -79,7 +87,8 @@ def _launch(args: argparse.Namespace) -> int:
 
     overrides = [*args.overrides, *_launch_overrides(args)]
     experiment = load_experiment(args.config, overrides)
-    experiment, run_dir = prepare_run_dir(experiment)
+    # Decides (and refuses) a resume before anything starts; rank 0 of the run reports it.
+    experiment, run_dir, _ = prepare_run_dir(experiment)
     argv = launch_argv(experiment, run_dir, args.machine_rank)
     print(f"finetune: bundle in {run_dir}; machine {args.machine_rank} runs:\n  "
           f"{shlex.join(argv)}", flush=True)
@@ -92,7 +101,7 @@ def _launch(args: argparse.Namespace) -> int:
                        f"{dist.main_process_ip}:{dist.main_process_port} within "
                        f"{dist.rdzv_timeout} s (distributed.rdzv_timeout): is machine 0 "
                        "started, and is that address and port reachable from here?")
-    return run_forwarding(argv)
+    return run_forwarding(argv, run_dir / checkpoints.STOPPED)
 
 
 def _slurm(args: argparse.Namespace) -> int:
@@ -116,7 +125,7 @@ def _slurm(args: argparse.Namespace) -> int:
                  f"distributed.num_processes={args.nodes * per_node}"]
     if args.gpus_per_node == 0:
         overrides.append("distributed.device=cpu")
-    experiment, run_dir = prepare_run_dir(load_experiment(args.config, overrides))
+    experiment, run_dir, _ = prepare_run_dir(load_experiment(args.config, overrides))
     script = run_dir / "job.sbatch"
     script.write_text(sbatch_script(experiment, run_dir, nodes=args.nodes,
                                     gpus_per_node=args.gpus_per_node, time=args.time,

@@ -17,3 +17,10 @@ class DataError(Exception):
 
 class RunError(Exception):
     """A run cannot start or continue (run directory, device, checkpoint)."""
+
+
+# Exit codes beyond the CLI's 2 (a user error). EX_TEMPFAIL, "try again later": training
+# stopped on a signal after sealing a checkpoint, and continues when run again.
+EXIT_PREEMPTED = 75
+# The save asked for by a signal did not finish in preemption.save_timeout.
+EXIT_SAVE_TIMEOUT = 76

@@ -11,7 +11,8 @@ runs/<name>/
   metrics.jsonl      one JSON object per log/eval event
   summary.json       metrics before and after training, where the model is
   loss.png           the loss curve
-  checkpoints/       checkpoint-<step>/ written by the Trainer
+  checkpoints/       checkpoint-<step>/ written by the Trainer, sealed by a manifest
+  stopped.json       where the last attempt stopped on a signal (step, checkpoint)
   final/             the final model or adapter, with its tokenizer
   init-model/        the starting weights of a model.init: random run
 """
@@ -26,7 +27,7 @@ import yaml
 
 from finetune import __version__
 from finetune.config.schema import Experiment
-from finetune.errors import RunError
+from finetune.resume import ResumePlan, plan_resume
 
 REDACTED = "<redacted>"
 _SECRET = re.compile(r"(^|_)(token|api_key|apikey|password|secret|access_key)$")
@@ -55,33 +56,19 @@ def run_dir_of(experiment: Experiment) -> Path:
     return Path(experiment.output.dir or Path("runs") / experiment.name).absolute()
 
 
-def holds_a_run(run_dir: Path) -> list[str]:
-    """What in run_dir would be overwritten by a fresh run."""
-    found = []
-    if (run_dir / "final").exists():
-        found.append("a final model (final/)")
-    checkpoints = sorted((run_dir / "checkpoints").glob("checkpoint-*"))
-    if checkpoints:
-        found.append(f"{len(checkpoints)} checkpoint(s) (checkpoints/)")
-    return found
-
-
-def prepare_run_dir(experiment: Experiment, rank: int = 0) -> tuple[Experiment, Path]:
-    """Fix the run directory in the experiment and, on rank 0, write the run bundle.
-
-    A directory that already holds a trained model or checkpoints is never overwritten.
-    """
+def prepare_run_dir(experiment: Experiment, rank: int = 0) -> tuple[Experiment, Path, ResumePlan]:
+    """Fix the run directory (and a resume path) in the experiment, decide where training
+    starts, and on rank 0 write the run bundle. Nothing already in the directory is
+    overwritten unless the run continues from it (see resume.py)."""
     from finetune.render.bundle import write_bundle
 
     run_dir = run_dir_of(experiment)
-    existing = holds_a_run(run_dir)
-    if existing and not experiment.training.get("resume_from_checkpoint"):
-        raise RunError(f"{run_dir} already holds {' and '.join(existing)}; nothing was "
-                       "changed. Choose another run name (name=...) or output.dir, or move "
-                       "that directory away.")
-    output = experiment.output.model_copy(update={"dir": str(run_dir)})
-    experiment = experiment.model_copy(update={"output": output})
+    update: dict[str, Any] = {"output": experiment.output.model_copy(update={"dir": str(run_dir)})}
+    if experiment.resume not in ("auto", "never"):
+        update["resume"] = str(Path(experiment.resume).absolute())
+    experiment = experiment.model_copy(update=update)
+    plan = plan_resume(experiment, run_dir)
     if rank == 0:
         write_bundle(experiment, run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    return experiment, run_dir
+    return experiment, run_dir, plan

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -14,17 +15,20 @@ from finetune.build.device import Hardware, resolve_hardware
 from finetune.build.model import count_parameters, initial_weights, load_model
 from finetune.build.peft import apply_peft, match_adapter_precision
 from finetune.build.tokenizer import load_tokenizer
-from finetune.callbacks import MetricsFile, read_metrics
+from finetune import checkpoints
+from finetune.callbacks import MetricsFile, SealCheckpoints, read_metrics, truncate_metrics
 from finetune.config import trl_fields
 from finetune.config.schema import Experiment
 from finetune.errors import ConfigError, RunError
 from finetune.evaluation import exact_match
+from finetune.fingerprint import fingerprint, layout
 from finetune.launch.environment import launch_problems, process_group_problems, rank_of
 from finetune.methods import Job, build_trainer
 from finetune.render.training_args import training_kwargs
+from finetune.preemption import Preempted, StopOnSignal
 from finetune.report import end_summary, environment, plot_loss, start_summary, write_json
+from finetune.resume import ResumePlan
 from finetune.rundir import REDACTED
-from finetune.signals import install_notice_handlers
 
 
 def make_training_args(experiment: Experiment, run_dir: Path, hw: Hardware) -> Any:
@@ -73,26 +77,58 @@ def _evaluate(trainer, job: Job, metrics: MetricsFile, when: str) -> dict[str, A
     return results
 
 
-def train(experiment: Experiment, run_dir: Path) -> dict[str, Any]:
+def _start_attempt(run_dir: Path, plan: ResumePlan) -> None:
+    """Rank 0, before anything is trained: report where this attempt starts, drop
+    incomplete checkpoints, and make metrics.jsonl end where the checkpoint does."""
+    for note in plan.notes:
+        print(f"finetune: {note}", flush=True)
+    for path in plan.incomplete:
+        shutil.rmtree(path, ignore_errors=True)
+    (run_dir / checkpoints.STOPPED).unlink(missing_ok=True)
+    truncate_metrics(run_dir / "metrics.jsonl", plan.step)
+
+
+def _save_final(trainer, tokenizer, run_dir: Path, main: bool) -> Path:
+    """final/ appears whole or not at all: written aside, then renamed by rank 0."""
+    final, staging = run_dir / "final", run_dir / ".final.partial"
+    if main:
+        shutil.rmtree(staging, ignore_errors=True)
+    trainer.args.distributed_state.wait_for_everyone()
+    trainer.save_model(str(staging))
+    trainer.args.distributed_state.wait_for_everyone()  # every rank's part is written
+    if main:
+        tokenizer.save_pretrained(str(staging))
+        shutil.rmtree(final, ignore_errors=True)
+        staging.rename(final)
+    return final
+
+
+def train(experiment: Experiment, run_dir: Path, plan: ResumePlan) -> dict[str, Any]:
     from transformers import set_seed
 
     started = time.time()
-    install_notice_handlers(rank_of(os.environ))
+    rank = rank_of(os.environ)
+    stop = StopOnSignal(rank, experiment.preemption.save_timeout)
+    if rank == 0:
+        _start_attempt(run_dir, plan)
     experiment = _without_redacted(experiment)
     hw = resolve_hardware(experiment)
     tokenizer = load_tokenizer(experiment)
     data = load_data(experiment)
     seed = trl_fields.training_value(experiment.method, experiment.training, "seed")
-    initial = initial_weights(experiment, tokenizer, run_dir, seed, rank_of(os.environ))
+    initial = initial_weights(experiment, tokenizer, run_dir, seed, rank)
     args = make_training_args(experiment, run_dir, hw)
     args.distributed_state.wait_for_everyone()  # rank 0 has saved the initial weights
     set_seed(args.seed)
     model = load_model(experiment, hw, tokenizer, run_dir, initial)
     model = apply_peft(model, experiment, args.gradient_checkpointing)
 
-    metrics = MetricsFile(run_dir / "metrics.jsonl")
+    metrics = MetricsFile(run_dir / "metrics.jsonl", stop)
+    seal = SealCheckpoints(run_dir, {"fingerprint": fingerprint(experiment),
+                                     "layout": layout(experiment)},
+                           experiment.training.get("save_total_limit"), stop)
     job = Job(experiment=experiment, run_dir=run_dir, hardware=hw, tokenizer=tokenizer,
-              model=model, data=data, args=args, callbacks=[metrics])
+              model=model, data=data, args=args, callbacks=[metrics, stop, seal])
     trainer = build_trainer(job)
     if experiment.peft.type == "qlora":
         match_adapter_precision(trainer.model, hw.precision)
@@ -102,16 +138,20 @@ def train(experiment: Experiment, run_dir: Path) -> dict[str, Any]:
         write_json(run_dir / "training_args.json", args.to_dict())
         print(start_summary(job, *count_parameters(trainer.model)), flush=True)
 
-    before = _evaluate(trainer, job, metrics, "before") if experiment.evaluation.before_training \
-        else {}
-    trainer.train(resume_from_checkpoint=experiment.training.get("resume_from_checkpoint"))
+    # A resumed run was evaluated before training by its first attempt.
+    before = _evaluate(trainer, job, metrics, "before") \
+        if experiment.evaluation.before_training and plan.checkpoint is None else {}
+    trainer.train(resume_from_checkpoint=str(plan.checkpoint) if plan.checkpoint else None)
+    if stop.stopping:
+        _leave_process_group()
+        step = trainer.state.global_step
+        raise Preempted(stop.received or "a signal on another rank", step,
+                        str(Path(args.output_dir) / f"checkpoint-{step}"))
+    stop.done()
     after = _evaluate(trainer, job, metrics, "after")
 
-    final_dir = run_dir / "final" if experiment.output.save_final else None
-    if final_dir is not None:
-        trainer.save_model(str(final_dir))
-        if main:
-            tokenizer.save_pretrained(str(final_dir))
+    final_dir = _save_final(trainer, tokenizer, run_dir, main) \
+        if experiment.output.save_final else None
     summary = {"name": experiment.name, "method": experiment.method,
                "seconds": round(time.time() - started, 2), "global_step": trainer.state.global_step,
                "before": before, "after": after,

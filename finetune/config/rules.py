@@ -159,7 +159,16 @@ def _deepspeed_file(exp: Experiment, path: str) -> Iterator[Problem]:
         yield loc, problem
 
 
-RULES = (_paths, _peft, _data, _precision, _method_sections, _distributed)
+def _resume(exp: Experiment) -> Iterator[Problem]:
+    if exp.resume not in ("auto", "never") and not Path(exp.resume).is_dir():
+        yield ("resume",), f"no such checkpoint directory: {exp.resume} (auto, never, or a " \
+                           "path relative to the current directory)"
+    if exp.training.get("save_only_model") and exp.resume != "never":
+        yield ("training", "save_only_model"), "checkpoints without optimizer, scheduler " \
+            "and RNG state cannot continue a run exactly; set resume: never to use it"
+
+
+RULES = (_paths, _peft, _data, _precision, _method_sections, _distributed, _resume)
 
 
 def check(exp: Experiment) -> list[Problem]:

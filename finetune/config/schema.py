@@ -190,6 +190,13 @@ class OutputSection(Section):
     plot: bool = Field(True, description="Write the loss curve to <dir>/loss.png.")
 
 
+class PreemptionSection(Section):
+    save_timeout: int = Field(
+        300, gt=0, description="Seconds a save asked for by SIGTERM or SIGUSR1 may take; "
+        "past them the process exits without it (the previous checkpoint stays). Keep it "
+        "below the cluster's grace period (SLURM: KillWait or the preemption GraceTime).")
+
+
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
@@ -211,6 +218,22 @@ class Experiment(Section):
     dpo: DPOSection = Field(default_factory=DPOSection)
     distributed: DistributedSection = Field(default_factory=DistributedSection)
     output: OutputSection = Field(default_factory=OutputSection)
+    resume: str = Field(
+        "auto", description="'auto': continue from the newest complete checkpoint of the run "
+        "directory, or start fresh if it has none; 'never': start fresh, and refuse a run "
+        "directory that already holds checkpoints; or the path of a checkpoint directory "
+        "(checkpoint-<step>) to continue from.")
+    force_resume: bool = Field(
+        False, description="Resume even though the experiment differs from the checkpoint's "
+        "in what it trains (model, data, method, seed, global batch...).")
+    preemption: PreemptionSection = Field(default_factory=PreemptionSection)
+
+    @field_validator("resume")
+    @classmethod
+    def _resume(cls, value: str) -> str:
+        if not value:
+            raise ValueError("use auto, never, or the path of a checkpoint directory")
+        return value
 
     @field_validator("name")
     @classmethod

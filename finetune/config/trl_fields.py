@@ -46,6 +46,7 @@ OWNED: dict[str, str] = {
     "model_init_kwargs": "model",
     "ref_model_init_kwargs": "dpo.ref_model",
     "chat_template_path": "tokenizer.chat_template",
+    "resume_from_checkpoint": "resume",
 }
 
 

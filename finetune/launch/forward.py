@@ -2,47 +2,68 @@
 
 Under SLURM with proctrack/cgroup only the task itself (this process) receives SIGTERM
 and the --signal USR1; the training processes are its grandchildren, and torch's elastic
-agent starts each of them in a session of its own. So:
-- TERM, INT and HUP go to the launcher, which stops its workers with one SIGTERM each;
-- USR1 and USR2 go to the child and every process below it. The launcher itself would die of
-  them, so it inherits them ignored; the training processes install their own handlers.
+agent starts each of them in a session of its own. So every signal this process gets goes
+straight to the training processes: the launcher's direct children (not their data-loader
+workers, which the signals would kill), or the child itself when it is the trainer. The
+launcher is left alone: torch's agent would answer SIGTERM by terminating its workers
+mid-save; it ends by itself when they exit. Only while no trainer exists yet (rendezvous)
+does the launcher get the signal.
+
+A trainer that stopped on SIGTERM/SIGUSR1 after sealing a checkpoint exits 75 and rank 0
+writes stopped.json; the launcher then reports a failure, so the exit code of this process
+is decided here: 75 when the stop was asked for and stopped.json is new.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
+import sys
+import time
+from pathlib import Path
 
 import psutil
 
-STOP = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-NOTICE = (signal.SIGUSR1, signal.SIGUSR2)
+from finetune.errors import EXIT_PREEMPTED
+
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 
 
-def run_forwarding(argv: list[str]) -> int:
-    for signum in NOTICE:
-        signal.signal(signum, signal.SIG_IGN)  # inherited by the launcher
+def _trainers(child: subprocess.Popen, argv: list[str]) -> list[psutil.Process]:
+    try:
+        top = psutil.Process(child.pid)
+        if argv[1:4] == ["-m", "finetune", "train"]:
+            return [top]
+        return top.children() or [top]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def run_forwarding(argv: list[str], stopped_marker: Path) -> int:
+    for signum in FORWARDED:
+        # Ignored until our handler is set, and inherited ignored by the launcher (which
+        # sets its own handlers) so that it never dies of a USR1 meant for the trainers.
+        signal.signal(signum, signal.SIG_IGN)
+    started = time.time()
     child = subprocess.Popen(argv, start_new_session=True)
+    asked: list[str] = []
 
-    def to_launcher(signum, _frame):
-        child.send_signal(signum)
-
-    def to_workers(signum, _frame):
-        # The child too: with one process it is the trainer (a launcher ignores these).
-        try:
-            top = psutil.Process(child.pid)
-            workers = [top, *top.children(recursive=True)]
-        except psutil.NoSuchProcess:
-            return
-        for worker in workers:
+    def forward(signum, _frame):
+        asked.append(signal.Signals(signum).name)
+        for trainer in _trainers(child, argv):
             try:
-                worker.send_signal(signum)
+                trainer.send_signal(signum)
             except psutil.NoSuchProcess:
                 pass
 
-    for signum in STOP:
-        signal.signal(signum, to_launcher)
-    for signum in NOTICE:
-        signal.signal(signum, to_workers)
+    for signum in FORWARDED:
+        signal.signal(signum, forward)
     code = child.wait()
-    return 128 - code if code < 0 else code
+    code = 128 - code if code < 0 else code
+    if asked and stopped_marker.is_file() and stopped_marker.stat().st_mtime >= started:
+        print(f"finetune: the training processes saved a checkpoint and stopped on {asked[0]} "
+              f"({stopped_marker}); exit {EXIT_PREEMPTED}. Run the same command again to "
+              "continue.", file=sys.stderr, flush=True)
+        return EXIT_PREEMPTED
+    return code

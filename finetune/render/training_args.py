@@ -27,6 +27,9 @@ def training_kwargs(experiment: Experiment, run_dir: Path, device: str,
         fp16=precision == "fp16",
         use_cpu=device == "cpu",
     )
+    # Checkpoint rotation is ours (callbacks.SealCheckpoints): the Trainer's would run
+    # before a checkpoint is sealed and could delete the only complete one.
+    kwargs.pop("save_total_limit", None)
     if device == "cpu" and experiment.distributed.world_size > 1:
         kwargs.setdefault("ddp_backend", "gloo")
     if experiment.distributed.strategy == "deepspeed":

@@ -1,0 +1,105 @@
+"""What a checkpoint's training depended on, and what changed since. Torch-free.
+
+A checkpoint is only worth resuming from with the experiment that wrote it: another model,
+data, method, seed or global batch would silently make a different run. The fingerprint
+holds those settings; the layout (processes, per-device batch, accumulation) is kept apart,
+since the same global batch over another layout continues the same data order. Everything
+else (logging, saving, evaluation, total steps, output) may change between attempts.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from finetune.config import trl_fields
+from finetune.config.schema import Experiment
+
+SECTIONS = ("method", "model", "tokenizer", "peft", "precision", "dpo")
+DATA_KEYS = ("train", "eval_fraction", "format")
+LAYOUT_KEYS = ("per_device_train_batch_size", "gradient_accumulation_steps")
+# Training keys that do not change which samples are seen or what a step computes.
+HARMLESS_PREFIXES = ("logging_", "save_", "eval_", "hub_", "push_to_hub", "log_level",
+                     "dataloader_num_workers", "dataloader_pin_memory",
+                     "dataloader_persistent_workers", "dataloader_prefetch_factor")
+HARMLESS = {"max_steps", "num_train_epochs", "report_to", "run_name", "disable_tqdm",
+            "per_device_eval_batch_size", "eval_strategy", "load_best_model_at_end",
+            "metric_for_best_model", "greater_is_better", "prediction_loss_only",
+            "batch_eval_metrics", "include_for_metrics", "include_num_input_tokens_seen",
+            "skip_memory_metrics", "ddp_timeout", "torch_empty_cache_steps", "project",
+            "trackio_space_id", "trackio_bucket_id", "trackio_static_space_id", "do_eval",
+            "do_predict", "do_train", "eval_packing", "eval_do_concat_batches",
+            "eval_use_gather_object", "eval_accumulation_steps", "eval_delay",
+            "restore_callback_states_from_checkpoint", *LAYOUT_KEYS}
+
+
+def harmless(key: str) -> bool:
+    return key in HARMLESS or key.startswith(HARMLESS_PREFIXES)
+
+
+def _flatten(value: Any, prefix: str) -> dict[str, Any]:
+    if isinstance(value, dict):
+        flat: dict[str, Any] = {}
+        for key, sub in value.items():
+            flat.update(_flatten(sub, f"{prefix}.{key}"))
+        return flat
+    return {prefix: value}
+
+
+def layout(experiment: Experiment) -> dict[str, int]:
+    value = lambda key: trl_fields.training_value(experiment.method, experiment.training, key)
+    result = {"processes": experiment.distributed.world_size,
+              **{key: value(key) for key in LAYOUT_KEYS}}
+    result["global_batch"] = (result["processes"] * result["per_device_train_batch_size"]
+                              * result["gradient_accumulation_steps"])
+    return result
+
+
+def fingerprint(experiment: Experiment) -> dict[str, Any]:
+    dumped = experiment.model_dump(mode="json")
+    flat: dict[str, Any] = {}
+    for section in SECTIONS:
+        flat.update(_flatten(dumped[section], section))
+    for key in DATA_KEYS:
+        flat.update(_flatten(dumped["data"][key], f"data.{key}"))
+    flat["distributed.strategy"] = experiment.distributed.strategy
+    if experiment.distributed.strategy == "deepspeed":
+        flat["distributed.deepspeed.zero_stage"] = experiment.distributed.deepspeed.zero_stage
+    for key in sorted(experiment.training):
+        if not harmless(key):
+            flat[f"training.{key}"] = experiment.training[key]
+    flat["global batch"] = layout(experiment)["global_batch"]
+    return flat
+
+
+def _default(method: str, key: str) -> Any:
+    """The value a key has when it is not set: TRL's default for training keys."""
+    if key.startswith("training."):
+        return trl_fields.training_value(method, {}, key.removeprefix("training."))
+    return "<not set>"
+
+
+def differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """One readable line per setting that differs: `key: old -> new`."""
+    lines = []
+    for key in sorted(set(old) | set(new)):
+        before = old.get(key, _default(str(old.get("method")), key))
+        after = new.get(key, _default(str(new.get("method")), key))
+        if before != after:
+            lines.append(f"{key}: {before!r} -> {after!r}")
+    return lines
+
+
+def layout_note(old: dict[str, int], new: dict[str, int]) -> str | None:
+    """What changes when the same global batch is spread over another layout."""
+    if old == new:
+        return None
+    spell = lambda l: (f"{l['processes']} process(es) x batch {l['per_device_train_batch_size']}"
+                       f" x accumulation {l['gradient_accumulation_steps']}")
+    note = (f"the checkpoint was written by {spell(old)}; this run is {spell(new)} (global "
+            f"batch {new['global_batch']} either way). The data continues from the same "
+            "sample, but sums are reduced in another order, so numbers differ from an "
+            "uninterrupted run at rounding level")
+    if old["processes"] != new["processes"]:
+        note += ("; random streams (dropout) restart, as the checkpoint's per-process RNG "
+                 "states do not map onto other processes")
+    return note
