@@ -61,8 +61,10 @@ def fingerprint(experiment: Experiment) -> dict[str, Any]:
         flat.update(_flatten(dumped[section], section))
     for key in DATA_KEYS:
         flat.update(_flatten(dumped["data"][key], f"data.{key}"))
-    flat["distributed.strategy"] = experiment.distributed.strategy
-    if experiment.distributed.strategy == "deepspeed":
+    # One process and DDP write the same checkpoints; sharded strategies their own.
+    strategy = experiment.distributed.strategy
+    flat["checkpoint format"] = "plain" if strategy in ("none", "ddp") else strategy
+    if strategy == "deepspeed":
         flat["distributed.deepspeed.zero_stage"] = experiment.distributed.deepspeed.zero_stage
     for key in sorted(experiment.training):
         if not harmless(key):

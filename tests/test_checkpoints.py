@@ -1,0 +1,178 @@
+"""Checkpoint sealing, verification, rotation and the resume decision, on real files
+(no training): what a kill at any point of a save leaves behind, and what resume makes
+of it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import DATA, TINY_MODEL
+from finetune import checkpoints
+from finetune.config import load_experiment
+from finetune.errors import RunError
+from finetune.fingerprint import fingerprint, layout
+from finetune.resume import plan_resume
+
+
+def fake_checkpoint(root: Path, step: int, exp=None, seal: bool = True) -> Path:
+    path = root / "checkpoints" / f"checkpoint-{step}"
+    path.mkdir(parents=True)
+    (path / "model.safetensors").write_bytes(bytes(range(256)) * 64)
+    (path / "trainer_state.json").write_text(json.dumps({"global_step": step}))
+    if seal:
+        extra = {"fingerprint": fingerprint(exp), "layout": layout(exp)} if exp else {}
+        checkpoints.write_manifest(path, step, extra)
+    return path
+
+
+def make_experiment(write, extra: str = "", name: str = "run"):
+    config = write(f"{name}.yaml", (
+        f"name: {name}\nmethod: sft\nmodel: {{name_or_path: {TINY_MODEL}, init: random}}\n"
+        f"data: {{train: {DATA}/sft_train.jsonl}}\n"
+        "training: {max_steps: 10, per_device_train_batch_size: 4, seed: 1, "
+        "learning_rate: 1e-3}\n" + extra))
+    return load_experiment(config)
+
+
+def test_a_sealed_checkpoint_verifies_and_any_damage_is_named(tmp_path):
+    path = fake_checkpoint(tmp_path, 5)
+    assert checkpoints.problem(path) is None
+    manifest = checkpoints.read_manifest(path)
+    assert manifest["step"] == 5 and set(manifest["files"]) == {"model.safetensors",
+                                                                "trainer_state.json"}
+
+    data = path / "model.safetensors"
+    original = data.read_bytes()
+    data.write_bytes(original[:100])  # truncated, as by a kill mid-write
+    assert "model.safetensors has 100 bytes, the manifest says 16384" == checkpoints.problem(path)
+    data.write_bytes(original[:-1] + b"\x00")  # same size, other bytes (hashed: small file)
+    assert "does not match its SHA-256" in checkpoints.problem(path)
+    data.unlink()
+    assert checkpoints.problem(path) == "model.safetensors is missing"
+    (path / checkpoints.MANIFEST).write_text("{not json")
+    assert "unreadable manifest" in checkpoints.problem(path)
+
+
+def test_an_unsealed_checkpoint_is_incomplete_and_never_chosen(tmp_path):
+    fake_checkpoint(tmp_path, 5)
+    fake_checkpoint(tmp_path, 10, seal=False)  # killed before its manifest
+    found = checkpoints.scan(tmp_path / "checkpoints")
+    assert [p.name for p in found.complete] == ["checkpoint-5"]
+    assert [(p.name, why) for p, why in found.incomplete] == [
+        ("checkpoint-10", "no manifest: its writing did not finish")]
+    assert found.newest.name == "checkpoint-5"
+
+
+def test_rotation_keeps_the_newest_sealed_and_the_best_and_ignores_unsealed(tmp_path):
+    for step in (2, 4, 6, 8):
+        fake_checkpoint(tmp_path, step)
+    partial = fake_checkpoint(tmp_path, 10, seal=False)
+    best = tmp_path / "checkpoints" / "checkpoint-2"
+    removed = checkpoints.rotate(tmp_path / "checkpoints", 1, {best.resolve()})
+    assert sorted(p.name for p in removed) == ["checkpoint-4", "checkpoint-6"]
+    left = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert left == ["checkpoint-10", "checkpoint-2", "checkpoint-8"]
+    assert partial.exists()  # not ours to judge while it may still be written
+    assert checkpoints.rotate(tmp_path / "checkpoints", None, set()) == []
+
+
+def test_a_manifest_is_replaced_atomically(tmp_path):
+    path = fake_checkpoint(tmp_path, 3)
+    assert not list(path.glob(".*.tmp"))
+    checkpoints.write_manifest(path, 3, {})
+    assert checkpoints.problem(path) is None and not list(path.glob(".*.tmp"))
+
+
+def test_resume_auto_picks_the_newest_complete_checkpoint(write, tmp_path):
+    exp = make_experiment(write)
+    run = tmp_path / "r"
+    assert plan_resume(exp, run).checkpoint is None  # an empty run directory starts fresh
+    fake_checkpoint(run, 4, exp)
+    fake_checkpoint(run, 8, exp)
+    fake_checkpoint(run, 12, exp, seal=False)
+    plan = plan_resume(exp, run)
+    assert plan.checkpoint.name == "checkpoint-8" and plan.step == 8
+    assert [p.name for p in plan.incomplete] == ["checkpoint-12"]
+    assert any("ignoring incomplete checkpoint-12 (no manifest" in n for n in plan.notes)
+    assert any("resuming from" in n and "checkpoint-8" in n for n in plan.notes)
+
+
+def test_resume_never_refuses_a_directory_with_checkpoints(write, tmp_path):
+    exp = make_experiment(write, "resume: never\n")
+    fake_checkpoint(tmp_path / "r", 4, exp)
+    with pytest.raises(RunError, match=r"already holds 1 checkpoint\(s\).*resume: never"):
+        plan_resume(exp, tmp_path / "r")
+
+
+def test_a_finished_run_is_not_resumed_by_auto(write, tmp_path):
+    exp = make_experiment(write)
+    run = tmp_path / "r"
+    fake_checkpoint(run, 10, exp)
+    (run / "summary.json").write_text(json.dumps({"global_step": 10}))
+    with pytest.raises(RunError, match="holds a finished run .*step 10"):
+        plan_resume(exp, run)
+
+
+def test_resume_path_is_verified_and_superseded_by_newer_own_checkpoints(write, tmp_path):
+    other = fake_checkpoint(tmp_path / "other", 4, make_experiment(write))
+    exp = make_experiment(write, f"resume: {other}\n")
+    assert plan_resume(exp, tmp_path / "r").checkpoint == other
+    fake_checkpoint(tmp_path / "r", 6, exp)  # this run went on from it (a requeued job)
+    plan = plan_resume(exp, tmp_path / "r")
+    assert plan.checkpoint.name == "checkpoint-6" and plan.step == 6
+    assert any("newer than resume" in n for n in plan.notes)
+
+    broken = fake_checkpoint(tmp_path / "broken", 4, exp, seal=False)
+    exp = make_experiment(write, f"resume: {broken}\n", name="b")
+    with pytest.raises(RunError, match="cannot be resumed from: no manifest"):
+        plan_resume(exp, tmp_path / "b")
+
+
+def test_changes_to_what_is_trained_are_refused_with_a_diff_unless_forced(write, tmp_path):
+    run = tmp_path / "r"
+    fake_checkpoint(run, 4, make_experiment(write))
+    changed = make_experiment(write, "peft: {type: lora}\n").model_copy(
+        update={"training": {"max_steps": 10, "per_device_train_batch_size": 4, "seed": 2,
+                             "learning_rate": 1e-3}})
+    with pytest.raises(RunError) as refused:
+        plan_resume(changed, run)
+    message = str(refused.value)
+    assert "peft.type: 'none' -> 'lora'" in message and "training.seed: 1 -> 2" in message
+    assert "force_resume: true" in message and "Nothing was changed" in message
+    forced = changed.model_copy(update={"force_resume": True})
+    plan = plan_resume(forced, run)
+    assert plan.checkpoint.name == "checkpoint-4"
+    assert any(n.startswith("force_resume") and "training.seed" in n for n in plan.notes)
+
+
+def test_harmless_changes_resume_silently(write, tmp_path):
+    run = tmp_path / "r"
+    fake_checkpoint(run, 4, make_experiment(write))
+    harmless = make_experiment(write, "evaluation: {before_training: false}\n").model_copy(
+        update={"training": {"max_steps": 50, "per_device_train_batch_size": 4, "seed": 1,
+                             "learning_rate": 1e-3, "logging_steps": 7, "save_steps": 3,
+                             "save_total_limit": 2, "report_to": "none"}})
+    plan = plan_resume(harmless, run)
+    assert plan.checkpoint.name == "checkpoint-4"
+    assert not any("force_resume" in n or "warning" in n for n in plan.notes)
+
+
+def test_same_global_batch_on_another_layout_resumes_with_a_warning(write, tmp_path):
+    run = tmp_path / "r"
+    two = make_experiment(write, "distributed: {strategy: ddp, num_processes: 2}\n")
+    fake_checkpoint(run, 4, two)
+    one = make_experiment(write).model_copy(update={"training": {
+        "max_steps": 10, "per_device_train_batch_size": 4, "gradient_accumulation_steps": 2,
+        "seed": 1, "learning_rate": 1e-3}})
+    plan = plan_resume(one, run)
+    warning = next(n for n in plan.notes if n.startswith("warning"))
+    assert "2 process(es) x batch 4 x accumulation 1" in warning
+    assert "1 process(es) x batch 4 x accumulation 2" in warning and "global batch 8" in warning
+    assert "random streams (dropout) restart" in warning
+
+    smaller = make_experiment(write)  # 1 x 4 x 1: global batch 4, not 8
+    with pytest.raises(RunError, match="global batch: 8 -> 4"):
+        plan_resume(smaller, run)
