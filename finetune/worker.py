@@ -141,7 +141,12 @@ def train(experiment: Experiment, run_dir: Path, plan: ResumePlan) -> dict[str, 
     # A resumed run was evaluated before training by its first attempt.
     before = _evaluate(trainer, job, metrics, "before") \
         if experiment.evaluation.before_training and plan.checkpoint is None else {}
-    trainer.train(resume_from_checkpoint=str(plan.checkpoint) if plan.checkpoint else None)
+    try:
+        trainer.train(resume_from_checkpoint=str(plan.checkpoint) if plan.checkpoint else None)
+    except Exception as exc:
+        if _disk_full(exc, run_dir):
+            raise RunError(_disk_full_message(run_dir)) from exc
+        raise
     if stop.stopping:
         _leave_process_group()
         step = trainer.state.global_step
@@ -166,6 +171,32 @@ def train(experiment: Experiment, run_dir: Path, plan: ResumePlan) -> dict[str, 
         print(end_summary(run_dir, summary["seconds"], before, after, final_dir), flush=True)
     _leave_process_group()
     return summary
+
+
+def _disk_full(exc: BaseException, run_dir: Path) -> bool:
+    """Savers word a full disk differently (torch.save: "unexpected pos ..."): ENOSPC
+    anywhere in the chain, or a save cut short with the disk all but full, is a full disk."""
+    import errno
+
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno == errno.ENOSPC:
+            return True
+        if "No space left on device" in str(seen):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    saving = bool(checkpoints.scan(run_dir / "checkpoints").incomplete)
+    return saving and shutil.disk_usage(run_dir).free < 64 * 2**20
+
+
+def _disk_full_message(run_dir: Path) -> str:
+    found = checkpoints.scan(run_dir / "checkpoints")
+    partial = ", ".join(p.name for p, _ in found.incomplete) or "a checkpoint"
+    kept = (f"the last complete checkpoint, {found.newest}, is intact" if found.newest
+            else "no checkpoint was complete yet")
+    return (f"no space left on the device of {run_dir} while writing {partial}: {kept}. "
+            "Free some space (the incomplete checkpoint is removed on the next start) and "
+            "run the same command again to continue.")
 
 
 def _leave_process_group() -> None:

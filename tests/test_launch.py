@@ -3,6 +3,8 @@ ecosystem's own `accelerate launch`, and the launches that would silently train 
 
 from __future__ import annotations
 
+import json
+import signal
 import subprocess
 import sys
 import time
@@ -11,6 +13,8 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import DATA, REPO, TINY_MODEL, run_cli
+from finetune import checkpoints
+from finetune.errors import EXIT_PREEMPTED, EXIT_SAVE_TIMEOUT
 
 
 def experiment(distributed: str, extra: str = "") -> str:
@@ -106,9 +110,10 @@ def test_unreachable_main_machine_fails_in_bounded_time(write, tmp_path):
     assert "machine 1 cannot reach the main process at 127.0.0.1:29626 within 3 s" in result.stderr
 
 
-def test_usr1_to_finetune_launch_reaches_every_trainer(write, tmp_path):
+def test_usr1_to_finetune_launch_saves_on_every_trainer_and_exits_75(write, tmp_path):
     """SIGUSR1 sent to `finetune launch` alone (as SLURM does with proctrack/cgroup) gets to
-    each training process, which reports it and keeps training."""
+    each training process; together they save a sealed checkpoint at the same step and
+    the launch exits 75 ("try again"); run again, it continues from there."""
     for name, distributed in (("one", "{strategy: none, device: cpu}"),
                               ("two", "{strategy: ddp, num_processes: 2, device: cpu, "
                                       "main_process_port: 29627}")):
@@ -116,17 +121,68 @@ def test_usr1_to_finetune_launch_reaches_every_trainer(write, tmp_path):
             "max_steps: 2", "max_steps: 100000").replace("save_strategy: 'no'",
                                                           "save_strategy: 'no', logging_steps: 1"))
         proc = launch("launch", str(config), cwd=tmp_path)
-        metrics = tmp_path / "runs" / name / "metrics.jsonl"
-        try:
-            deadline = time.monotonic() + 120
-            while not (metrics.exists() and metrics.stat().st_size) and time.monotonic() < deadline:
-                time.sleep(0.5)
-            proc.send_signal(10)  # SIGUSR1
-            time.sleep(3)
-            assert proc.poll() is None  # still training
-        finally:
-            proc.terminate()
-            _, err = proc.communicate(timeout=120)
+        run_dir = tmp_path / "runs" / name
+        metrics = run_dir / "metrics.jsonl"
+        deadline = time.monotonic() + 120
+        while not (metrics.exists() and metrics.stat().st_size) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGUSR1)
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == EXIT_PREEMPTED, err[-3000:]
         ranks = 1 if name == "one" else 2
         for rank in range(ranks):
             assert f"rank {rank} received SIGUSR1" in err, err[-3000:]
+        stopped = json.loads((run_dir / checkpoints.STOPPED).read_text())
+        assert stopped["signal"] == "SIGUSR1"
+        saved = checkpoints.scan(run_dir / "checkpoints")
+        assert [p.name for p in saved.complete] == [f"checkpoint-{stopped['step']}"]
+        manifest = checkpoints.read_manifest(saved.newest)
+        assert manifest["saved_on"] == "SIGUSR1" and manifest["layout"]["processes"] == ranks
+        if ranks == 2:
+            assert "rng_state_1.pth" in manifest["files"]  # both ranks' files are sealed in
+        assert not (run_dir / "final").exists() and not (run_dir / "summary.json").exists()
+
+
+def _slow_start(write, name: str, extra: str = "") -> str:
+    """A run that spends seconds evaluating 4000 rows before its first step: a window in
+    which a requested save cannot happen yet."""
+    text = experiment("{strategy: none, device: cpu}", extra)
+    text = text.replace("evaluation: {before_training: false}",
+                        "evaluation: {before_training: true}")
+    text = text.replace("max_samples: 8}\n", f"max_samples: 8}}\n  eval: {DATA}/sft_train.jsonl\n")
+    return write(f"{name}.yaml", text)
+
+
+def _wait_for_text(proc_log, text: str, proc, seconds: float = 120) -> None:
+    deadline = time.monotonic() + seconds
+    while text not in proc_log.read_text():
+        assert proc.poll() is None and time.monotonic() < deadline, proc_log.read_text()[-3000:]
+        time.sleep(0.05)
+
+
+def test_a_second_signal_ends_the_process_at_once(write, tmp_path):
+    config = _slow_start(write, "twice")
+    log = tmp_path / "twice.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "finetune", "train", str(config)],
+                                cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT)
+    _wait_for_text(log, "finetune: run twice", proc)  # training set up, evaluating
+    proc.send_signal(signal.SIGTERM)
+    _wait_for_text(log, "rank 0 received SIGTERM", proc)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) == -signal.SIGTERM
+    assert not list((tmp_path / "runs" / "twice" / "checkpoints").glob("checkpoint-*"))
+
+
+def test_a_save_that_cannot_finish_in_time_ends_the_process(write, tmp_path):
+    config = _slow_start(write, "late", "preemption: {save_timeout: 1}\n")
+    log = tmp_path / "late.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "finetune", "train", str(config)],
+                                cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT)
+    _wait_for_text(log, "finetune: run late", proc)
+    started = time.monotonic()
+    proc.send_signal(signal.SIGUSR1)
+    assert proc.wait(60) == EXIT_SAVE_TIMEOUT, log.read_text()[-3000:]
+    assert time.monotonic() - started < 30
+    assert "did not finish within 1 s (preemption.save_timeout)" in log.read_text()

@@ -6,8 +6,11 @@ a run ends with bitwise the same weights and logged losses as one never interrup
 from __future__ import annotations
 
 import json
+import os
 import random
+import shutil
 import signal
+import subprocess
 import time
 
 import pytest
@@ -140,3 +143,37 @@ def test_two_processes_resume_on_one_with_the_same_global_batch(write, tmp_path)
           f"{worst:.2e}")
     assert worst <= 1e-5
     assert [s for s, *_ in losses(run_dir)] == list(range(1, 25))
+
+
+def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint(write, tmp_path):
+    """The run directory sits on a 14 MiB tmpfs: the first checkpoint fits, the second
+    does not. The error says so, the first stays complete; with space added, the run
+    continues from it and ends as if nothing happened."""
+    if os.geteuid() != 0 or not shutil.which("mount"):
+        pytest.skip("needs root to mount a small tmpfs (not root here)")
+    small = tmp_path / "small"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=14m", "tmpfs", str(small)], check=True)
+    try:
+        text = experiment("full", "sft", steps=12).replace(
+            "peft: {type: lora, r: 4, dropout: 0.1}\n", "")  # full weights: big checkpoints
+        reference = write("nofull.yaml", text.replace("name: full", "name: nofull"))
+        assert Run("train", reference, tmp_path, 0).wait() == 0
+        config = write("full.yaml", text.replace(
+            "output: {plot: false}", f"output: {{dir: {small / 'run'}, plot: false}}"))
+        result = run_cli("train", str(config), cwd=tmp_path)
+        assert result.returncode == 2, result.stderr[-3000:]
+        assert "Traceback" not in result.stderr
+        message = next(line for line in result.stderr.splitlines() if line.startswith("error:"))
+        assert "no space left on the device" in message and "while writing checkpoint-8" in \
+            message and "checkpoint-4, is intact" in message, message
+        found = checkpoints.scan(small / "run" / "checkpoints")
+        assert [p.name for p in found.complete] == ["checkpoint-4"]
+
+        subprocess.run(["mount", "-o", "remount,size=64m", str(small)], check=True)
+        result = run_cli("train", str(config), cwd=tmp_path)
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert "ignoring incomplete checkpoint-8" in result.stdout
+        assert_identical(small / "run", tmp_path / "runs" / "nofull", "after a full disk")
+    finally:
+        subprocess.run(["umount", "-l", str(small)], check=False)
