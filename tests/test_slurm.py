@@ -3,6 +3,7 @@ cluster.sh; Debian's slurm-wlm and munge) and submits the jobs `finetune slurm` 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -32,19 +33,34 @@ def cluster():
     subprocess.run(["bash", str(CLUSTER), "stop"], capture_output=True, timeout=120)
 
 
-def experiment(max_steps: int) -> str:
-    return (f"method: sft\nmodel: {{name_or_path: {TINY_MODEL}, init: random}}\n"
+STEPS = 150
+
+
+def experiment(name: str, local: bool = False) -> str:
+    processes = "num_processes: 2, " if local else ""
+    return (f"name: {name}\nmethod: sft\nmodel: {{name_or_path: {TINY_MODEL}, init: random}}\n"
             f"data:\n  train: {{path: {DATA}/sft_train.jsonl, max_samples: 16}}\n"
-            "distributed: {strategy: ddp, device: cpu, main_process_port: 29631}\n"
+            f"distributed: {{strategy: ddp, device: cpu, {processes}main_process_port: 29631}}\n"
             "evaluation: {before_training: false}\noutput: {plot: false}\n"
-            f"training: {{max_steps: {max_steps}, per_device_train_batch_size: 2, optim: sgd, "
-            "learning_rate: 0.1, max_grad_norm: 0.0, save_strategy: 'no', seed: 9, "
+            f"training: {{max_steps: {STEPS}, per_device_train_batch_size: 2, optim: sgd, "
+            "learning_rate: 0.1, max_grad_norm: 0.0, save_steps: 25, seed: 9, "
             "activation_checkpointing: false, logging_steps: 1}\n")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> Path:
+    """The same training as one local launch of 2 processes, never interrupted."""
+    cwd = tmp_path_factory.mktemp("local")
+    config = cwd / "local.yaml"
+    config.write_text(experiment("local", local=True))
+    result = run_cli("launch", str(config), cwd=cwd)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return cwd / "runs" / "local"
 
 
 def submit(config: Path, cwd: Path) -> str:
     result = run_cli("slurm", str(config), "--nodes", "2", "--time", "00:10:00", "--submit",
-                     cwd=cwd)
+                     "--partition", "debug", cwd=cwd)
     assert result.returncode == 0, result.stderr
     return re.search(r"submitted job (\d+)", result.stdout).group(1)
 
@@ -55,48 +71,81 @@ def state(job: str) -> str:
     return match.group(1) if match else "UNKNOWN"
 
 
-def wait_for(condition, seconds: float) -> bool:
+def wait_for(condition, seconds: float, every: float = 0.5) -> bool:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         if condition():
             return True
-        time.sleep(1)
+        time.sleep(every)
     return False
 
 
-def test_two_node_job_trains_like_two_local_processes(cluster, write, tmp_path):
-    config = write("slurm2.yaml", experiment(max_steps=3))
-    job = submit(config, tmp_path)
-    assert wait_for(lambda: state(job) in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), 300)
-    run = tmp_path / "runs" / "slurm2"
-    log = (run / f"slurm-{job}.out").read_text()
-    assert state(job) == "COMPLETED", log[-3000:]
-    script = (run / "job.sbatch").read_text()
-    assert "#SBATCH --requeue" in script and "#SBATCH --signal=USR1@120" in script
-    assert "machine 0 runs" in log and "machine 1 runs" in log
-    assert "x 2 process(es)" in log and "finetune: done" in log
-
-    local = write("local2.yaml", experiment(max_steps=3).replace("device: cpu,",
-                                                                 "device: cpu, num_processes: 2,"))
-    result = run_cli("launch", str(local), cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
-    a = load_file(run / "final" / "model.safetensors")
-    b = load_file(tmp_path / "runs" / "local2" / "final" / "model.safetensors")
-    assert all(torch.allclose(a[k], b[k], rtol=1e-5, atol=1e-7) for k in a)
+def steps_logged(run: Path) -> int:
+    metrics = run / "metrics.jsonl"
+    if not metrics.exists():
+        return 0
+    return sum('"loss"' in line for line in metrics.read_text().splitlines())
 
 
-def test_usr1_reaches_the_training_processes_on_both_nodes(cluster, write, tmp_path):
-    config = write("signal.yaml", experiment(max_steps=100_000))
-    job = submit(config, tmp_path)
-    log_file = tmp_path / "runs" / "signal" / f"slurm-{job}.out"
-    metrics = tmp_path / "runs" / "signal" / "metrics.jsonl"
+def interrupt_and_finish(name: str, interrupt, write, tmp_path, uninterrupted) -> str:
+    """Submit a 2-node job, interrupt it a few steps in, and wait until it has been
+    requeued, has resumed and has completed; then compare it with the local run."""
+    job = submit(write(f"{name}.yaml", experiment(name)), tmp_path)
+    run = tmp_path / "runs" / name
+    log_file = run / f"slurm-{job}.out"
+    log = lambda: log_file.read_text(errors="replace") if log_file.exists() else "no log yet"
     try:
-        assert wait_for(lambda: metrics.exists() and metrics.stat().st_size > 0, 180), \
-            log_file.read_text()[-3000:] if log_file.exists() else "no log"
-        # Like --signal=USR1@N: to the srun steps (our tasks), not the batch shell.
-        subprocess.run(["scancel", "--signal=USR1", job], check=True)
-        assert wait_for(lambda: all(f"rank {r} received SIGUSR1" in log_file.read_text()
-                                    for r in (0, 1)), 60), log_file.read_text()[-3000:]
-        assert state(job) == "RUNNING"  # a notice, not a kill: the launchers ignore it
+        assert wait_for(lambda: steps_logged(run) >= 3, 240, every=0.05), log()[-3000:]
+        interrupt(job)
+        assert wait_for(lambda: state(job) in ("COMPLETED", "FAILED", "CANCELLED"), 300), \
+            f"{state(job)}\n{log()[-3000:]}"
+        assert state(job) == "COMPLETED", log()[-4000:]
     finally:
         subprocess.run(["scancel", job])
+    text = log()
+    assert "restart 0 on" in text and "restart 1 on" in text, text[-4000:]
+    assert "machine 0 runs" in text and "machine 1 runs" in text
+    assert "x 2 process(es)" in text and "finetune: done" in text
+    assert re.search(r"finetune: resuming from .*checkpoint-\d+", text), text[-4000:]
+    a = load_file(run / "final" / "model.safetensors")
+    b = load_file(uninterrupted / "final" / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a), "weights differ from the local run"
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text()
+             .splitlines() if '"loss"' in line]
+    assert steps == list(range(1, STEPS + 1))  # nothing skipped, nothing repeated
+    return text
+
+
+def test_usr1_before_the_time_limit_saves_requeues_and_resumes(cluster, write, tmp_path,
+                                                               uninterrupted):
+    # What --signal=USR1@N does: USR1 to the srun steps (our tasks), not the batch shell.
+    text = interrupt_and_finish(
+        "usr1", lambda job: subprocess.run(["scancel", "--signal=USR1", job], check=True),
+        write, tmp_path, uninterrupted)
+    assert "rank 0 received SIGUSR1" in text and "rank 1 received SIGUSR1" in text
+    assert re.search(r"finetune: checkpoint saved \(.*\); requeueing job", text)
+    script = (tmp_path / "runs" / "usr1" / "job.sbatch").read_text()
+    assert "#SBATCH --requeue" in script and "#SBATCH --signal=USR1@120" in script
+
+
+def test_scontrol_requeue_saves_and_resumes(cluster, write, tmp_path, uninterrupted):
+    text = interrupt_and_finish(
+        "requeue", lambda job: subprocess.run(["scontrol", "requeue", job], check=True),
+        write, tmp_path, uninterrupted)
+    assert "rank 0 received SIGTERM" in text and "rank 1 received SIGTERM" in text
+
+
+def test_preemption_by_a_higher_priority_partition_saves_and_resumes(cluster, write, tmp_path,
+                                                                     uninterrupted):
+    high = []
+
+    def preempt(job: str) -> None:
+        result = subprocess.run(["sbatch", "--parsable", "-p", "high", "-N2", "--exclusive",
+                                 "--time=1", f"--output={tmp_path}/high-%j.out", "--wrap",
+                                 "echo high ran"], capture_output=True, text=True, check=True)
+        high.append(result.stdout.strip())
+
+    text = interrupt_and_finish("preempted", preempt, write, tmp_path, uninterrupted)
+    assert state(high[0]) == "COMPLETED"
+    # preempt_send_user_signal: the job's --signal (USR1) arrives first, at preemption.
+    assert "rank 0 received SIGUSR1" in text and "rank 1 received SIGUSR1" in text

@@ -3,7 +3,9 @@
 - --signal=USR1@N without B: reaches srun steps, not the batch shell;
 - with proctrack/cgroup only direct children of slurmstepd get non-KILL signals, so the
   task is `exec finetune launch`, which forwards signals to the training processes;
-- the machine rank is $SLURM_NODEID, expanded inside each task, never in the batch shell.
+- the machine rank is $SLURM_NODEID, expanded inside each task, never in the batch shell;
+- training stopped by a signal exits 75 after saving, and the job requeues itself (with
+  --requeue; a requeue or preemption by SLURM requeues it anyway), resuming on restart.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from pathlib import Path
 
 from finetune import __version__
 from finetune.config.schema import Experiment
+from finetune.checkpoints import STOPPED
+from finetune.errors import EXIT_PREEMPTED
 
 TIME = re.compile(r"^(?:(\d+)-)?(\d+):(\d{2}):(\d{2})$")
 
@@ -63,8 +67,23 @@ def sbatch_script(experiment: Experiment, run_dir: Path, *, nodes: int, gpus_per
         "export FINETUNE_MAIN_ADDR FINETUNE_MAIN_PORT",
         'echo "finetune: job $SLURM_JOB_ID restart ${SLURM_RESTART_COUNT:-0} on '
         '$SLURM_JOB_NODELIST, main $FINETUNE_MAIN_ADDR:$FINETUNE_MAIN_PORT"',
+        "# On scancel, requeue or preemption SLURM signals the tasks itself; this shell only",
+        "# waits for them to save instead of dying first.",
+        "trap 'echo \"finetune: batch shell got SIGTERM; waiting for the tasks\"' TERM",
+        "started=$(date +%s)",
+        "rc=0",
         f"srun --nodes={nodes} --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c "
-        f"{q(TASK)} {q(python)} {q(str(run_dir / 'experiment.yaml'))}",
+        f"{q(TASK)} {q(python)} {q(str(run_dir / 'experiment.yaml'))} || rc=$?",
+        "# Stopped on a signal with a sealed checkpoint (rank 0 wrote stopped.json): run",
+        "# again, resuming from it. srun's own code cannot tell: once one node exits 75 it",
+        "# terminates the others.",
+        f"stopped={q(str(run_dir / STOPPED))}",
+        'if [ -f "$stopped" ] && [ "$(stat -c %Y "$stopped")" -ge "$started" ]; then',
+        '  echo "finetune: checkpoint saved ($(cat "$stopped")); requeueing job $SLURM_JOB_ID"',
+        '  scontrol requeue "$SLURM_JOB_ID" || true',
+        f"  exit {EXIT_PREEMPTED}",
+        "fi",
+        'exit "$rc"',
         "",
     ]
     return "\n".join(lines)

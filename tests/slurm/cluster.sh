@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A throwaway SLURM cluster on this machine for the test suite: munge, slurmctld and two
-# slurmd "nodes" (n1, n2) on 127.0.0.1. Needs root; installs Debian's slurm-wlm and munge
-# when missing.   bash cluster.sh start | stop
+# slurmd "nodes" (n1, n2) on 127.0.0.1, partitions debug (preemptible) and high. Needs
+# root; installs Debian's slurm-wlm and munge when missing.   bash cluster.sh start | stop
 set -euo pipefail
 STATE=${FINETUNE_SLURM_STATE:-/tmp/finetune-slurm}
 CONF=/etc/slurm/slurm.conf
@@ -56,11 +56,17 @@ SchedulerParameters=sched_interval=2,bf_interval=2
 JobRequeue=1
 ReturnToService=2
 KillWait=10
+# Jobs in 'debug' are preempted (requeued) by jobs in 'high'; at preemption SLURM sends
+# the job's --signal, then SIGTERM after the partition's GraceTime.
+PreemptType=preempt/partition_prio
+PreemptMode=REQUEUE
+SlurmctldParameters=preempt_send_user_signal
 MinJobAge=600
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 NodeName=n[1-$NODES] NodeHostname=$host NodeAddr=127.0.0.1 Port=[17001-$((17000 + NODES))] CPUs=$cpus RealMemory=$mem State=UNKNOWN
-PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP PriorityTier=1 PreemptMode=REQUEUE GraceTime=20
+PartitionName=high Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=10 PreemptMode=OFF
 CONF
   if [ "$track" = cgroup ]; then
     printf 'CgroupPlugin=cgroup/v1\nCgroupMountpoint=/sys/fs/cgroup\n' > "$STATE/cgroup.conf"
