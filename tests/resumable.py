@@ -22,10 +22,13 @@ DATASETS = {"sft": "sft_train", "reward": "pref_train", "dpo": "pref_train"}
 
 def experiment(name: str, method: str, *, processes: int = 1, steps: int = 40,
                batch: int = 4, accumulation: int = 1, samples: int = 24, extra: str = "",
-               port: int = 29541) -> str:
-    """fp32 CPU, fixed seed, a checkpoint every 4 steps, several epochs (24 samples)."""
-    distributed = (f"distributed: {{strategy: ddp, num_processes: {processes}, device: cpu, "
-                   f"main_process_port: {port}}}\n" if processes > 1 else "")
+               port: int = 29541, zero_stage: int | None = None) -> str:
+    """fp32 CPU, fixed seed, a checkpoint every 4 steps, several epochs (24 samples);
+    DDP over `processes`, or DeepSpeed ZeRO at `zero_stage`."""
+    strategy = "ddp" if zero_stage is None else \
+        f"deepspeed, deepspeed: {{zero_stage: {zero_stage}}}"
+    distributed = (f"distributed: {{strategy: {strategy}, num_processes: {processes}, "
+                   f"device: cpu, main_process_port: {port}}}\n" if processes > 1 else "")
     peft = "peft: {type: lora, r: 4, dropout: 0.1}\n" if method == "sft" else ""
     return (f"name: {name}\nmethod: {method}\nmodel: {{name_or_path: {TINY_MODEL}, "
             f"init: random}}\n{peft}"

@@ -64,6 +64,27 @@ def test_sigterm_and_sigkill_then_resume_is_bitwise_identical(method, processes,
     assert [s for s, *_ in losses(run_dir)] == list(range(1, STEPS + 1))
 
 
+def test_deepspeed_zero3_sigterm_then_resume_is_bitwise_identical(write, tmp_path):
+    """ZeRO-3 checkpoints are written by every rank (sharded states): sealed only once all
+    are on disk, and resumed bitwise."""
+    text = experiment("z3", "sft", processes=2, steps=24, port=29545, zero_stage=3).replace(
+        "peft: {type: lora, r: 4, dropout: 0.1}\n", "")
+    reference = write("z3ref.yaml", text.replace("name: z3", "name: z3ref"))
+    assert Run("launch", reference, tmp_path, 0).wait() == 0
+    config = write("z3.yaml", text)
+    run_dir = tmp_path / "runs" / "z3"
+    first = Run("launch", config, tmp_path, 1)
+    wait_for_step(first, run_dir, 6)
+    first.signal(signal.SIGTERM)
+    assert first.wait() == EXIT_PREEMPTED, first.text()[-3000:]
+    sealed = checkpoints.scan(run_dir / "checkpoints").newest
+    shards = [f for f in checkpoints.read_manifest(sealed)["files"] if "optim_states" in f]
+    assert len(shards) == 2, shards  # one optimizer shard per rank, both in the manifest
+    second = Run("launch", config, tmp_path, 2)
+    assert second.wait() == 0, second.text()[-3000:]
+    assert_identical(run_dir, tmp_path / "runs" / "z3ref", "ZeRO-3")
+
+
 def _unsealed(run_dir) -> list:
     found = checkpoints.scan(run_dir / "checkpoints")
     return [p for p, why in found.incomplete if "no manifest" in why]
