@@ -10,12 +10,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from finetune import checkpoints
 from finetune.build.data import load_data
 from finetune.build.device import Hardware, resolve_hardware
 from finetune.build.model import count_parameters, initial_weights, load_model
 from finetune.build.peft import apply_peft, match_adapter_precision
 from finetune.build.tokenizer import load_tokenizer
-from finetune import checkpoints
 from finetune.callbacks import MetricsFile, SealCheckpoints, read_metrics, truncate_metrics
 from finetune.config import trl_fields
 from finetune.config.schema import Experiment
@@ -24,8 +24,8 @@ from finetune.evaluation import exact_match
 from finetune.fingerprint import fingerprint, layout
 from finetune.launch.environment import launch_problems, process_group_problems, rank_of
 from finetune.methods import Job, build_trainer
-from finetune.render.training_args import training_kwargs
 from finetune.preemption import Preempted, StopOnSignal
+from finetune.render.training_args import training_kwargs
 from finetune.report import end_summary, environment, plot_loss, start_summary, write_json
 from finetune.resume import ResumePlan
 from finetune.rundir import REDACTED

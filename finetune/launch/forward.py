@@ -16,7 +16,6 @@ is decided here: 75 when the stop was asked for and stopped.json is new.
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
