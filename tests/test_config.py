@@ -220,3 +220,21 @@ def test_override_paths_are_relative_to_the_current_directory(write, tmp_path, m
     exp = load_experiment(path, ["data.train=rows.jsonl", "data.eval={path: ./rows.jsonl}"])
     assert exp.data.train[0].path == str(tmp_path / "here" / "rows.jsonl")
     assert exp.data.eval[0].path == str(tmp_path / "here" / "rows.jsonl")
+
+
+def test_resume_rules(write, tmp_path, monkeypatch):
+    path = write("exp.yaml", BASE)
+    monkeypatch.chdir(tmp_path)
+    assert load_experiment(path).resume == "auto" and not load_experiment(path).force_resume
+    found = problems(path, "resume=runs/x/checkpoints/checkpoint-9")
+    assert found == ["command line: resume: no such checkpoint directory: "
+                     "runs/x/checkpoints/checkpoint-9 (auto, never, or a path relative to the "
+                     "current directory)"]
+    found = problems(path, "training.resume_from_checkpoint=true")
+    assert any("training.resume_from_checkpoint" in p and "finetune sets it from `resume`" in p
+               for p in found), found
+    found = problems(path, "training.save_only_model=true")
+    assert any("training.save_only_model:" in p and "resume: never" in p
+               for p in found), found
+    assert load_experiment(path, ["training.save_only_model=true", "resume=never"])
+    assert "preemption.save_timeout" in problems(path, "preemption.save_timeout=0")[0]
