@@ -63,6 +63,43 @@ def _barrier() -> None:
         dist.barrier()
 
 
+class LossWindow(TrainerCallback):
+    """The Trainer logs the mean loss of the steps since its last log, and a resumed
+    Trainer starts that window afresh: stopped at step 7 with logging_steps 5, its log at
+    step 10 would average steps 8-10, not 6-10. So every checkpoint keeps each rank's open
+    window (loss sum and first step), and a resume reopens it: every logged loss equals
+    the uninterrupted run's. This reads and sets two private Trainer attributes
+    (_tr_loss, _globalstep_last_logged); tests/test_resume.py fails if they change."""
+
+    def __init__(self, resume_from: Path | None):
+        self.resume_from = resume_from
+        self.trainer = None  # set once the trainer exists
+
+    @staticmethod
+    def _file(checkpoint: Path, rank: int) -> Path:
+        return checkpoint / f"loss_window_{rank}.pt"
+
+    def on_save(self, args, state, control, **kwargs):
+        import torch
+
+        checkpoint = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        torch.save({"sum": self.trainer._tr_loss.detach().cpu().clone(),
+                    "since": self.trainer._globalstep_last_logged},
+                   self._file(checkpoint, args.process_index))
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        import torch
+
+        if self.resume_from is None:
+            return
+        saved = self._file(self.resume_from, args.process_index)
+        if not saved.is_file():  # another number of processes: a fresh window
+            return
+        window = torch.load(saved, weights_only=True)
+        self.trainer._tr_loss = window["sum"].to(self.trainer._tr_loss.device)
+        self.trainer._globalstep_last_logged = int(window["since"])
+
+
 class SealCheckpoints(TrainerCallback):
     """After the Trainer wrote checkpoint-<step> (on every rank), rank 0 writes its
     manifest, then deletes checkpoints beyond save_total_limit: only sealed ones, never

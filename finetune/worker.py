@@ -16,7 +16,8 @@ from finetune.build.device import Hardware, resolve_hardware
 from finetune.build.model import count_parameters, initial_weights, load_model
 from finetune.build.peft import apply_peft, match_adapter_precision
 from finetune.build.tokenizer import load_tokenizer
-from finetune.callbacks import MetricsFile, SealCheckpoints, read_metrics, truncate_metrics
+from finetune.callbacks import (LossWindow, MetricsFile, SealCheckpoints, read_metrics,
+                                truncate_metrics)
 from finetune.config import trl_fields
 from finetune.config.schema import Experiment
 from finetune.errors import ConfigError, RunError
@@ -127,9 +128,11 @@ def train(experiment: Experiment, run_dir: Path, plan: ResumePlan) -> dict[str, 
     seal = SealCheckpoints(run_dir, {"fingerprint": fingerprint(experiment),
                                      "layout": layout(experiment)},
                            experiment.training.get("save_total_limit"), stop)
+    window = LossWindow(plan.checkpoint)
     job = Job(experiment=experiment, run_dir=run_dir, hardware=hw, tokenizer=tokenizer,
-              model=model, data=data, args=args, callbacks=[metrics, stop, seal])
+              model=model, data=data, args=args, callbacks=[metrics, stop, window, seal])
     trainer = build_trainer(job)
+    window.trainer = trainer
     if experiment.peft.type == "qlora":
         match_adapter_precision(trainer.model, hw.precision)
     main = trainer.is_world_process_zero()

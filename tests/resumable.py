@@ -22,7 +22,7 @@ DATASETS = {"sft": "sft_train", "reward": "pref_train", "dpo": "pref_train"}
 
 def experiment(name: str, method: str, *, processes: int = 1, steps: int = 40,
                batch: int = 4, accumulation: int = 1, samples: int = 24, extra: str = "",
-               port: int = 29541, zero_stage: int | None = None) -> str:
+               port: int = 29541, zero_stage: int | None = None, logging_steps: int = 1) -> str:
     """fp32 CPU, fixed seed, a checkpoint every 4 steps, several epochs (24 samples);
     DDP over `processes`, or DeepSpeed ZeRO at `zero_stage`."""
     strategy = "ddp" if zero_stage is None else \
@@ -36,7 +36,7 @@ def experiment(name: str, method: str, *, processes: int = 1, steps: int = 40,
             f"{distributed}evaluation: {{before_training: false}}\noutput: {{plot: false}}\n"
             f"training:\n  max_steps: {steps}\n  per_device_train_batch_size: {batch}\n"
             f"  gradient_accumulation_steps: {accumulation}\n  learning_rate: 1e-3\n"
-            "  logging_steps: 1\n  save_steps: 4\n  seed: 5\n  max_length: 64\n"
+            f"  logging_steps: {logging_steps}\n  save_steps: 4\n  seed: 5\n  max_length: 64\n"
             "  activation_checkpointing: false\n" + extra)
 
 
