@@ -22,21 +22,17 @@ def _clean(value):
 
 
 class MetricsFile(TrainerCallback):
-    def __init__(self, path: Path, stop: StopOnSignal | None = None):
+    def __init__(self, path: Path):
         self.path = path
-        self.stop = stop
 
     def write(self, record: dict) -> None:
         with self.path.open("a") as handle:
             handle.write(json.dumps({k: _clean(v) for k, v in record.items()}) + "\n")
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        if not (state.is_world_process_zero and logs):
-            return
-        if "train_runtime" in logs and self.stop is not None and self.stop.stopping:
-            return  # a stopped attempt's partial summary; the resumed run logs the real one
-        self.write({"step": state.global_step, "epoch": state.epoch,
-                    "time": round(time.time(), 3), **logs})
+        if state.is_world_process_zero and logs:
+            self.write({"step": state.global_step, "epoch": state.epoch,
+                        "time": round(time.time(), 3), **logs})
 
 
 def read_metrics(path: Path) -> list[dict]:
@@ -47,7 +43,8 @@ def read_metrics(path: Path) -> list[dict]:
 
 def truncate_metrics(path: Path, step: int) -> None:
     """Resuming from checkpoint-<step>: forget what an attempt logged after it, and the
-    end-of-training records at it, so the file reads like one uninterrupted run."""
+    end-of-attempt records at it (train_runtime summary, evaluation after), so the file
+    reads like one uninterrupted run."""
     if not path.exists():
         return
     kept = [r for r in read_metrics(path)
@@ -82,7 +79,7 @@ class LossWindow(TrainerCallback):
     def on_save(self, args, state, control, **kwargs):
         import torch
 
-        checkpoint = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        checkpoint = checkpoints.directory(args.output_dir, state.global_step)
         torch.save({"sum": self.trainer._tr_loss.detach().cpu().clone(),
                     "since": self.trainer._globalstep_last_logged},
                    self._file(checkpoint, args.process_index))
@@ -114,7 +111,7 @@ class SealCheckpoints(TrainerCallback):
         self.stop = stop
 
     def on_save(self, args, state, control, **kwargs):
-        checkpoint = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        checkpoint = checkpoints.directory(args.output_dir, state.global_step)
         _barrier()  # every rank's files (shards, RNG states) are written
         if state.is_world_process_zero:
             extra = dict(self.extra)

@@ -29,6 +29,11 @@ HASHED_BELOW = 16 * 2**20  # hash files up to 16 MiB (state, RNG, scheduler); si
 _STEP = re.compile(r"^checkpoint-(\d+)$")
 
 
+def directory(output_dir: str | Path, step: int) -> Path:
+    """Where the Trainer writes the checkpoint of `step`."""
+    return Path(output_dir) / f"checkpoint-{step}"
+
+
 def step_of(path: Path) -> int | None:
     match = _STEP.match(path.name)
     return int(match.group(1)) if match else None

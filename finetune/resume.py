@@ -29,7 +29,7 @@ def holds_a_run(run_dir: Path) -> list[str]:
         found.append("a final model (final/)")
     if (run_dir / "summary.json").exists():
         found.append("a finished run (summary.json)")
-    saved = [p for p in (run_dir / "checkpoints").glob("checkpoint-*")]
+    saved = list((run_dir / "checkpoints").glob("checkpoint-*"))
     if saved:
         found.append(f"{len(saved)} checkpoint(s) (checkpoints/)")
     return found
@@ -42,8 +42,8 @@ def _finished_step(run_dir: Path) -> int | None:
         return None
 
 
-def _check_compatible(experiment: Experiment, checkpoint: Path, notes: list[str]) -> None:
-    manifest = checkpoints.read_manifest(checkpoint)
+def _check_compatible(experiment: Experiment, checkpoint: Path, manifest: dict,
+                      notes: list[str]) -> None:
     changed = differences(manifest.get("fingerprint", {}), fingerprint(experiment))
     if changed:
         listing = "\n".join(f"  {line}" for line in changed)
@@ -100,6 +100,6 @@ def plan_resume(experiment: Experiment, run_dir: Path) -> ResumePlan:
             checkpoint = newest
         else:
             notes.append(f"resuming from {checkpoint} (resume: path)")
-    _check_compatible(experiment, checkpoint, notes)
-    step = checkpoints.read_manifest(checkpoint)["step"]
-    return ResumePlan(checkpoint, step, notes, incomplete)
+    manifest = checkpoints.read_manifest(checkpoint)
+    _check_compatible(experiment, checkpoint, manifest, notes)
+    return ResumePlan(checkpoint, manifest["step"], notes, incomplete)

@@ -124,7 +124,7 @@ def train(experiment: Experiment, run_dir: Path, plan: ResumePlan) -> dict[str, 
     model = load_model(experiment, hw, tokenizer, run_dir, initial)
     model = apply_peft(model, experiment, args.gradient_checkpointing)
 
-    metrics = MetricsFile(run_dir / "metrics.jsonl", stop)
+    metrics = MetricsFile(run_dir / "metrics.jsonl")
     seal = SealCheckpoints(run_dir, {"fingerprint": fingerprint(experiment),
                                      "layout": layout(experiment)},
                            experiment.training.get("save_total_limit"), stop)
@@ -154,7 +154,7 @@ def train(experiment: Experiment, run_dir: Path, plan: ResumePlan) -> dict[str, 
         _leave_process_group()
         step = trainer.state.global_step
         raise Preempted(stop.received or "a signal on another rank", step,
-                        str(Path(args.output_dir) / f"checkpoint-{step}"))
+                        str(checkpoints.directory(args.output_dir, step)))
     stop.done()
     after = _evaluate(trainer, job, metrics, "after")
 

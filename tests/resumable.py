@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import DATA, TINY_MODEL
+from finetune.errors import EXIT_PREEMPTED
 
 DATASETS = {"sft": "sft_train", "reward": "pref_train", "dpo": "pref_train"}
 
@@ -113,3 +114,14 @@ def assert_identical(a: Path, b: Path, context: str = "") -> None:
     different = [k for k in wa if not torch.equal(wa[k], wb[k])]
     assert not different, f"{context}: weights differ in {different[:5]}"
     assert losses(a) == losses(b), f"{context}: logged losses differ"
+
+
+def stopped_by_sigterm(command: str, config: Path, run_dir: Path, cwd: Path,
+                       at_step: int) -> Run:
+    """Run until `at_step` is logged, SIGTERM `finetune COMMAND` (as SLURM signals the
+    task), and check it saved and exited 75."""
+    run = Run(command, config, cwd, 1)
+    wait_for_step(run, run_dir, at_step)
+    run.signal(signal.SIGTERM)
+    assert run.wait() == EXIT_PREEMPTED, run.text()[-3000:]
+    return run

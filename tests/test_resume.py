@@ -10,7 +10,6 @@ import json
 import os
 import random
 import shutil
-import signal
 import subprocess
 import time
 
@@ -18,8 +17,8 @@ import pytest
 
 from conftest import run_cli
 from finetune import checkpoints
-from finetune.errors import EXIT_PREEMPTED
-from resumable import Run, assert_identical, experiment, final_weights, losses, wait_for_step
+from resumable import (Run, assert_identical, experiment, final_weights, losses,
+                       stopped_by_sigterm, wait_for_step)
 
 STEPS = 40
 
@@ -41,10 +40,7 @@ def test_sigterm_and_sigkill_then_resume_is_bitwise_identical(method, processes,
                                           logging_steps=3))
     run_dir = tmp_path / "runs" / "cut"
     term_at = rng.randint(2, 14)
-    first = Run(command, config, tmp_path, 1)
-    wait_for_step(first, run_dir, term_at)
-    first.signal(signal.SIGTERM)  # to `finetune train`, or to `finetune launch` as SLURM does
-    assert first.wait() == EXIT_PREEMPTED, first.text()[-3000:]
+    first = stopped_by_sigterm(command, config, run_dir, tmp_path, term_at)
     stopped = json.loads((run_dir / checkpoints.STOPPED).read_text())
     saved_at = stopped["step"]
     assert stopped["signal"] == "SIGTERM" and saved_at >= term_at
@@ -77,10 +73,7 @@ def test_deepspeed_zero3_sigterm_then_resume_is_bitwise_identical(write, tmp_pat
     assert Run("launch", reference, tmp_path, 0).wait() == 0
     config = write("z3.yaml", text)
     run_dir = tmp_path / "runs" / "z3"
-    first = Run("launch", config, tmp_path, 1)
-    wait_for_step(first, run_dir, 6)
-    first.signal(signal.SIGTERM)
-    assert first.wait() == EXIT_PREEMPTED, first.text()[-3000:]
+    stopped_by_sigterm("launch", config, run_dir, tmp_path, 6)
     sealed = checkpoints.scan(run_dir / "checkpoints").newest
     shards = [f for f in checkpoints.read_manifest(sealed)["files"] if "optim_states" in f]
     assert len(shards) == 2, shards  # one optimizer shard per rank, both in the manifest
@@ -147,10 +140,7 @@ def test_two_processes_resume_on_one_with_the_same_global_batch(write, tmp_path)
     assert Run("launch", reference, tmp_path, 0).wait() == 0
     config = write("moved.yaml", two)
     run_dir = tmp_path / "runs" / "moved"
-    first = Run("launch", config, tmp_path, 1)
-    wait_for_step(first, run_dir, 9)
-    first.signal(signal.SIGTERM)
-    assert first.wait() == EXIT_PREEMPTED, first.text()[-3000:]
+    stopped_by_sigterm("launch", config, run_dir, tmp_path, 9)
 
     halved = write("halved.yaml", experiment("moved", "reward", steps=24))
     refused = run_cli("train", str(halved), cwd=tmp_path)

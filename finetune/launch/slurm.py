@@ -16,8 +16,8 @@ import sys
 from pathlib import Path
 
 from finetune import __version__
-from finetune.config.schema import Experiment
 from finetune.checkpoints import STOPPED
+from finetune.config.schema import Experiment
 from finetune.errors import EXIT_PREEMPTED
 
 TIME = re.compile(r"^(?:(\d+)-)?(\d+):(\d{2}):(\d{2})$")
