@@ -15,7 +15,9 @@ from finetune.config import trl_fields
 from finetune.config.schema import Experiment
 
 SECTIONS = ("method", "model", "tokenizer", "peft", "precision", "dpo")
-DATA_KEYS = ("train", "eval_fraction", "format")
+# Sections that only the methods named here read.
+METHOD_SECTIONS = {"classify": ("classify",), "grpo": ("rewards",), "ppo": ("rewards", "ppo")}
+DATA_KEYS = ("train", "eval_fraction", "format", "weight_column")
 LAYOUT_KEYS = ("per_device_train_batch_size", "gradient_accumulation_steps")
 # Training keys that do not change which samples are seen or what a step computes.
 HARMLESS_PREFIXES = ("logging_", "save_", "eval_", "hub_", "push_to_hub", "log_level",
@@ -57,7 +59,7 @@ def layout(experiment: Experiment) -> dict[str, int]:
 def fingerprint(experiment: Experiment) -> dict[str, Any]:
     dumped = experiment.model_dump(mode="json")
     flat: dict[str, Any] = {}
-    for section in SECTIONS:
+    for section in SECTIONS + METHOD_SECTIONS.get(experiment.method, ()):
         flat.update(_flatten(dumped[section], section))
     for key in DATA_KEYS:
         flat.update(_flatten(dumped["data"][key], f"data.{key}"))

@@ -5,6 +5,7 @@ split off eval rows. Tokenization is left to the method's TRL trainer."""
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
@@ -22,7 +23,13 @@ FORMATS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "prompt_completion": (("prompt", "completion"), ()),
     "text": (("text",), ()),
     "preference": (("chosen", "rejected"), ("prompt",)),
+    "classification": (("text", "label"), ()),
+    "prompt": (("prompt",), ()),  # every other column is kept for the reward functions
 }
+CANDIDATES = {"sft": ("messages", "prompt_completion", "text"), "reward": ("preference",),
+              "dpo": ("preference",), "classify": ("classification",), "grpo": ("prompt",),
+              "ppo": ("prompt",)}
+WEIGHT = "weight"  # the per-sample weight column, whatever data.weight_column names
 ROLES = ("system", "user", "assistant", "tool")
 BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 
@@ -92,10 +99,7 @@ def _read_source(source: DataSource, where: str) -> list[tuple[str, Dataset]]:
 
 def detect_format(columns: Iterable[str], method: str, label: str) -> str:
     columns = set(columns)
-    if method in ("reward", "dpo"):
-        candidates = ["preference"]
-    else:
-        candidates = ["messages", "prompt_completion", "text"]
+    candidates = CANDIDATES[method]
     for name in candidates:
         if set(FORMATS[name][0]) <= columns:
             return name
@@ -127,16 +131,55 @@ def _check_text_or_messages(value: Any, field: str) -> str | None:
     return f"`{field}` must be text or a list of messages, got {type(value).__name__}"
 
 
-def check_row(row: dict[str, Any], fmt: str, method: str) -> str | None:
+def _check_weight(value: Any, field: str) -> str | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return f"`{field}` must be a number, got {type(value).__name__} {value!r}"
+    if not math.isfinite(value) or value < 0:
+        return f"`{field}` is {value}; weights must be finite and >= 0"
+    return None
+
+
+def _check_turn_weights(messages: list[dict[str, Any]]) -> str | None:
+    for i, message in enumerate(messages):
+        if message.get("weight") is None:
+            continue
+        if message["role"] != "assistant":
+            return f"`messages[{i}].weight` is on a {message['role']} message; only " \
+                   "assistant turns are trained"
+        problem = _check_weight(message["weight"], f"messages[{i}].weight")
+        if problem:
+            return problem
+    return None
+
+
+def _check_label(value: Any, labels: list[str]) -> str | None:
+    if isinstance(value, str):
+        return None if value in labels else \
+            f"`label` {value!r} is not one of classify.labels ({', '.join(labels)})"
+    if isinstance(value, bool) or not isinstance(value, int):
+        return f"`label` must be a class name or index, got {type(value).__name__} {value!r}"
+    return None if 0 <= value < len(labels) else \
+        f"`label` {value} is out of range for {len(labels)} classes"
+
+
+def check_row(row: dict[str, Any], fmt: str, labels: list[str] | None = None) -> str | None:
     required, optional = FORMATS[fmt]
     for field in required:
         if row.get(field) is None:
             return f"missing `{field}`"
+    if WEIGHT in row:
+        problem = _check_weight(row[WEIGHT], WEIGHT)
+        if problem:
+            return problem
     if fmt == "messages":
         problem = _check_messages(row["messages"], "messages")
         if problem is None and not any(m["role"] == "assistant" for m in row["messages"]):
             problem = "no assistant message to learn from"
-        return problem
+        return problem or _check_turn_weights(row["messages"])
+    if fmt == "classification":
+        if not isinstance(row["text"], str) or not row["text"].strip():
+            return "`text` must be a non-empty string"
+        return _check_label(row["label"], labels or [])
     if fmt == "text":
         if not isinstance(row["text"], str):
             return f"`text` must be a string, got {type(row['text']).__name__}"
@@ -151,20 +194,40 @@ def check_row(row: dict[str, Any], fmt: str, method: str) -> str | None:
     return None
 
 
-def _validated(label: str, ds: Dataset, fmt: str, method: str) -> Dataset:
+def _weighted(label: str, ds: Dataset, column: str | None) -> Dataset:
+    """The per-sample weight column, renamed to WEIGHT; missing is an error."""
+    if column is None:
+        return ds.remove_columns([WEIGHT]) if WEIGHT in ds.column_names else ds
+    if column not in ds.column_names:
+        raise DataError(f"{label}: no weight column {column!r} (data.weight_column); "
+                        f"columns: {', '.join(ds.column_names)}")
+    if column != WEIGHT:
+        if WEIGHT in ds.column_names:
+            ds = ds.remove_columns(WEIGHT)
+        ds = ds.rename_column(column, WEIGHT)
+    return ds
+
+
+def _validated(label: str, ds: Dataset, fmt: str, experiment: Experiment) -> Dataset:
     required, optional = FORMATS[fmt]
     missing = [c for c in required if c not in ds.column_names]
     if missing:
         raise DataError(f"{label}: format {fmt} needs column(s) {', '.join(missing)}; "
                         f"found {', '.join(ds.column_names)}")
-    keep = [c for c in required + optional if c in ds.column_names]
-    ds = ds.select_columns(keep)
+    if fmt != "prompt":
+        ds = _weighted(label, ds, experiment.data.weight_column)
+        keep = [c for c in required + optional + (WEIGHT,) if c in ds.column_names]
+        ds = ds.select_columns(keep)
+    labels = experiment.classify.labels if experiment.classify else None
     for number, row in enumerate(ds, 1):
-        problem = check_row(row, fmt, method)
+        problem = check_row(row, fmt, labels)
         if problem:
             raise DataError(f"{label} row {number}: {problem}")
     if len(ds) == 0:
         raise DataError(f"{label}: no rows")
+    if fmt == "classification":  # class names become indices
+        ds = ds.map(lambda row: {"label": labels.index(row["label"])
+                                 if isinstance(row["label"], str) else row["label"]})
     return ds
 
 
@@ -175,7 +238,7 @@ def _load_split(sources: list[DataSource], split: str, experiment: Experiment,
         for label, ds in _read_source(source, f"data.{split}[{i}]"):
             if fmt is None:
                 fmt = detect_format(ds.column_names, experiment.method, label)
-            ds = _validated(label, ds, fmt, experiment.method)
+            ds = _validated(label, ds, fmt, experiment)
             if source.max_samples is not None:
                 ds = ds.select(range(min(source.max_samples, len(ds))))
             parts.append(ds)

@@ -18,6 +18,9 @@ HEADS = {
     "sft": (AutoModelForCausalLM, "CAUSAL_LM"),
     "dpo": (AutoModelForCausalLM, "CAUSAL_LM"),
     "reward": (AutoModelForSequenceClassification, "SEQ_CLS"),
+    "classify": (AutoModelForSequenceClassification, "SEQ_CLS"),
+    "grpo": (AutoModelForCausalLM, "CAUSAL_LM"),
+    "ppo": (AutoModelForCausalLM, "CAUSAL_LM"),
 }
 
 
@@ -41,6 +44,10 @@ def _load_dtype(experiment: Experiment, hw: Hardware) -> torch.dtype:
 def _config(experiment: Experiment, tokenizer: PreTrainedTokenizerBase):
     spec = experiment.model
     extra = {"num_labels": 1} if experiment.method == "reward" else {}
+    if experiment.method == "classify":
+        labels = experiment.classify.labels
+        extra = {"num_labels": len(labels), "id2label": dict(enumerate(labels)),
+                 "label2id": {name: i for i, name in enumerate(labels)}}
     try:
         config = AutoConfig.from_pretrained(spec.name_or_path, revision=spec.revision,
                                             trust_remote_code=spec.trust_remote_code, **extra)

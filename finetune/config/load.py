@@ -117,7 +117,8 @@ def _local(value: Any, base: Path) -> Any:
 
 
 _PATH_KEYS = {("model", "name_or_path"), ("tokenizer", "name_or_path"), ("dpo", "ref_model"),
-              ("tokenizer", "chat_template"), ("distributed", "deepspeed", "config_file")}
+              ("tokenizer", "chat_template"), ("distributed", "deepspeed", "config_file"),
+              ("rewards", "model"), ("ppo", "value_model_path")}
 
 
 def is_input_path(loc: Loc) -> bool:
@@ -140,6 +141,9 @@ def _resolve(value: Any, loc: Loc, base: Path) -> Any:
         return [_resolve(v, loc + (i,), base) for i, v in enumerate(value)]
     if is_input_path(loc) and isinstance(value, str) and "{{" not in value and "{%" not in value:
         return _local(value, base)
+    if loc[:2] == ("rewards", "functions") and isinstance(value, str) and ".py:" in value:
+        file, _, function = value.rpartition(":")  # a file of reward functions
+        return f"{_local(file, base)}:{function}"
     return value
 
 

@@ -19,7 +19,12 @@ FORMATS = {
     "sft": ("auto", "messages", "prompt_completion", "text"),
     "reward": ("auto", "preference"),
     "dpo": ("auto", "preference"),
+    "classify": ("auto", "classification"),
+    "grpo": ("auto", "prompt"),
+    "ppo": ("auto", "prompt"),
 }
+REWARDED = ("grpo", "ppo")
+FUNCTION_RE = re.compile(r"^(?:[A-Za-z_][\w.]*|.+\.py):[A-Za-z_]\w*$")
 
 
 def is_local(path: str) -> bool:
@@ -40,7 +45,9 @@ def _paths(exp: Experiment) -> Iterator[Problem]:
                 yield loc, f"neither a local file nor a hub dataset id: {source.path!r}"
     for loc, value in ((("model", "name_or_path"), exp.model.name_or_path),
                        (("tokenizer", "name_or_path"), exp.tokenizer.name_or_path),
-                       (("dpo", "ref_model"), exp.dpo.ref_model)):
+                       (("dpo", "ref_model"), exp.dpo.ref_model),
+                       (("rewards", "model"), exp.rewards.model),
+                       (("ppo", "value_model_path"), exp.ppo.value_model_path)):
         if value is None:
             continue
         if is_local(value):
@@ -103,8 +110,57 @@ def _precision(exp: Experiment) -> Iterator[Problem]:
 
 def _method_sections(exp: Experiment) -> Iterator[Problem]:
     for section in Experiment.METHOD_SECTIONS:
-        if section != exp.method and changed(getattr(exp, section)):
+        value = getattr(exp, section)
+        if section != exp.method and value is not None and changed(value):
             yield (section,), f"options for method {section}, but method is {exp.method}"
+    if exp.method == "classify" and exp.classify is None:
+        yield ("classify",), "method classify needs classify.labels"
+    if exp.method not in REWARDED and changed(exp.rewards):
+        yield ("rewards",), f"options for methods grpo and ppo, but method is {exp.method}"
+
+
+def _rewards(exp: Experiment) -> Iterator[Problem]:
+    if exp.method not in REWARDED:
+        return
+    spec = exp.rewards
+    if spec.model is None and not spec.functions:
+        yield ("rewards",), f"method {exp.method} needs a reward: rewards.model and/or " \
+                            "rewards.functions"
+    for i, name in enumerate(spec.functions):
+        if not FUNCTION_RE.match(name):
+            yield ("rewards", "functions", i), f"{name!r}: write 'module:function' or " \
+                                                "'file.py:function'"
+        elif ".py:" in name and not Path(name.rpartition(":")[0]).is_file():
+            yield ("rewards", "functions", i), f"no such file: {name.rpartition(':')[0]}"
+    sources = (spec.model is not None) + len(spec.functions)
+    if spec.weights is not None and len(spec.weights) != sources:
+        yield ("rewards", "weights"), f"{len(spec.weights)} weights for {sources} reward " \
+                                      "source(s) (the model first, then each function)"
+    if exp.data.weight_column is not None:
+        yield ("data", "weight_column"), f"not used by method {exp.method}: its samples " \
+                                         "are weighted by their rewards"
+    if exp.method == "ppo":
+        if exp.ppo.value_model_path and exp.ppo.value_model == "shared":
+            yield ("ppo", "value_model_path"), "only for value_model: separate"
+        if exp.distributed.strategy in ("deepspeed", "fsdp"):
+            yield ("distributed", "strategy"), "ppo runs with strategy none or ddp"
+
+
+def _classify(exp: Experiment) -> Iterator[Problem]:
+    spec = exp.classify
+    if exp.method != "classify" or spec is None:
+        return
+    if len(spec.labels) < 2:
+        yield ("classify", "labels"), "at least two classes"
+    if len(set(spec.labels)) != len(spec.labels):
+        yield ("classify", "labels"), "class names repeat"
+    weights = spec.class_weights
+    if isinstance(weights, list):
+        if len(weights) != len(spec.labels):
+            yield ("classify", "class_weights"), f"{len(weights)} weights for " \
+                                                 f"{len(spec.labels)} labels"
+        if any(not w >= 0 for w in weights) or not any(w > 0 for w in weights):
+            yield ("classify", "class_weights"), "weights must be >= 0, and not all 0"
 
 
 def _distributed(exp: Experiment) -> Iterator[Problem]:
@@ -168,7 +224,8 @@ def _resume(exp: Experiment) -> Iterator[Problem]:
             "and RNG state cannot continue a run exactly; set resume: never to use it"
 
 
-RULES = (_paths, _peft, _data, _precision, _method_sections, _distributed, _resume)
+RULES = (_paths, _peft, _data, _precision, _method_sections, _rewards, _classify,
+         _distributed, _resume)
 
 
 def check(exp: Experiment) -> list[Problem]:

@@ -11,7 +11,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-Method = Literal["sft", "reward", "dpo"]
+Method = Literal["sft", "reward", "dpo", "classify", "grpo", "ppo"]
 
 
 class Section(BaseModel):
@@ -88,7 +88,8 @@ def _as_source_list(value: Any) -> Any:
     return [{"path": item} if isinstance(item, str) else item for item in items]
 
 
-DataFormat = Literal["auto", "messages", "prompt_completion", "text", "preference"]
+DataFormat = Literal["auto", "messages", "prompt_completion", "text", "preference", "prompt",
+                     "classification"]
 
 
 class DataSection(Section):
@@ -100,7 +101,14 @@ class DataSection(Section):
         "(shuffled with training.seed) when no eval data is given.")
     format: DataFormat = Field(
         "auto", description="Row format; 'auto' detects it from the columns. sft: messages, "
-        "prompt_completion or text; reward and dpo: preference.")
+        "prompt_completion or text; reward and dpo: preference; classify: classification "
+        "(text, label); grpo and ppo: prompt (prompt as text or messages, plus any columns "
+        "the reward functions read).")
+    weight_column: str | None = Field(
+        None, description="sft, reward, dpo, classify: a numeric column of per-sample loss "
+        "weights (>= 0). The loss is sum(w x loss) / sum(w) over the global batch, the same "
+        "under gradient accumulation and data parallelism. sft messages may also carry a "
+        "`weight` on assistant messages: a per-token weight for that turn's tokens.")
 
     @field_validator("train", "eval", mode="before")
     @classmethod
@@ -112,6 +120,73 @@ class DPOSection(Section):
     ref_model: str | None = Field(
         None, description="Reference model path or hub id. Default: the starting policy "
         "(the adapter-disabled model under LoRA, a frozen copy otherwise).")
+
+
+class RewardsSection(Section):
+    model: str | None = Field(
+        None, description="grpo, ppo: a reward model: the run directory of a `method: reward` "
+        "run (its final/ model or adapter is used) or a model directory / hub id with a "
+        "one-logit sequence-classification head.")
+    functions: list[str] = Field(
+        default_factory=list,
+        description="grpo, ppo: Python reward functions as 'module:function' (an importable "
+        "module, or a .py file relative to the YAML file). Called as f(prompts=[...], "
+        "completions=[...], **columns) and returning one float (or None) per completion.")
+    weights: list[float] | None = Field(
+        None, description="One weight per reward source, the model first, then the "
+        "functions in order; default 1 each. The reward is their weighted sum.")
+
+
+class ClassifySection(Section):
+    labels: list[str] = Field(
+        description="Class names in index order. The data's `label` is a class name or an "
+        "index into this list.")
+    class_weights: list[float] | Literal["balanced"] | None = Field(
+        None, description="Loss weight per class (one per label), or 'balanced': "
+        "n_samples / (n_classes x count) from the training labels.")
+    focal_gamma: float = Field(
+        0.0, ge=0, description="Focal loss exponent: (1 - p_true)^gamma scales each sample's "
+        "cross-entropy; 0 is plain cross-entropy.")
+    label_smoothing: float = Field(0.0, ge=0, lt=1, description="Label smoothing.")
+    max_length: int = Field(512, gt=0, description="Truncate texts to this many tokens.")
+
+
+class PPOSection(Section):
+    value_model: Literal["separate", "shared"] = Field(
+        "separate", description="separate: a value model of its own (a copy of the policy's "
+        "base with a scalar head, or value_model_path); shared: a value head on the policy's "
+        "backbone.")
+    value_model_path: str | None = Field(
+        None, description="separate only: initialise the value model from this model "
+        "directory (for example the reward model) instead of the policy's base.")
+    max_new_tokens: int = Field(64, gt=0, description="Response length limit of a rollout.")
+    stop_strings: list[str] = Field(
+        default_factory=list, description="A response also ends at one of these strings "
+        "(it always ends at the EOS token).")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature of rollouts.")
+    top_k: int | None = Field(None, gt=0, description="Sample from the top k tokens only.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
+    rollout_batches: int = Field(
+        4, ge=1, description="Mini-batches per rollout: each rollout samples "
+        "rollout_batches x per_device_train_batch_size x gradient_accumulation_steps prompts "
+        "per process, then trains on them in that many optimizer steps per PPO epoch.")
+    ppo_epochs: int = Field(4, ge=1, description="Passes over each rollout.")
+    kl_coef: float = Field(0.05, ge=0, description="Per-token KL penalty coefficient "
+                           "(the starting value when kl_target is set).")
+    kl_target: float | None = Field(
+        None, gt=0, description="Adaptive KL control: steer the coefficient so the "
+        "rollout KL approaches this value.")
+    kl_horizon: int = Field(10000, gt=0, description="Adaptive KL: horizon in samples.")
+    gamma: float = Field(1.0, ge=0, le=1, description="Discount factor.")
+    lam: float = Field(0.95, ge=0, le=1, description="GAE lambda.")
+    cliprange: float = Field(0.2, gt=0, description="Policy ratio clip range.")
+    cliprange_value: float = Field(0.2, gt=0, description="Value prediction clip range.")
+    vf_coef: float = Field(0.1, ge=0, description="Value loss coefficient.")
+    whiten_advantages: bool = Field(True, description="Normalise advantages over the "
+                                    "global rollout batch.")
+    missing_eos_penalty: float | None = Field(
+        None, description="Subtracted from the reward of a response that ends without EOS "
+        "or a stop string.")
 
 
 class EvaluationSection(Section):
@@ -212,10 +287,15 @@ class Experiment(Section):
         "supports it, fp16 on older GPUs, fp32 on CPU.")
     training: dict[str, Any] = Field(
         default_factory=dict,
-        description="Passed to the method's TRL config class (SFTConfig, RewardConfig, "
-        "DPOConfig): any of its fields under its own name.")
+        description="Passed to the method's config class (sft: SFTConfig, reward: "
+        "RewardConfig, dpo: DPOConfig, grpo: GRPOConfig; classify and ppo: transformers' "
+        "TrainingArguments): any of its fields under its own name.")
     evaluation: EvaluationSection = Field(default_factory=EvaluationSection)
     dpo: DPOSection = Field(default_factory=DPOSection)
+    classify: ClassifySection | None = Field(
+        None, description="method classify: labels, class weights, focal loss, smoothing.")
+    rewards: RewardsSection = Field(default_factory=RewardsSection)
+    ppo: PPOSection = Field(default_factory=PPOSection)
     distributed: DistributedSection = Field(default_factory=DistributedSection)
     output: OutputSection = Field(default_factory=OutputSection)
     resume: str = Field(
@@ -244,4 +324,4 @@ class Experiment(Section):
         return value
 
     # Sections that configure one method only.
-    METHOD_SECTIONS: ClassVar[tuple[str, ...]] = ("dpo",)
+    METHOD_SECTIONS: ClassVar[tuple[str, ...]] = ("dpo", "ppo", "classify")

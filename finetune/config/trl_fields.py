@@ -28,6 +28,10 @@ CONFIG_CLASSES: dict[str, tuple[str, str]] = {
     "sft": ("trl", "SFTConfig"),
     "reward": ("trl", "RewardConfig"),
     "dpo": ("trl", "DPOConfig"),
+    "grpo": ("trl", "GRPOConfig"),
+    # Our own trainers take transformers' arguments; their options are in their sections.
+    "classify": ("transformers", "TrainingArguments"),
+    "ppo": ("transformers", "TrainingArguments"),
 }
 
 # Fields finetune sets itself from another section: setting them in `training:` would
@@ -47,6 +51,7 @@ OWNED: dict[str, str] = {
     "ref_model_init_kwargs": "dpo.ref_model",
     "chat_template_path": "tokenizer.chat_template",
     "resume_from_checkpoint": "resume",
+    "reward_weights": "rewards.weights",
 }
 
 
@@ -189,7 +194,8 @@ def check_training(method: str, training: dict[str, Any]) -> tuple[dict[str, Any
 
     Returns the values with numbers converted, and (key, problem) pairs.
     """
-    _, class_name = CONFIG_CLASSES[method]
+    module, class_name = CONFIG_CLASSES[method]
+    where = f"{module}.{class_name}"
     fields = load_manifest()["classes"][class_name]["fields"]
     checked: dict[str, Any] = {}
     problems: list[tuple[str, str]] = []
@@ -199,11 +205,11 @@ def check_training(method: str, training: dict[str, Any]) -> tuple[dict[str, Any
         elif key not in fields:
             close = difflib.get_close_matches(key, list(fields), n=1)
             hint = f"; did you mean {close[0]}?" if close else ""
-            problems.append((key, f"unknown key: not a field of trl.{class_name}{hint}"))
+            problems.append((key, f"unknown key: not a field of {where}{hint}"))
         else:
             value, problem = _check_value(value, fields[key])
             if problem:
-                problems.append((key, f"{problem} (trl.{class_name}.{key})"))
+                problems.append((key, f"{problem} ({where}.{key})"))
             checked[key] = value
     return checked, problems
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import importlib
+
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from finetune.build.data import Splits
 from finetune.build.device import Hardware
@@ -25,11 +27,12 @@ class Job:
     callbacks: list = field(default_factory=list)
 
 
-def _registry() -> dict[str, Callable[[Job], Any]]:
-    from finetune.methods import dpo, reward, sft
-
-    return {"sft": sft.build_trainer, "reward": reward.build_trainer, "dpo": dpo.build_trainer}
+# method -> module of finetune.methods with a build_trainer(job); imported on use, so a
+# run pays only for its own method's imports.
+METHODS = {"sft": "sft", "reward": "reward", "dpo": "dpo", "classify": "classify",
+           "grpo": "grpo", "ppo": "ppo"}
 
 
 def build_trainer(job: Job) -> Any:
-    return _registry()[job.experiment.method](job)
+    module = importlib.import_module(f"finetune.methods.{METHODS[job.experiment.method]}")
+    return module.build_trainer(job)
