@@ -1,0 +1,88 @@
+"""Reward sources for grpo and ppo: Python functions named 'module:function' (or
+'file.py:function') and a reward model (a `method: reward` run directory or a model)."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import yaml
+
+from finetune.config.schema import Experiment
+from finetune.errors import ConfigError, RunError
+
+RewardFunction = Callable[..., list]
+
+
+def _import(spec: str, where: str) -> RewardFunction:
+    module_name, _, function_name = spec.rpartition(":")
+    try:
+        if module_name.endswith(".py"):
+            path = Path(module_name)
+            loader = importlib.util.spec_from_file_location(f"finetune_rewards_{path.stem}", path)
+            module = importlib.util.module_from_spec(loader)
+            loader.loader.exec_module(module)
+        else:
+            module = importlib.import_module(module_name)
+    except Exception as exc:  # the user's module: any error it raises is theirs to see
+        raise ConfigError([f"{where}: cannot import {module_name}: "
+                           f"{type(exc).__name__}: {exc}"]) from None
+    function = getattr(module, function_name, None)
+    if not callable(function):
+        raise ConfigError([f"{where}: {module_name} has no function {function_name!r}"])
+    return function
+
+
+def reward_functions(experiment: Experiment) -> list[RewardFunction]:
+    return [_import(spec, f"rewards.functions[{i}]")
+            for i, spec in enumerate(experiment.rewards.functions)]
+
+
+def reward_weights(experiment: Experiment) -> list[float]:
+    spec = experiment.rewards
+    count = (spec.model is not None) + len(spec.functions)
+    return list(spec.weights) if spec.weights is not None else [1.0] * count
+
+
+def _from_run(run_dir: Path) -> tuple[str, str | None]:
+    """(model to load, adapter or None) of a finished `method: reward` run."""
+    resolved = yaml.safe_load((run_dir / "experiment.yaml").read_text())
+    if resolved.get("method") != "reward":
+        raise RunError(f"rewards.model: {run_dir} is a {resolved.get('method')} run, not a "
+                       "reward run")
+    final = run_dir / "final"
+    if not (final / "config.json").is_file() and not (final / "adapter_config.json").is_file():
+        raise RunError(f"rewards.model: {run_dir} has no final/ model yet; finish the "
+                       "reward run first")
+    if not (final / "adapter_config.json").is_file():
+        return str(final), None
+    model = resolved["model"]
+    base = str(run_dir / "init-model") if model.get("init") == "random" else model["name_or_path"]
+    return base, str(final)
+
+
+def reward_model(experiment: Experiment, dtype: torch.dtype) -> tuple[Any, Any]:
+    """(model, tokenizer) of rewards.model, frozen, in eval mode. LoRA reward runs are
+    merged into their base."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    path = Path(experiment.rewards.model)
+    source, adapter = (_from_run(path) if (path / "experiment.yaml").is_file()
+                       else (str(path), None))
+    tokenizer_source = str(path / "final") if adapter or source.endswith("final") else source
+    trust = experiment.model.trust_remote_code
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_source, trust_remote_code=trust)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model = AutoModelForSequenceClassification.from_pretrained(
+        source, num_labels=1, dtype=dtype, trust_remote_code=trust,
+        pad_token_id=tokenizer.pad_token_id)
+    if adapter:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, adapter).merge_and_unload()
+    model.requires_grad_(False)
+    return model.eval(), tokenizer
