@@ -132,6 +132,8 @@ def _check_text_or_messages(value: Any, field: str) -> str | None:
 
 
 def _check_weight(value: Any, field: str) -> str | None:
+    if value is None:
+        return f"`{field}` is missing (null, empty or NaN)"
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return f"`{field}` must be a number, got {type(value).__name__} {value!r}"
     if not math.isfinite(value) or value < 0:

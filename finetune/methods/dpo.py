@@ -29,6 +29,9 @@ def _reference(job: Job):
 
 
 def build_trainer(job: Job) -> DPOTrainer:
-    return DPOTrainer(model=job.model, ref_model=_reference(job), args=job.args,
-                      train_dataset=job.data.train, eval_dataset=job.data.eval,
-                      processing_class=job.tokenizer, callbacks=job.callbacks)
+    trainer_class = DPOTrainer
+    if job.experiment.data.weight_column is not None:  # a weight per preference pair
+        from finetune.trainers.weighted import WeightedDPOTrainer as trainer_class
+    return trainer_class(model=job.model, ref_model=_reference(job), args=job.args,
+                         train_dataset=job.data.train, eval_dataset=job.data.eval,
+                         processing_class=job.tokenizer, callbacks=job.callbacks)

@@ -1,0 +1,1 @@
+"""Trainer subclasses of our own: weighted losses, classification, PPO."""
