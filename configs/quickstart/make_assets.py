@@ -177,6 +177,25 @@ def pref_row(words, rng):
     }
 
 
+# Classification: where in the alphabet a list's first word falls (a-h, i-p, q-z).
+# Deliberately imbalanced (70/20/10 %), the case class weights are for; the eval split
+# is balanced, so per-class recall shows what the weights change.
+CLASSES = {"early": WORDS[:8], "middle": WORDS[8:16], "late": WORDS[16:]}
+CLASS_SHARES = [0.7, 0.2, 0.1]
+N_CLASSIFY_TRAIN, N_CLASSIFY_EVAL = 1200, 150
+
+
+def classify_rows(rng, n, balanced):
+    names = list(CLASSES) * (n // len(CLASSES)) if balanced else rng.choices(
+        list(CLASSES), weights=CLASS_SHARES, k=n)
+    rows = []
+    for name in names:
+        first = rng.choice(CLASSES[name])
+        rest = rng.sample([w for w in WORDS if w != first], rng.randint(MIN_LEN, MAX_LEN) - 1)
+        rows.append({"text": " ".join([first, *rest]), "label": name})
+    return rows
+
+
 def write_jsonl(path: Path, rows):
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", encoding="utf-8", newline="\n") as f:
@@ -269,6 +288,9 @@ def main():
         "pref_train": [pref_row(w, rng) for w in pref_train],
         "pref_eval": [pref_row(w, rng) for w in pref_eval],
     }
+    classify_rng = random.Random(SEED + 1)  # its own stream: the files above stay as they were
+    outputs["classify_train"] = classify_rows(classify_rng, N_CLASSIFY_TRAIN, balanced=False)
+    outputs["classify_eval"] = classify_rows(classify_rng, N_CLASSIFY_EVAL, balanced=True)
     for name, rows in outputs.items():
         write_jsonl(data_dir / f"{name}.jsonl", rows)
         written.append(data_dir / f"{name}.jsonl")
