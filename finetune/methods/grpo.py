@@ -1,0 +1,235 @@
+"""Group relative policy optimisation through TRL's GRPOTrainer.
+
+Rewards: the reward model of rewards.model first (if any), then the Python functions of
+rewards.functions in order, weighted by rewards.weights (GRPOConfig.reward_weights, set
+here: finetune owns that field). Each function is wrapped so that one that raises, or
+returns something other than one number (or None) per completion, stops the run with an
+error naming it (rewards.functions[i]). None keeps TRL's meaning: "this function does
+not score this completion" (multi-task rewards); the weighted sum skips it, and a
+completion no function scores gets advantage 0 (TRL warns).
+
+Reference model (beta > 0): under LoRA/QLoRA TRL keeps a frozen copy of the starting
+adapter (equal to the adapter-disabled base for a fresh adapter). Without PEFT it
+reloads the policy from model.config._name_or_path, which is empty for `model.init:
+random`: we point it at the run's init-model/ (the starting weights, saved by rank 0)
+while the trainer is built, and pass the model's revision.
+
+Exact resume: TRL generates completions for steps_per_generation x num_iterations
+micro-steps at once and keeps them in memory (_buffered_inputs), counting micro-steps in
+_step; a resumed TRL trainer starts with neither, so a checkpoint that falls inside a
+generation window would be continued with fresh, different completions. Every
+checkpoint therefore also holds, per rank, grpo_state_<rank>.pt: _step, the buffer and
+the open window of GRPO's own metrics (reward, kl, ... averaged at each log). It is
+written inside the Trainer's save (before the on_save callbacks seal the checkpoint) and
+read back with the optimizer, so a resumed run continues bitwise like an uninterrupted
+one. A checkpoint of another layout (processes, batch, accumulation, generation window)
+or without the file continues as TRL would, from freshly generated completions, but
+with _step where the uninterrupted run would have it, so later windows stay aligned.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+import numbers
+import os
+from collections import defaultdict
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from trl import GRPOTrainer
+
+from finetune.build.rewards import reward_functions, reward_model, reward_weights
+from finetune.errors import ConfigError, RunError
+from finetune.methods import Job
+
+STATE_FILE = "grpo_state_{rank}.pt"
+STATE_VERSION = 1
+
+
+def _problem(output, count: int) -> str | None:
+    """Why a reward function's result is unusable, or None."""
+    if isinstance(output, torch.Tensor):
+        output = output.tolist()
+    if isinstance(output, (str, bytes)) or not hasattr(output, "__len__"):
+        return f"returned {type(output).__name__}, not a list of one number (or None) per " \
+               "completion"
+    if len(output) != count:
+        return f"returned {len(output)} rewards for {count} completions"
+    for i, value in enumerate(output):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
+            return f"returned {type(value).__name__} {value!r} at index {i}; rewards are " \
+                   "numbers, or None for a completion it does not score"
+        if value is not None and math.isinf(value):
+            return f"returned {value} at index {i}; rewards must be finite (or None)"
+    return None
+
+
+def _checked(function, where: str):
+    """The user's function, raising RunError naming `where` when it fails or returns
+    something unusable. Keeps the name (TRL's metric key rewards/<name>/...) and
+    async-ness (TRL awaits async functions)."""
+
+    def check(output, completions):
+        problem = _problem(output, len(completions))
+        if problem:
+            raise RunError(f"{where}: {problem}")
+        return output.tolist() if isinstance(output, torch.Tensor) else list(output)
+
+    def failed(exc: Exception) -> RunError:
+        hint = ""
+        if isinstance(exc, TypeError) and "argument" in str(exc):
+            hint = " (reward functions are called as f(prompts=..., completions=..., " \
+                   "completion_ids=..., **columns); accept **kwargs)"
+        return RunError(f"{where} raised {type(exc).__name__}: {exc}{hint}")
+
+    if inspect.iscoroutinefunction(function) or \
+            inspect.iscoroutinefunction(getattr(function, "__call__", None)):
+        @functools.wraps(function)
+        async def wrapper(*args, completions, **kwargs):
+            try:
+                output = await function(*args, completions=completions, **kwargs)
+            except RunError:
+                raise
+            except Exception as exc:
+                raise failed(exc) from exc
+            return check(output, completions)
+    else:
+        @functools.wraps(function)
+        def wrapper(*args, completions, **kwargs):
+            try:
+                output = function(*args, completions=completions, **kwargs)
+            except RunError:
+                raise
+            except Exception as exc:
+                raise failed(exc) from exc
+            return check(output, completions)
+    return wrapper
+
+
+def _unique(names: list[str]) -> list[str]:
+    seen: dict[str, int] = {}
+    out = []
+    for name in names:
+        seen[name] = seen.get(name, 0) + 1
+        out.append(name if seen[name] == 1 else f"{name}_{seen[name]}")
+    return out
+
+
+class ResumableGRPOTrainer(GRPOTrainer):
+    """GRPOTrainer whose checkpoints carry its generation buffer (see the module doc)."""
+
+    def _layout(self) -> dict[str, int]:
+        args = self.args
+        return {"world_size": args.world_size,
+                "per_device_train_batch_size": args.per_device_train_batch_size,
+                "gradient_accumulation_steps": args.gradient_accumulation_steps,
+                "steps_per_generation": args.steps_per_generation,
+                "num_iterations": self.num_iterations,
+                "num_generations": self.num_generations}
+
+    def _save_checkpoint(self, model, trial):
+        super()._save_checkpoint(model, trial)
+        folder = os.path.join(self._get_output_dir(trial=trial),
+                              f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        os.makedirs(folder, exist_ok=True)
+        buffer = self._buffered_inputs
+        if buffer is not None:
+            buffer = [{k: (v.detach().cpu() if isinstance(v, torch.Tensor) else v)
+                       for k, v in part.items()} for part in buffer]
+        torch.save({"version": STATE_VERSION, "layout": self._layout(), "step": self._step,
+                    "global_step": self.state.global_step, "buffer": buffer,
+                    "metrics": {k: list(v) for k, v in self._metrics["train"].items()}},
+                   os.path.join(folder, STATE_FILE.format(rank=self.args.process_index)))
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is not None:
+            self._restore_generation_state(Path(checkpoint))
+
+    def _restore_generation_state(self, checkpoint: Path) -> None:
+        path = checkpoint / STATE_FILE.format(rank=self.args.process_index)
+        saved = torch.load(path, weights_only=True, map_location="cpu") if path.is_file() \
+            else None
+        usable = saved is not None and saved["version"] == STATE_VERSION and \
+            saved["layout"] == self._layout() and saved["global_step"] == self.state.global_step
+        if usable:
+            device = self.accelerator.device
+            buffer = saved["buffer"]
+            if buffer is not None:
+                buffer = [{k: (v.to(device) if isinstance(v, torch.Tensor) else v)
+                           for k, v in part.items()} for part in buffer]
+            self._step = int(saved["step"])
+            self._buffered_inputs = buffer
+            self._metrics["train"] = defaultdict(list, {k: list(v) for k, v in
+                                                        saved["metrics"].items()})
+            return
+        # Another layout (or an older checkpoint): continue as TRL does, generating afresh
+        # from the current prompts, with _step where an uninterrupted run would have it.
+        self._step = self.state.global_step * self.args.gradient_accumulation_steps
+        self._buffered_inputs = None
+        generate_every = self.args.steps_per_generation * self.num_iterations
+        if self.args.process_index == 0 and self._step % generate_every:
+            why = "was written with another batch layout" if saved is not None else \
+                f"has no {path.name}"
+            print(f"finetune: {checkpoint.name} {why}: GRPO regenerates the completions of "
+                  "the current generation window, so this resume is not bitwise exact",
+                  flush=True)
+
+
+@contextmanager
+def _reference_source(job: Job):
+    """Without PEFT and with beta > 0, TRL builds the reference by reloading the policy
+    from model.config._name_or_path; make that the starting weights."""
+    config = job.model.config
+    original = getattr(config, "_name_or_path", "")
+    spec = job.experiment
+    if spec.model.init == "random":
+        config._name_or_path = str(job.run_dir / "init-model")
+    # TRL loads it with the policy's dtype and attention; revision and remote code are ours.
+    extra = {k: v for k, v in (("revision", spec.model.revision if spec.model.init != "random"
+                                else None),
+                               ("trust_remote_code", spec.model.trust_remote_code)) if v}
+    if extra:
+        job.args.model_init_kwargs = {**(job.args.model_init_kwargs or {}), **extra}
+    try:
+        yield
+    finally:
+        config._name_or_path = original
+
+
+def build_trainer(job: Job) -> GRPOTrainer:
+    spec = job.experiment
+    if job.args.use_vllm:
+        raise ConfigError(["training.use_vllm: not supported by finetune's grpo (generation "
+                           "runs in the trainer)"])
+    functions = reward_functions(spec)  # ConfigError naming rewards.functions[i]
+    funcs, processors, names = [], [], []
+    if spec.rewards.model is not None:
+        model, tokenizer = reward_model(spec, job.model.dtype)
+        funcs.append(model)
+        processors.append(tokenizer)
+        names.append("reward_model")
+    for i, (name, function) in enumerate(zip(spec.rewards.functions, functions)):
+        funcs.append(_checked(function, f"rewards.functions[{i}] ({name})"))
+        processors.append(None)
+        names.append(name.rpartition(":")[2])
+    job.args.reward_weights = reward_weights(spec)
+
+    needs_reference = job.args.beta != 0.0 and spec.peft.type == "none"
+    with _reference_source(job) if needs_reference else _nothing():
+        trainer = ResumableGRPOTrainer(
+            model=job.model, reward_funcs=funcs, args=job.args, train_dataset=job.data.train,
+            eval_dataset=job.data.eval, processing_class=job.tokenizer,
+            reward_processing_classes=processors, callbacks=job.callbacks)
+    # Metric keys rewards/<name>/mean: the function's name, "reward_model" for the model.
+    trainer.reward_func_names = _unique(names)
+    return trainer
+
+
+@contextmanager
+def _nothing():
+    yield
