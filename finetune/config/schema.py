@@ -131,7 +131,8 @@ class RewardsSection(Section):
         default_factory=list,
         description="grpo, ppo: Python reward functions as 'module:function' (an importable "
         "module, or a .py file relative to the YAML file). Called as f(prompts=[...], "
-        "completions=[...], **columns) and returning one float (or None) per completion.")
+        "completions=[...], completion_ids=[...], trainer_state=..., **columns) and "
+        "returning one float per completion (None: grpo skips it; ppo stops with an error).")
     weights: list[float] | None = Field(
         None, description="One weight per reward source, the model first, then the "
         "functions in order; default 1 each. The reward is their weighted sum.")
@@ -155,7 +156,8 @@ class PPOSection(Section):
     value_model: Literal["separate", "shared"] = Field(
         "separate", description="separate: a value model of its own (a copy of the policy's "
         "base with a scalar head, or value_model_path); shared: a value head on the policy's "
-        "backbone.")
+        "backbone. Under lora/qlora a separate value model is a full trainable copy of the "
+        "base model in fp32; use shared to save memory.")
     value_model_path: str | None = Field(
         None, description="separate only: initialise the value model from this model "
         "directory (for example the reward model) instead of the policy's base.")
