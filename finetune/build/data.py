@@ -73,6 +73,15 @@ def _read_file(path: Path) -> Dataset:
         raise DataError(located or f"{path}: cannot read as {builder}: {exc}") from None
 
 
+def _renamed(ds: Dataset, original: str, target: str) -> Dataset:
+    """Column `original` under the name `target` (a column already called that goes)."""
+    if target == original:
+        return ds
+    if target in ds.column_names:
+        ds = ds.remove_columns(target)
+    return ds.rename_column(original, target)
+
+
 def _read_source(source: DataSource, where: str) -> list[tuple[str, Dataset]]:
     """(label, dataset) per file, so row numbers stay per file."""
     if is_local(source.path):
@@ -89,10 +98,7 @@ def _read_source(source: DataSource, where: str) -> list[tuple[str, Dataset]]:
             if original not in ds.column_names:
                 raise DataError(f"{where}.columns.{target}: {label} has no column {original!r} "
                                 f"(columns: {', '.join(ds.column_names)})")
-            if target != original:
-                if target in ds.column_names:
-                    ds = ds.remove_columns(target)
-                ds = ds.rename_column(original, target)
+            ds = _renamed(ds, original, target)
         out.append((label, ds))
     return out
 
@@ -203,11 +209,7 @@ def _weighted(label: str, ds: Dataset, column: str | None) -> Dataset:
     if column not in ds.column_names:
         raise DataError(f"{label}: no weight column {column!r} (data.weight_column); "
                         f"columns: {', '.join(ds.column_names)}")
-    if column != WEIGHT:
-        if WEIGHT in ds.column_names:
-            ds = ds.remove_columns(WEIGHT)
-        ds = ds.rename_column(column, WEIGHT)
-    return ds
+    return _renamed(ds, column, WEIGHT)
 
 
 def _validated(label: str, ds: Dataset, fmt: str, experiment: Experiment) -> Dataset:
