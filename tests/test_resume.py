@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from conftest import run_cli
+from conftest import DATA, TINY_MODEL, run_cli
 from finetune import checkpoints
 from resumable import (Run, assert_identical, experiment, final_weights, losses,
                        stopped_by_sigterm, wait_for_step)
@@ -192,3 +192,30 @@ def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint(write, tmp_path
         assert_identical(small / "run", tmp_path / "runs" / "nofull", "after a full disk")
     finally:
         subprocess.run(["umount", "-l", str(small)], check=False)
+
+
+def test_weighted_classify_sigterm_then_resume_is_bitwise_identical(write, tmp_path):
+    """Our own weighted Trainer (class weights x sample weights, focal loss) on 2
+    processes with accumulation: stopped by SIGTERM, resumed, bitwise equal."""
+    rows = [json.loads(line) for line in
+            (DATA / "classify_train.jsonl").read_text().splitlines()[:24]]
+    data = write("weighted.jsonl", "".join(
+        json.dumps({**row, "w": [1.0, 0.5, 2.0, 0.0][i % 4]}) + "\n" for i, row in enumerate(rows)))
+    text = (f"method: classify\nmodel: {{name_or_path: {TINY_MODEL}, init: random}}\n"
+            f"data: {{train: {data}, weight_column: w}}\n"
+            "classify: {labels: [early, middle, late], class_weights: balanced, "
+            "focal_gamma: 1.0}\n"
+            "distributed: {strategy: ddp, num_processes: 2, device: cpu, main_process_port: 29547}\n"
+            "evaluation: {before_training: false}\noutput: {plot: false}\n"
+            "training: {max_steps: 24, per_device_train_batch_size: 2, "
+            "gradient_accumulation_steps: 2, learning_rate: 1e-3, logging_steps: 3, "
+            "save_steps: 4, seed: 5}\n")
+    reference = write("wref.yaml", f"name: wref\n{text}")
+    assert Run("launch", reference, tmp_path, 0).wait() == 0
+    config = write("wcut.yaml", f"name: wcut\n{text}")
+    run_dir = tmp_path / "runs" / "wcut"
+    stopped_by_sigterm("launch", config, run_dir, tmp_path, random.randint(2, 10))
+    second = Run("launch", config, tmp_path, 2)
+    assert second.wait() == 0, second.text()[-3000:]
+    assert "resuming from" in second.text()
+    assert_identical(run_dir, tmp_path / "runs" / "wref", "weighted classify x2")
