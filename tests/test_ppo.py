@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import TINY_MODEL, run_cli
+from conftest import DATA, TINY_MODEL, run_cli
 from finetune import checkpoints
 from finetune.trainers import ppo_math
 from resumable import Run, logged, stopped_by_sigterm
@@ -342,3 +342,48 @@ training:
     assert json.loads((final / "value" / "value.json").read_text())["value_model"] == "shared"
     assert load_file(final / "value" / "value_head.safetensors")["weight"].shape == (1, 128)
     assert not (final / "value" / "model.safetensors").exists()
+
+
+def test_qlora_policy_with_a_reward_run_as_reward_and_value_model(write, tmp_path):
+    """A `method: reward` run directory scores the responses (with a function, weighted)
+    and starts the separate value model; the policy is QLoRA."""
+    reward_config = write("rm.yaml", f"""
+name: rm
+method: reward
+model: {{name_or_path: {TINY_MODEL}, init: random}}
+data: {{train: {{path: {DATA}/pref_train.jsonl, max_samples: 8}}}}
+evaluation: {{before_training: false}}
+output: {{plot: false}}
+training: {{max_steps: 2, per_device_train_batch_size: 4, save_strategy: 'no'}}
+""")
+    result = run_cli("train", str(reward_config), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    reward_run = tmp_path / "runs" / "rm"
+    train, _ = _data(tmp_path)
+    config = write("qlora.yaml", f"""
+name: qlora
+method: ppo
+model: {{name_or_path: {TINY_MODEL}, init: random}}
+peft: {{type: qlora, r: 4}}
+data: {{train: {{path: {train}, max_samples: 16}}}}
+rewards: {{model: {reward_run}, functions: ["{_rewards(tmp_path)}:vowels"], weights: [0.5, 2.0]}}
+ppo: {{value_model_path: {reward_run}, max_new_tokens: 4, rollout_batches: 1, ppo_epochs: 1}}
+evaluation: {{before_training: false}}
+output: {{plot: false}}
+training: {{max_steps: 2, per_device_train_batch_size: 4, logging_steps: 1,
+           save_strategy: 'no', seed: 3}}
+""")
+    result = run_cli("train", str(config), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = _records(tmp_path / "runs" / "qlora")
+    assert [r["step"] for r in records] == [1, 2]
+    for record in records:
+        parts = {k: v for k, v in record.items() if k.startswith("ppo/rewards/")}
+        assert len(parts) == 2, record  # the reward model and the function, each logged
+        model_part = next(v for k, v in parts.items() if "vowels" not in k)
+        assert record["ppo/reward_mean"] == pytest.approx(
+            0.5 * model_part + 2.0 * record["ppo/rewards/vowels"], rel=1e-4, abs=1e-5)
+        assert all(math.isfinite(v) for v in record.values() if isinstance(v, float))
+    final = tmp_path / "runs" / "qlora" / "final"
+    assert (final / "adapter_model.safetensors").exists()
+    assert (final / "value" / "value_head.safetensors").exists()
