@@ -40,17 +40,38 @@ def _train(args: argparse.Namespace) -> int:
 
     experiment = load_experiment(args.config, args.overrides)
     experiment, run_dir, plan = prepare_run_dir(experiment, rank=rank_of(os.environ))
-    from finetune.errors import EXIT_PREEMPTED
+    from finetune.errors import EXIT_PREEMPTED, ConfigError, DataError, RunError
     from finetune.preemption import Preempted
     from finetune.worker import train  # heavy: torch, transformers, trl
 
     try:
         train(experiment, run_dir, plan)
+    except (ConfigError, DataError, RunError) as exc:
+        _record_failure(run_dir, exc)
+        raise
     except Preempted as stopped:
         print(f"finetune: {stopped}; exit {EXIT_PREEMPTED}. Run the same command again to "
               "continue from it.", file=sys.stderr, flush=True)
         return EXIT_PREEMPTED
     return 0
+
+
+def _record_failure(run_dir: Path, exc: Exception) -> None:
+    """Leave the error where `finetune launch` looks for it (see errors.FAILED_MARKER)."""
+    import json
+    import os
+
+    from finetune.checkpoints import write_atomic
+    from finetune.errors import FAILED_MARKER
+    from finetune.launch.environment import rank_of
+
+    problems = getattr(exc, "problems", None) or [str(exc)]
+    rank = rank_of(os.environ)
+    try:
+        write_atomic(run_dir / FAILED_MARKER.replace(".json", f"-{rank}.json"),
+                     json.dumps({"rank": rank, "errors": problems}))
+    except OSError:
+        pass  # a full or read-only disk: the error itself is still printed
 
 
 def _launch_overrides(args: argparse.Namespace) -> list[str]:
@@ -101,7 +122,7 @@ def _launch(args: argparse.Namespace) -> int:
                        f"{dist.main_process_ip}:{dist.main_process_port} within "
                        f"{dist.rdzv_timeout} s (distributed.rdzv_timeout): is machine 0 "
                        "started, and is that address and port reachable from here?")
-    return run_forwarding(argv, run_dir / checkpoints.STOPPED)
+    return run_forwarding(argv, run_dir / checkpoints.STOPPED, run_dir)
 
 
 def _slurm(args: argparse.Namespace) -> int:

@@ -24,3 +24,7 @@ class RunError(Exception):
 EXIT_PREEMPTED = 75
 # The save asked for by a signal did not finish in preemption.save_timeout.
 EXIT_SAVE_TIMEOUT = 76
+
+# Written by a training process that stopped on one of the errors above, so that
+# `finetune launch`, whose launcher only reports "a child failed", can exit 2 as well.
+FAILED_MARKER = "failed.json"

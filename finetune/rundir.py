@@ -13,6 +13,7 @@ runs/<name>/
   loss.png           the loss curve
   checkpoints/       checkpoint-<step>/ written by the Trainer, sealed by a manifest
   stopped.json       where the last attempt stopped on a signal (step, checkpoint)
+  failed-<rank>.json the error a training process stopped on (read by finetune launch)
   final/             the final model or adapter, with its tokenizer
   init-model/        the starting weights of a model.init: random run
 """

@@ -186,3 +186,21 @@ def test_a_save_that_cannot_finish_in_time_ends_the_process(write, tmp_path):
     assert proc.wait(60) == EXIT_SAVE_TIMEOUT, log.read_text()[-3000:]
     assert time.monotonic() - started < 30
     assert "did not finish within 1 s (preemption.save_timeout)" in log.read_text()
+
+
+def test_a_bad_data_row_under_launch_exits_2_and_names_the_row(write, tmp_path):
+    """The row is only read by the training processes; the launcher says just that a
+    child failed, so launch itself turns their error into exit 2."""
+    rows = [{"messages": [{"role": "user", "content": "hi"},
+                          {"role": "assistant", "content": "yo"}]}] * 3
+    rows.insert(1, {"messages": [{"role": "robot", "content": "x"}]})
+    data = write("bad.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
+    config = write("bad.yaml", f"method: sft\nmodel: {{name_or_path: {TINY_MODEL}, "
+                               f"init: random}}\ndata: {{train: {data}}}\n"
+                               "distributed: {strategy: ddp, num_processes: 2, device: cpu, "
+                               "main_process_port: 29571}\ntraining: {max_steps: 1}\n")
+    result = run_cli("launch", str(config), cwd=tmp_path)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "bad.jsonl row 2: `messages[0].role` is 'robot'" in result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith(
+        "finetune: a training process stopped on the error above")

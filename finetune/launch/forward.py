@@ -11,7 +11,9 @@ does the launcher get the signal.
 
 A trainer that stopped on SIGTERM/SIGUSR1 after sealing a checkpoint exits 75 and rank 0
 writes stopped.json; the launcher then reports a failure, so the exit code of this process
-is decided here: 75 when the stop was asked for and stopped.json is new.
+is decided here: 75 when the stop was asked for and stopped.json is new. Likewise 2 when
+a trainer stopped on a user error (a bad data row, a failing reward function): each one
+writes failed-<rank>.json, and the launcher would only say that a child failed.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from pathlib import Path
 
 import psutil
 
-from finetune.errors import EXIT_PREEMPTED
+from finetune.errors import EXIT_PREEMPTED, FAILED_MARKER
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 
@@ -39,7 +41,12 @@ def _trainers(child: subprocess.Popen, argv: list[str]) -> list[psutil.Process]:
         return []
 
 
-def run_forwarding(argv: list[str], stopped_marker: Path) -> int:
+def _failures(run_dir: Path, since: float) -> list[Path]:
+    pattern = FAILED_MARKER.replace(".json", "-*.json")
+    return sorted(p for p in run_dir.glob(pattern) if p.stat().st_mtime >= since)
+
+
+def run_forwarding(argv: list[str], stopped_marker: Path, run_dir: Path) -> int:
     for signum in FORWARDED:
         # Ignored until our handler is set, and inherited ignored by the launcher (which
         # sets its own handlers) so that it never dies of a USR1 meant for the trainers.
@@ -65,4 +72,9 @@ def run_forwarding(argv: list[str], stopped_marker: Path) -> int:
               f"({stopped_marker}); exit {EXIT_PREEMPTED}. Run the same command again to "
               "continue.", file=sys.stderr, flush=True)
         return EXIT_PREEMPTED
+    failed = _failures(run_dir, started) if code else []
+    if failed:
+        print(f"finetune: a training process stopped on the error above ({failed[0]}); "
+              "exit 2", file=sys.stderr, flush=True)
+        return 2
     return code
