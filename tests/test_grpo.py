@@ -6,6 +6,7 @@ generation window, and names a reward function that fails."""
 from __future__ import annotations
 
 import json
+import math
 import random
 
 import pytest
@@ -210,3 +211,32 @@ def test_reward_function_results_are_checked():
     with pytest.raises(RunError, match=r"raised TypeError: .*accept \*\*kwargs"):
         _checked(positional, "rewards.functions[0] (m:positional)")(
             prompts=["p"], completions=["a"], completion_ids=[[1]])
+
+
+def test_grpo_on_two_processes_with_chat_prompts(write, tmp_path):
+    """DDP: generations, rewards and the group statistics over 2 processes; chat
+    prompts reach the reward function as message lists."""
+    write("rewards.py", REWARDS + '''
+
+def chat_digits(prompts, completions, completion_ids, **kwargs):
+    assert all(isinstance(p, list) and p[0]["role"] == "user" for p in prompts)
+    texts = [c[-1]["content"] for c in completions]
+    return digits(texts, completion_ids, **kwargs)
+''')
+    rng = random.Random(1)
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": " ".join(
+        rng.sample(WORDS, 3))}], "task": "digits"}) + "\n" for _ in range(16)))
+    config = write("ddp.yaml", grpo("ddp", str(data), steps=2,
+                                    functions="[rewards.py:chat_digits]", extra=(
+        "  per_device_train_batch_size: 8\n  save_strategy: 'no'\n")).replace(
+        "evaluation:", "distributed: {strategy: ddp, num_processes: 2, device: cpu, "
+                       "main_process_port: 29575}\nevaluation:").replace(
+        "  per_device_train_batch_size: 16\n", ""))
+    result = run_cli("launch", str(config), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "x 2 process(es)" in result.stdout
+    records = rewarded(tmp_path / "runs" / "ddp")
+    assert [r["step"] for r in records] == [1, 2]
+    assert all(math.isfinite(r["reward"]) for r in records)
+    assert (tmp_path / "runs" / "ddp" / "final" / "adapter_model.safetensors").exists()

@@ -61,7 +61,7 @@ def experiment(method: str, data: str, processes: int, batch: int, accumulation:
     distributed = (f"distributed: {{strategy: ddp, num_processes: {processes}, device: cpu, "
                    "main_process_port: 29533}\n" if processes > 1 else "")
     return (f"method: {method}\nmodel: {{name_or_path: {TINY_MODEL}, init: random}}\n"
-            f"data: {{train: {data}, weight_column: w}}\n{EXTRA.get(method, '')}"
+            f"data: {{train: {data}, eval: {data}, weight_column: w}}\n{EXTRA.get(method, '')}"
             f"{distributed}evaluation: {{before_training: false}}\noutput: {{plot: false}}\n"
             f"training:\n  max_steps: 1\n  per_device_train_batch_size: {batch}\n"
             f"  gradient_accumulation_steps: {accumulation}\n  optim: sgd\n"
@@ -179,3 +179,6 @@ def test_weighted_gradient_matches_hand_computation_in_every_layout(method, writ
         logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
         loss = next(r["loss"] for r in logged if "loss" in r)
         assert math.isfinite(loss) and loss > 0
+        # evaluation passes no divisor: each eval batch is normalised by its own weights
+        after = json.loads((run / "summary.json").read_text())["after"]
+        assert math.isfinite(after["eval_loss"]) and after["eval_loss"] > 0
