@@ -109,6 +109,9 @@ def test_config_rules_for_new_methods(write, tmp_path):
                                   "rewards: {functions: [m:f]}\nppo: {kl_coef: 0.1}\n")
     assert "rewards: options for methods grpo and ppo, but method is sft" in text
     assert "ppo: options for method ppo, but method is sft" in text
+    text = config_problems(write, f"method: sft\ndata: {{train: {data}, weight_column: w}}\n"
+                                  "training: {packing: true}\n")
+    assert "training.packing: not supported with loss weights" in text
 
 
 def test_all_zero_weights_stop_with_a_clear_error(write, tmp_path):

@@ -98,6 +98,9 @@ def _data(exp: Experiment) -> Iterator[Problem]:
             yield ("evaluation", "exact_match"), "needs data.eval or data.eval_fraction"
     if exp.training.get("assistant_only_loss") and exp.data.format in ("text", "prompt_completion"):
         yield ("training", "assistant_only_loss"), "needs conversational data (format messages)"
+    for name in ("packing", "padding_free"):
+        if exp.data.weight_column and exp.training.get(name):
+            yield ("training", name), "not supported with loss weights (data.weight_column)"
     if exp.training.get("completion_only_loss") and exp.data.format in ("text", "messages"):
         yield ("training", "completion_only_loss"), "needs prompt/completion data; for " \
                                                     "messages use assistant_only_loss"

@@ -2,12 +2,13 @@
 
 With per-sample weights (data.weight_column) or per-turn weights (`weight` on assistant
 messages) the rows are tokenized by finetune.build.weighted_sft and trained by
-WeightedSFTTrainer, whose loss is the weighted mean over the global batch."""
-
+WeightedSFTTrainer, whose loss is the weighted mean over the global batch. Only the
+completion (prompt/completion rows) or the assistant turns (messages) are trained then."""
 
 from trl import SFTTrainer
 
 from finetune.build import weighted_sft
+from finetune.errors import ConfigError
 from finetune.methods import Job
 
 
@@ -20,6 +21,10 @@ def _weighted_trainer(job: Job):
     from finetune.trainers.weighted import WeightedSFTTrainer, pad_batch
 
     args, tokenizer = job.args, job.tokenizer
+    packed = [name for name in ("packing", "padding_free") if getattr(args, name, False)]
+    if packed:
+        raise ConfigError([f"training.{packed[0]}: not supported with loss weights "
+                           "(data.weight_column or `weight` on messages)"])
     with args.main_process_first(desc="tokenizing"):
         train = weighted_sft.tokenize(job.data.train, tokenizer, job.data.format,
                                       args.max_length, "train")
