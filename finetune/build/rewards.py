@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import math
+import numbers
 from pathlib import Path
 from typing import Any, Callable
 
@@ -39,6 +41,49 @@ def _import(spec: str, where: str) -> RewardFunction:
 def reward_functions(experiment: Experiment) -> list[RewardFunction]:
     return [_import(spec, f"rewards.functions[{i}]")
             for i, spec in enumerate(experiment.rewards.functions)]
+
+
+def unique_names(names: list[str]) -> list[str]:
+    """Metric names per reward source: a repeated name gets _2, _3, ..."""
+    seen: dict[str, int] = {}
+    out = []
+    for name in names:
+        seen[name] = seen.get(name, 0) + 1
+        out.append(name if seen[name] == 1 else f"{name}_{seen[name]}")
+    return out
+
+
+def reward_problem(output: Any, count: int, allow_none: bool) -> str | None:
+    """Why a reward function's result is unusable, or None. None values mean "not scored
+    by this function" where the method allows it (grpo), and are refused otherwise (ppo
+    needs every completion scored)."""
+    if isinstance(output, torch.Tensor):
+        output = output.tolist()
+    unit = "one number (or None)" if allow_none else "one number"
+    if isinstance(output, (str, bytes)) or not hasattr(output, "__len__"):
+        return f"returned {type(output).__name__}, not a list of {unit} per completion"
+    if len(output) != count:
+        return f"returned {len(output)} rewards for {count} completions"
+    for i, value in enumerate(output):
+        if value is None:
+            if allow_none:
+                continue
+            return f"returned None at index {i}; ppo needs a reward for every completion"
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            return f"returned {type(value).__name__} {value!r} at index {i}; rewards are " \
+                   f"numbers{', or None for a completion it does not score' if allow_none else ''}"
+        if not math.isfinite(value):
+            return f"returned {value} at index {i}; rewards must be finite"
+    return None
+
+
+def reward_call_error(exc: Exception, where: str) -> RunError:
+    """The error for a reward function that raised: whose, and the usual fix."""
+    hint = ""
+    if isinstance(exc, TypeError) and "argument" in str(exc):
+        hint = " (reward functions are called as f(prompts=..., completions=..., " \
+               "completion_ids=..., **columns); accept **kwargs)"
+    return RunError(f"{where} raised {type(exc).__name__}: {exc}{hint}")
 
 
 def reward_weights(experiment: Experiment) -> list[float]:

@@ -31,8 +31,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import math
-import numbers
 import os
 from collections import defaultdict
 from contextlib import contextmanager
@@ -42,30 +40,13 @@ import torch
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOTrainer
 
-from finetune.build.rewards import reward_functions, reward_model, reward_weights
+from finetune.build.rewards import (reward_call_error, reward_functions, reward_model,
+                                    reward_problem, reward_weights, unique_names)
 from finetune.errors import ConfigError, RunError
 from finetune.methods import Job
 
 STATE_FILE = "grpo_state_{rank}.pt"
 STATE_VERSION = 1
-
-
-def _problem(output, count: int) -> str | None:
-    """Why a reward function's result is unusable, or None."""
-    if isinstance(output, torch.Tensor):
-        output = output.tolist()
-    if isinstance(output, (str, bytes)) or not hasattr(output, "__len__"):
-        return f"returned {type(output).__name__}, not a list of one number (or None) per " \
-               "completion"
-    if len(output) != count:
-        return f"returned {len(output)} rewards for {count} completions"
-    for i, value in enumerate(output):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
-            return f"returned {type(value).__name__} {value!r} at index {i}; rewards are " \
-                   "numbers, or None for a completion it does not score"
-        if value is not None and math.isinf(value):
-            return f"returned {value} at index {i}; rewards must be finite (or None)"
-    return None
 
 
 def _checked(function, where: str):
@@ -74,17 +55,10 @@ def _checked(function, where: str):
     async-ness (TRL awaits async functions)."""
 
     def check(output, completions):
-        problem = _problem(output, len(completions))
+        problem = reward_problem(output, len(completions), allow_none=True)
         if problem:
             raise RunError(f"{where}: {problem}")
         return output.tolist() if isinstance(output, torch.Tensor) else list(output)
-
-    def failed(exc: Exception) -> RunError:
-        hint = ""
-        if isinstance(exc, TypeError) and "argument" in str(exc):
-            hint = " (reward functions are called as f(prompts=..., completions=..., " \
-                   "completion_ids=..., **columns); accept **kwargs)"
-        return RunError(f"{where} raised {type(exc).__name__}: {exc}{hint}")
 
     if inspect.iscoroutinefunction(function) or \
             inspect.iscoroutinefunction(getattr(function, "__call__", None)):
@@ -95,7 +69,7 @@ def _checked(function, where: str):
             except RunError:
                 raise
             except Exception as exc:
-                raise failed(exc) from exc
+                raise reward_call_error(exc, where) from exc
             return check(output, completions)
     else:
         @functools.wraps(function)
@@ -105,18 +79,9 @@ def _checked(function, where: str):
             except RunError:
                 raise
             except Exception as exc:
-                raise failed(exc) from exc
+                raise reward_call_error(exc, where) from exc
             return check(output, completions)
     return wrapper
-
-
-def _unique(names: list[str]) -> list[str]:
-    seen: dict[str, int] = {}
-    out = []
-    for name in names:
-        seen[name] = seen.get(name, 0) + 1
-        out.append(name if seen[name] == 1 else f"{name}_{seen[name]}")
-    return out
 
 
 class ResumableGRPOTrainer(GRPOTrainer):
@@ -226,7 +191,7 @@ def build_trainer(job: Job) -> GRPOTrainer:
             eval_dataset=job.data.eval, processing_class=job.tokenizer,
             reward_processing_classes=processors, callbacks=job.callbacks)
     # Metric keys rewards/<name>/mean: the function's name, "reward_model" for the model.
-    trainer.reward_func_names = _unique(names)
+    trainer.reward_func_names = unique_names(names)
     return trainer
 
 

@@ -3,14 +3,13 @@ left-padded, sampling with stop strings, the response masks, and the reward sour
 
 from __future__ import annotations
 
-import math
-import numbers
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 from torch.utils.data import Sampler
 
+from finetune.build.rewards import reward_call_error, reward_problem, unique_names
 from finetune.errors import RunError
 
 
@@ -158,11 +157,6 @@ def token_entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return -(logp.exp() * logp).sum(-1)
 
 
-def _names(specs: list[str]) -> list[str]:
-    names = [spec.rpartition(":")[2] for spec in specs]
-    return [name if names.count(name) == 1 else f"{name}_{i}" for i, name in enumerate(names)]
-
-
 class Rewards:
     """The weighted sum of rewards.model and rewards.functions for a batch of completions.
     A function gets prompts and completions as text, or as message lists for
@@ -174,7 +168,7 @@ class Rewards:
     def __init__(self, functions: list[Callable], specs: list[str], weights: list[float],
                  model=None, model_tokenizer=None):
         self.functions, self.weights = functions, weights
-        self.names = _names(specs)
+        self.names = unique_names([spec.rpartition(":")[2] for spec in specs])
         self.wheres = [f"rewards.functions[{i}] ({spec})" for i, spec in enumerate(specs)]
         self.model, self.model_tokenizer = model, model_tokenizer
 
@@ -201,27 +195,6 @@ class Rewards:
             scores.extend(logits[:, 0].float().tolist())
         return scores
 
-    @staticmethod
-    def _checked(values: Any, count: int, texts: list[str], where: str) -> list[float]:
-        if isinstance(values, torch.Tensor):
-            values = values.tolist()
-        if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
-            raise RunError(f"{where}: returned {type(values).__name__}, not a list of one "
-                           "number per completion")
-        if len(values) != count:
-            raise RunError(f"{where}: returned {len(values)} rewards for {count} completions")
-        out = []
-        for i, value in enumerate(values):
-            if value is None:
-                raise RunError(f"{where}: returned None for completion {i} "
-                               f"({texts[i][:80]!r}); PPO needs a reward for every completion")
-            if isinstance(value, bool) or not isinstance(value, numbers.Real) \
-                    or not math.isfinite(value):
-                raise RunError(f"{where}: returned {value!r} for completion {i}; rewards are "
-                               "finite numbers")
-            out.append(float(value))
-        return out
-
     def __call__(self, prompts: list, texts: list[str], completion_ids: list[list[int]],
                  columns: dict[str, list], device, batch: int, trainer_state=None
                  ) -> tuple[torch.Tensor, dict[str, float]]:
@@ -239,8 +212,12 @@ class Rewards:
             except RunError:
                 raise
             except Exception as exc:  # the user's code: say whose
-                raise RunError(f"{where} raised {type(exc).__name__}: {exc}") from exc
-            per_source.append(self._checked(values, len(texts), texts, where))
+                raise reward_call_error(exc, where) from exc
+            problem = reward_problem(values, len(texts), allow_none=False)
+            if problem:
+                raise RunError(f"{where}: {problem}")
+            per_source.append([float(v) for v in (values.tolist() if isinstance(
+                values, torch.Tensor) else values)])
         stacked = torch.tensor(per_source, dtype=torch.float32)  # [sources, B]
         weights = torch.tensor(self.weights, dtype=torch.float32)[:, None]
         totals = {f"ppo/rewards/{name}": float(s.sum())
