@@ -11,10 +11,10 @@ from pathlib import Path
 from typing import Any
 
 from finetune import checkpoints
-from finetune.build.data import load_data
 from finetune.build.device import Hardware, resolve_hardware
 from finetune.build.model import count_parameters, initial_weights, load_model
 from finetune.build.peft import apply_peft, match_adapter_precision
+from finetune.build.prepare import prepared_data
 from finetune.build.tokenizer import load_tokenizer
 from finetune.callbacks import (LossWindow, MetricsFile, SealCheckpoints, read_metrics,
                                 truncate_metrics)
@@ -67,7 +67,7 @@ def _evaluate(trainer, job: Job, metrics: MetricsFile, when: str) -> dict[str, A
     results = dict(trainer.evaluate())
     spec = job.experiment.evaluation
     if spec.exact_match:
-        scored = exact_match(trainer.model, job.tokenizer, job.data.eval, job.data.format,
+        scored = exact_match(trainer.model, job.tokenizer, job.data.eval_examples, job.data.format,
                              spec.max_new_tokens, spec.max_samples)
         results["eval_exact_match"] = scored["exact_match"]
         if trainer.is_world_process_zero():
@@ -115,7 +115,7 @@ def train(experiment: Experiment, run_dir: Path, plan: ResumePlan) -> dict[str, 
     experiment = _without_redacted(experiment)
     hw = resolve_hardware(experiment)
     tokenizer = load_tokenizer(experiment)
-    data = load_data(experiment)
+    data = prepared_data(experiment, tokenizer, run_dir)  # before any process group
     seed = trl_fields.training_value(experiment.method, experiment.training, "seed")
     initial = initial_weights(experiment, tokenizer, run_dir, seed, rank)
     args = make_training_args(experiment, run_dir, hw)

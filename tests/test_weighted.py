@@ -66,7 +66,8 @@ def experiment(method: str, data: str, processes: int, batch: int, accumulation:
             f"training:\n  max_steps: 1\n  per_device_train_batch_size: {batch}\n"
             f"  gradient_accumulation_steps: {accumulation}\n  optim: sgd\n"
             "  learning_rate: 1.0\n  lr_scheduler_type: constant\n  weight_decay: 0.0\n"
-            "  max_grad_norm: 0.0\n  logging_steps: 1\n  save_strategy: 'no'\n  seed: 5\n")
+            "  max_grad_norm: 0.0\n  logging_steps: 1\n  save_strategy: 'no'\n  seed: 5\n"
+            + ("  assistant_only_loss: true\n" if method == "sft" else ""))
 
 
 def sft_loss(model, tokenizer, rows) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Training and eval data: read local files or hub datasets, rename columns, detect the
 row format, check every row (a bad one is reported with its file and row number), and
-split off eval rows. Tokenization is left to the method's TRL trainer."""
+split off eval rows. Tokenizing is the method's (see build/prepare.py)."""
 
 from __future__ import annotations
 
@@ -39,6 +39,13 @@ class Splits:
     train: Dataset
     eval: Dataset | None
     format: str
+    # The validated eval rows before a method tokenized them (exact_match generates from
+    # them); None when eval is still rows.
+    eval_rows: Dataset | None = None
+
+    @property
+    def eval_examples(self) -> Dataset | None:
+        return self.eval if self.eval_rows is None else self.eval_rows
 
 
 def _files(path: Path) -> list[Path]:

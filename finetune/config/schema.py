@@ -110,6 +110,14 @@ class DataSection(Section):
         "under gradient accumulation and data parallelism. sft messages may also carry a "
         "`weight` on assistant messages: a per-token weight for that turn's tokens.")
 
+    cache: bool = Field(
+        True, description="Cache the prepared (validated, tokenized) data on disk, keyed by "
+        "the data files, tokenizer and settings: the other ranks and later runs reuse it.")
+    cache_dir: str | None = Field(
+        None, description="Where the data cache lives; default .data-cache next to the run "
+        "directory (runs/.data-cache). On several machines, a shared directory makes one "
+        "machine tokenize for all; a local one makes each machine tokenize once.")
+
     @field_validator("train", "eval", mode="before")
     @classmethod
     def _sources(cls, value: Any) -> Any:

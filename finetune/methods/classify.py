@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from transformers import DataCollatorWithPadding
 
-from finetune.build.data import WEIGHT
+from finetune.build.data import WEIGHT, Splits
+from finetune.config.schema import Experiment
 from finetune.methods import Job
 from finetune.trainers.classify import ClassifyTrainer, balanced_weights, classification_metrics
 
@@ -19,22 +20,28 @@ def _tokenized(dataset, tokenizer, max_length: int):
             out[WEIGHT] = float(row[WEIGHT])
         return out
 
-    return dataset.map(one, remove_columns=dataset.column_names)
+    return dataset.map(one, remove_columns=dataset.column_names, desc="tokenizing")
+
+
+def prepare(splits: Splits, tokenizer, experiment: Experiment) -> Splits:
+    """Tokenized rows (run once by build/prepare.py, cached)."""
+    max_length = experiment.classify.max_length
+    return Splits(train=_tokenized(splits.train, tokenizer, max_length),
+                  eval=None if splits.eval is None else
+                  _tokenized(splits.eval, tokenizer, max_length),
+                  format=splits.format, eval_rows=splits.eval)
 
 
 def build_trainer(job: Job) -> ClassifyTrainer:
     spec = job.experiment.classify
     weights = spec.class_weights
     if weights == "balanced":
-        weights = balanced_weights(job.data.train["label"], spec.labels)
+        weights = balanced_weights(job.data.train["labels"], spec.labels)
     elif weights is None:
         weights = [1.0] * len(spec.labels)
-    with job.args.main_process_first(desc="tokenizing"):
-        train = _tokenized(job.data.train, job.tokenizer, spec.max_length)
-        evaluation = None if job.data.eval is None else \
-            _tokenized(job.data.eval, job.tokenizer, spec.max_length)
     return ClassifyTrainer(
-        model=job.model, args=job.args, train_dataset=train, eval_dataset=evaluation,
+        model=job.model, args=job.args, train_dataset=job.data.train,
+        eval_dataset=job.data.eval,
         processing_class=job.tokenizer, data_collator=DataCollatorWithPadding(job.tokenizer),
         compute_metrics=classification_metrics(spec.labels), callbacks=job.callbacks,
         class_weights=weights, focal_gamma=spec.focal_gamma,

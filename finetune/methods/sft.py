@@ -1,48 +1,105 @@
 """Supervised fine-tuning through TRL's SFTTrainer (messages, prompt/completion or text).
 
-With per-sample weights (data.weight_column) or per-turn weights (`weight` on assistant
-messages) the rows are tokenized by finetune.build.weighted_sft and trained by
-WeightedSFTTrainer, whose loss is the weighted mean over the global batch. Only the
-completion (prompt/completion rows) or the assistant turns (messages) are trained then."""
+finetune tokenizes the rows itself (build/sft_tokens.py, run once by build/prepare.py and
+cached), with TRL's meaning of assistant_only_loss, completion_only_loss, max_length,
+truncation_mode and packing, and hands SFTTrainer the tokenized rows. With per-sample
+weights (data.weight_column) or per-turn weights (`weight` on assistant messages) the
+rows carry token weights and WeightedSFTTrainer's loss is the weighted mean over the
+global batch."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any
 
 from trl import SFTTrainer
 
-from finetune.build import weighted_sft
+from finetune.build import sft_tokens
+from finetune.build.data import Splits
+from finetune.config.schema import Experiment
+from finetune.config.trl_fields import training_value
 from finetune.errors import ConfigError
 from finetune.methods import Job
 
-
-def _weighted(job: Job) -> bool:
-    return job.experiment.data.weight_column is not None or \
-        weighted_sft.uses_token_weights(job.data.train, job.data.format)
+TRUNCATION_MODES = ("keep_start", "keep_end")
 
 
-def _weighted_trainer(job: Job):
-    from finetune.trainers.weighted import WeightedSFTTrainer, pad_batch
+def _masking(splits: Splits, experiment: Experiment) -> sft_tokens.Masking:
+    value = lambda key: training_value("sft", experiment.training, key)
+    weighted = experiment.data.weight_column is not None or \
+        sft_tokens.uses_token_weights(splits.train, splits.format)
+    problems = []
+    if value("truncation_mode") not in TRUNCATION_MODES:
+        problems.append(f"training.truncation_mode: {value('truncation_mode')!r} is not one of "
+                        f"{', '.join(TRUNCATION_MODES)}")
+    if value("assistant_only_loss") and splits.format == "text":
+        problems.append("training.assistant_only_loss: needs conversational data "
+                        "(messages, or prompt/completion as message lists); this data is text")
+    packed = [name for name in ("packing", "padding_free") if value(name)]
+    if weighted and packed:
+        problems.append(f"training.{packed[0]}: not supported with loss weights "
+                        "(data.weight_column or `weight` on messages)")
+    if value("packing") and value("max_length") is None:
+        problems.append("training.packing: needs training.max_length (the packed length)")
+    if problems:
+        raise ConfigError(problems)
+    return sft_tokens.Masking(
+        assistant_only=bool(value("assistant_only_loss")),
+        completion_only=value("completion_only_loss") is not False,
+        max_length=value("max_length"), keep_end=value("truncation_mode") == "keep_end",
+        weighted=weighted)
 
-    args, tokenizer = job.args, job.tokenizer
-    packed = [name for name in ("packing", "padding_free") if getattr(args, name, False)]
-    if packed:
-        raise ConfigError([f"training.{packed[0]}: not supported with loss weights "
-                           "(data.weight_column or `weight` on messages)"])
-    with args.main_process_first(desc="tokenizing"):
-        train = weighted_sft.tokenize(job.data.train, tokenizer, job.data.format,
-                                      args.max_length, "train")
-        evaluation = None if job.data.eval is None else weighted_sft.tokenize(
-            job.data.eval, tokenizer, job.data.format, args.max_length, "eval")
-    # Our rows are tokenized already; TRL must keep the weight column it does not know.
-    args.dataset_kwargs = {**(args.dataset_kwargs or {}), "skip_prepare_dataset": True}
-    args.remove_unused_columns = False
-    pad_id = tokenizer.pad_token_id
-    return WeightedSFTTrainer(model=job.model, args=args, train_dataset=train,
-                              eval_dataset=evaluation, processing_class=tokenizer,
-                              data_collator=lambda rows: pad_batch(rows, pad_id),
-                              callbacks=job.callbacks)
+
+def _packed(dataset, experiment: Experiment):
+    from trl import pack_dataset
+
+    value = lambda key: training_value("sft", experiment.training, key)
+    if value("shuffle_dataset"):  # before packing, as TRL does: packs mix the whole data
+        dataset = dataset.shuffle(seed=value("seed"))
+    return pack_dataset(dataset, value("max_length"), value("packing_strategy"))
+
+
+def prepare(splits: Splits, tokenizer, experiment: Experiment) -> Splits:
+    """Tokenized (and packed, with training.packing) train and eval rows."""
+    masking = _masking(splits, experiment)
+    train = sft_tokens.tokenize(splits.train, tokenizer, splits.format, masking, "train")
+    evaluation = None if splits.eval is None else \
+        sft_tokens.tokenize(splits.eval, tokenizer, splits.format, masking, "eval")
+    if training_value("sft", experiment.training, "packing"):
+        train = _packed(train, experiment)
+        eval_packing = training_value("sft", experiment.training, "eval_packing")
+        if evaluation is not None and eval_packing is not False:
+            evaluation = _packed(evaluation, experiment)
+    elif training_value("sft", experiment.training, "shuffle_dataset"):
+        train = train.shuffle(seed=training_value("sft", experiment.training, "seed"))
+    return Splits(train=train, eval=evaluation, format=splits.format, eval_rows=splits.eval)
+
+
+@contextmanager
+def _tokenized_by_us(args: Any):
+    """SFTTrainer checks assistant_only_loss against raw rows and refuses padding_free
+    with a max_length it would not enforce; both were applied in prepare(), so they are
+    off while it is built and restored for the record (training_args.json)."""
+    saved = args.assistant_only_loss, args.max_length
+    args.assistant_only_loss, args.max_length = False, None
+    try:
+        yield
+    finally:
+        args.assistant_only_loss, args.max_length = saved
 
 
 def build_trainer(job: Job) -> SFTTrainer:
-    if _weighted(job):
-        return _weighted_trainer(job)
-    return SFTTrainer(model=job.model, args=job.args, train_dataset=job.data.train,
-                      eval_dataset=job.data.eval, processing_class=job.tokenizer,
-                      callbacks=job.callbacks)
+    args = job.args
+    args.dataset_kwargs = {**(args.dataset_kwargs or {}), "skip_prepare_dataset": True}
+    kwargs = dict(model=job.model, args=args, train_dataset=job.data.train,
+                  eval_dataset=job.data.eval, processing_class=job.tokenizer,
+                  callbacks=job.callbacks)
+    if "token_weights" in job.data.train.column_names:
+        from finetune.trainers.weighted import WeightedSFTTrainer, pad_batch
+
+        args.remove_unused_columns = False  # TRL must keep the column it does not know
+        pad_id = job.tokenizer.pad_token_id
+        with _tokenized_by_us(args):
+            return WeightedSFTTrainer(**kwargs, data_collator=lambda rows: pad_batch(rows, pad_id))
+    with _tokenized_by_us(args):
+        return SFTTrainer(**kwargs)

@@ -1,0 +1,134 @@
+"""Tokenize SFT rows into input_ids and labels (-100 where a token is not trained), with
+an optional weight on every token. What is trained follows TRL's SFTConfig:
+assistant_only_loss (messages: only assistant turns), completion_only_loss
+(prompt/completion: only the completion; TRL's default). finetune tokenizes instead of
+SFTTrainer so the result can be cached on disk and shared by every rank and later runs.
+
+A token's weight is its row's weight (data.weight_column, default 1) times its assistant
+turn's weight (`weight` on the message, default 1). Turns are located by rendering the
+chat template on growing prefixes of the conversation: the tokens between "messages up to
+turn i with the generation prompt" and "messages through turn i" are turn i's. A template
+whose renderings are not prefixes of each other cannot be split that way and is refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from datasets import Dataset
+
+from finetune.build.data import WEIGHT
+from finetune.errors import DataError
+
+IGNORE = -100
+
+
+@dataclass(frozen=True)
+class Masking:
+    """Which tokens are trained and how rows are cut; from the TRL config's settings."""
+
+    assistant_only: bool = False
+    completion_only: bool = True
+    max_length: int | None = None
+    keep_end: bool = False  # truncation_mode keep_end: cut the start instead of the end
+    weighted: bool = False  # add a token_weights column
+
+
+def _render(tokenizer, messages: list[dict[str, Any]], generation_prompt: bool) -> list[int]:
+    plain = [{"role": m["role"], "content": m["content"]} for m in messages]
+    return list(tokenizer.apply_chat_template(plain, tokenize=True, return_dict=True,
+                                              add_generation_prompt=generation_prompt)["input_ids"])
+
+
+Tokens = tuple[list[int], list[bool], list[float]]  # ids, trained?, weight of each
+
+
+def _conversation(tokenizer, messages: list[dict[str, Any]], weight: float, masking: Masking,
+                  label: str) -> Tokens:
+    ids = _render(tokenizer, messages, False)
+    needs_turns = masking.assistant_only or any(m.get("weight") is not None for m in messages)
+    trained, weights = [not masking.assistant_only] * len(ids), [weight] * len(ids)
+    if not needs_turns:
+        return ids, trained, weights
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        start = _render(tokenizer, messages[:i], True) if i else []
+        end = _render(tokenizer, messages[: i + 1], False)
+        if ids[:len(start)] != start or ids[:len(end)] != end:
+            raise DataError(f"{label}: the chat template does not render this conversation "
+                            "turn by turn (a prefix renders differently), so assistant turns "
+                            "cannot be located for assistant_only_loss or per-turn weights; "
+                            "use a template that does")
+        turn = weight * (1.0 if message.get("weight") is None else float(message["weight"]))
+        span = range(len(start), len(end))
+        for position in span:
+            trained[position], weights[position] = True, turn
+    return ids, trained, weights
+
+
+def _prompt_completion(tokenizer, row: dict[str, Any], weight: float, masking: Masking,
+                       label: str) -> Tokens:
+    prompt, completion = row["prompt"], row["completion"]
+    if isinstance(prompt, list):
+        completion = [{**m, "weight": None} for m in completion]
+        ids, trained, weights = _conversation(tokenizer, prompt + completion, weight, masking,
+                                              label)
+        prompt_length = len(_render(tokenizer, prompt, True))
+    else:
+        head = tokenizer(prompt)["input_ids"]
+        tail = tokenizer(completion, add_special_tokens=False)["input_ids"]
+        if not tail or tail[-1] != tokenizer.eos_token_id:
+            tail.append(tokenizer.eos_token_id)
+        ids, prompt_length = head + tail, len(head)
+        trained, weights = [True] * len(ids), [weight] * len(ids)
+    if masking.completion_only:
+        trained[:prompt_length] = [False] * prompt_length
+    return ids, trained, weights
+
+
+def _text(tokenizer, row: dict[str, Any], weight: float) -> Tokens:
+    ids = tokenizer(row["text"])["input_ids"]
+    if not ids or ids[-1] != tokenizer.eos_token_id:
+        ids.append(tokenizer.eos_token_id)
+    return ids, [True] * len(ids), [weight] * len(ids)
+
+
+def tokenize(dataset: Dataset, tokenizer, fmt: str, masking: Masking, split: str) -> Dataset:
+    """input_ids, labels and (masking.weighted) token_weights per row. Rows left with no
+    trained token after truncation are dropped, as TRL does; none left is an error."""
+    cut = None if masking.max_length is None else (
+        slice(-masking.max_length, None) if masking.keep_end else slice(None, masking.max_length))
+
+    def one(row: dict[str, Any], index: int) -> dict[str, Any]:
+        label = f"data.{split} row {index + 1}"
+        weight = float(row.get(WEIGHT, 1.0))
+        if fmt == "messages":
+            ids, trained, weights = _conversation(tokenizer, row["messages"], weight, masking,
+                                                  label)
+        elif fmt == "prompt_completion":
+            ids, trained, weights = _prompt_completion(tokenizer, row, weight, masking, label)
+        else:
+            ids, trained, weights = _text(tokenizer, row, weight)
+        if cut is not None:
+            ids, trained, weights = ids[cut], trained[cut], weights[cut]
+        out = {"input_ids": ids, "labels": [t if keep else IGNORE for t, keep in zip(ids, trained)]}
+        if masking.weighted:
+            out["token_weights"] = [w if keep else 0.0 for w, keep in zip(weights, trained)]
+        return out
+
+    tokenized = dataset.map(one, with_indices=True, remove_columns=dataset.column_names,
+                            desc=f"tokenizing {split}")
+    kept = tokenized.filter(lambda row: any(t != IGNORE for t in row["labels"]))
+    if len(kept) == 0:
+        raise DataError(f"data.{split}: no row has a trained token left after truncation to "
+                        f"max_length {masking.max_length}")
+    return kept
+
+
+def uses_token_weights(dataset: Dataset, fmt: str) -> bool:
+    """Does any assistant message carry a weight of its own?"""
+    if fmt != "messages":
+        return False
+    return any(m.get("weight") is not None for row in dataset["messages"] for m in row)
