@@ -62,8 +62,26 @@ def start_summary(job, trainable: int, total: int) -> str:
         f"  batch      {args.per_device_train_batch_size} per device x "
         f"{args.gradient_accumulation_steps} accumulation x {world} process(es) "
         f"= {effective} effective; {length}, learning rate {args.learning_rate:g}",
+        f"  speed      {_speed(job)}",
     ]
     return "\n".join(lines)
+
+
+def _speed(job) -> str:
+    """The throughput settings in effect, so a slow run shows why."""
+    args, model = job.args, job.model
+    attention = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    optim = getattr(args.optim, "value", args.optim)
+    parts = [f"attention {attention or 'default'}", f"optim {optim}"]
+    for name in ("packing", "padding_free", "use_liger_kernel", "torch_compile",
+                 "gradient_checkpointing"):
+        if getattr(args, name, False):
+            parts.append(name)
+    if args.train_sampling_strategy != "random":
+        parts.append(args.train_sampling_strategy)
+    if args.dataloader_num_workers:
+        parts.append(f"{args.dataloader_num_workers} dataloader workers")
+    return ", ".join(parts)
 
 
 def end_summary(run_dir: Path, seconds: float, before: dict, after: dict,

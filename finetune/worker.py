@@ -117,7 +117,7 @@ def train(experiment: Experiment, run_dir: Path, plan: ResumePlan) -> dict[str, 
     tokenizer = load_tokenizer(experiment)
     data = prepared_data(experiment, tokenizer, run_dir)  # before any process group
     seed = trl_fields.training_value(experiment.method, experiment.training, "seed")
-    initial = initial_weights(experiment, tokenizer, run_dir, seed, rank)
+    initial = initial_weights(experiment, hw, tokenizer, run_dir, seed, rank)
     args = make_training_args(experiment, run_dir, hw)
     args.distributed_state.wait_for_everyone()  # rank 0 has saved the initial weights
     set_seed(args.seed)

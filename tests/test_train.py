@@ -40,6 +40,8 @@ def test_train_writes_a_complete_run_directory(method, peft, write, tmp_path):
     args = json.loads((run / "training_args.json").read_text())
     assert args["bf16"] is False and args["fp16"] is False and args["use_cpu"] is True
     assert args["output_dir"] == str(run / "checkpoints")
+    # Speed default: sft trains on flattened, padding-free batches unless told otherwise.
+    assert args.get("padding_free", False) is (method == "sft")
 
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in records if "loss" in r]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+from importlib.util import find_spec
 from pathlib import Path
 
 import torch
@@ -57,15 +58,28 @@ def _config(experiment: Experiment, tokenizer: PreTrainedTokenizerBase):
     return config
 
 
-def _kwargs(experiment: Experiment) -> dict:
+def attention(experiment: Experiment, hw: Hardware) -> str | None:
+    """model.attn_implementation, with 'auto' resolved: flash-attention 2 where it runs
+    (installed, CUDA, a 16-bit precision; it also makes padding-free batches use varlen
+    kernels), else None: transformers' own choice, sdpa."""
+    choice = experiment.model.attn_implementation
+    if choice != "auto":
+        return choice
+    if hw.device == "cuda" and hw.precision in ("bf16", "fp16") and find_spec("flash_attn"):
+        return "flash_attention_2"
+    return None
+
+
+def _kwargs(experiment: Experiment, hw: Hardware) -> dict:
     kwargs = {"trust_remote_code": experiment.model.trust_remote_code}
-    if experiment.model.attn_implementation != "auto":
-        kwargs["attn_implementation"] = experiment.model.attn_implementation
+    implementation = attention(experiment, hw)
+    if implementation is not None:
+        kwargs["attn_implementation"] = implementation
     return kwargs
 
 
-def initial_weights(experiment: Experiment, tokenizer: PreTrainedTokenizerBase, run_dir: Path,
-                    seed: int, rank: int) -> PreTrainedModel | None:
+def initial_weights(experiment: Experiment, hw: Hardware, tokenizer: PreTrainedTokenizerBase,
+                    run_dir: Path, seed: int, rank: int) -> PreTrainedModel | None:
     """model.init random: build the weights from the seed, before the training arguments
     exist. Under ZeRO-3 those arguments make every model creation a partitioned zero.Init,
     which would draw other numbers; built first, every layout starts from the same weights.
@@ -77,7 +91,7 @@ def initial_weights(experiment: Experiment, tokenizer: PreTrainedTokenizerBase, 
     set_seed(seed)
     auto_class, _ = HEADS[experiment.method]
     model = auto_class.from_config(_config(experiment, tokenizer), dtype=torch.float32,
-                                   **_kwargs(experiment))
+                                   **_kwargs(experiment, hw))
     if rank == 0:
         target = run_dir / "init-model"
         staging = run_dir / ".init-model.tmp"
@@ -101,7 +115,7 @@ def load_model(experiment: Experiment, hw: Hardware, tokenizer: PreTrainedTokeni
     source, revision = experiment.model.name_or_path, experiment.model.revision
     if initial is not None:
         source, revision = str(run_dir / "init-model"), None
-    kwargs = _kwargs(experiment)
+    kwargs = _kwargs(experiment, hw)
     if quantization is not None:
         kwargs["quantization_config"] = quantization
         kwargs["device_map"] = {"": 0} if hw.device == "cuda" else {"": "cpu"}

@@ -38,7 +38,7 @@ VERSION = 1  # bump when what is stored changes
 META = "meta.json"  # written last: its presence marks a complete entry
 # Training settings that change what preparation produces.
 SETTINGS = ("max_length", "truncation_mode", "assistant_only_loss", "completion_only_loss",
-            "packing", "packing_strategy", "padding_free", "shuffle_dataset", "seed",
+            "packing", "packing_strategy", "eval_packing", "shuffle_dataset", "seed",
             "dataset_text_field")
 PACKAGES = ("finetune", "transformers", "tokenizers", "datasets", "trl")
 POLL_SECONDS = 0.2
@@ -134,7 +134,9 @@ def _load(entry: Path) -> Splits:
 
 
 def _wait(entry: Path, run_dir: Path, started: float, rank: int) -> None:
-    """Until the local main's entry is complete, or it has reported a failure."""
+    """Until the local main's entry is complete, or it has reported a failure since this
+    rank started waiting (a rank that fails even earlier ends the whole launch: torchrun
+    and accelerate stop the other processes)."""
     told = False
     while not (entry / META).exists():
         failed = [p for p in run_dir.glob(FAILED_MARKER.replace(".json", "-*.json"))

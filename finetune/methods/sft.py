@@ -98,6 +98,7 @@ def build_trainer(job: Job) -> SFTTrainer:
         from finetune.trainers.weighted import WeightedSFTTrainer, pad_batch
 
         args.remove_unused_columns = False  # TRL must keep the column it does not know
+        args.padding_free = False  # our default only: prepare() refused it if it was set
         pad_id = job.tokenizer.pad_token_id
         with _tokenized_by_us(args):
             return WeightedSFTTrainer(**kwargs, data_collator=lambda rows: pad_batch(rows, pad_id))

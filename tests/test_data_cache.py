@@ -1,0 +1,116 @@
+"""Prepared data is cached on disk and shared: the main process of a machine prepares it
+once, the other ranks wait for the cache entry on the file system (no process group
+exists yet, so no collective can time out), and a later run with the same data,
+tokenizer and settings loads it. The waiting ranks here are real processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import REPO, TINY_MODEL
+from finetune.build.prepare import META, cache_root, prepared_data
+from finetune.build.tokenizer import load_tokenizer
+from finetune.config import load_experiment
+
+ROWS = [{"messages": [{"role": "user", "content": f"q {i}"},
+                      {"role": "assistant", "content": "a " * (1 + i % 5)}]} for i in range(40)]
+WAITER = """
+import sys
+from pathlib import Path
+from finetune.build.prepare import prepared_data
+from finetune.build.tokenizer import load_tokenizer
+from finetune.config import load_experiment
+experiment = load_experiment(sys.argv[1])
+splits = prepared_data(experiment, load_tokenizer(experiment), Path(sys.argv[2]),
+                       {"LOCAL_RANK": "1", "RANK": "1"})
+print("rows", len(splits.train), "eval rows", len(splits.eval_rows), flush=True)
+"""
+
+
+@pytest.fixture
+def config(tmp_path):
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    path = tmp_path / "exp.yaml"
+    path.write_text(f"method: sft\nmodel: {{name_or_path: {TINY_MODEL}}}\n"
+                    f"data: {{train: {data}, eval_fraction: 0.25}}\n"
+                    "training: {max_length: 16, assistant_only_loss: true}\n")
+    return path
+
+
+def _entries(experiment, run_dir):
+    root = cache_root(experiment, run_dir)
+    return sorted(p.name for p in root.iterdir() if (p / META).exists())
+
+
+def _waiter(config, run_dir):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.Popen([sys.executable, "-c", WAITER, str(config), str(run_dir)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_entry_reused_and_keyed_by_what_it_depends_on(config, tmp_path, capsys):
+    run_dir = tmp_path / "runs" / "a"
+    run_dir.mkdir(parents=True)
+    experiment = load_experiment(config)
+    tokenizer = load_tokenizer(experiment)
+    first = prepared_data(experiment, tokenizer, run_dir, {})
+    assert "data prepared and cached" in capsys.readouterr().out
+    assert len(first.train) == 30 and len(first.eval) == 10 and len(first.eval_rows) == 10
+    assert max(len(ids) for ids in first.train["input_ids"]) == 16
+    # Only assistant tokens are trained (assistant_only_loss).
+    row = first.train[0]
+    assert -100 in row["labels"] and any(t != -100 for t in row["labels"])
+
+    again = prepared_data(experiment, tokenizer, run_dir, {})
+    assert "data loaded from the cache" in capsys.readouterr().out
+    assert again.train["input_ids"] == first.train["input_ids"]
+    assert again.eval_rows["messages"] == first.eval_rows["messages"]
+    assert len(_entries(experiment, run_dir)) == 1
+
+    # Another max_length, or the data file rewritten, is another entry.
+    longer = load_experiment(config, ["training.max_length=32"])
+    prepared_data(longer, tokenizer, run_dir, {})
+    data = tmp_path / "train.jsonl"
+    time.sleep(0.01)
+    data.write_text(data.read_text())
+    prepared_data(experiment, tokenizer, run_dir, {})
+    assert len(_entries(experiment, run_dir)) == 3
+
+    off = load_experiment(config, ["data.cache=false"])
+    assert len(prepared_data(off, tokenizer, run_dir, {}).train) == 30
+    assert len(_entries(experiment, run_dir)) == 3
+
+
+def test_other_ranks_wait_for_the_main_process_then_share_its_entry(config, tmp_path):
+    run_dir = tmp_path / "runs" / "a"
+    run_dir.mkdir(parents=True)
+    waiter = _waiter(config, run_dir)
+    time.sleep(8)  # its imports, then it waits: nothing is prepared yet
+    assert waiter.poll() is None
+    experiment = load_experiment(config)
+    assert not cache_root(experiment, run_dir).exists() or not _entries(experiment, run_dir)
+
+    prepared_data(experiment, load_tokenizer(experiment), run_dir, {})
+    out, err = waiter.communicate(timeout=60)
+    assert waiter.returncode == 0, err[-2000:]
+    assert "rows 30 eval rows 10" in out and "prepared" not in out
+    assert len(_entries(experiment, run_dir)) == 1
+
+
+def test_a_waiting_rank_stops_when_the_main_process_fails(config, tmp_path):
+    run_dir = tmp_path / "runs" / "a"
+    run_dir.mkdir(parents=True)
+    waiter = _waiter(config, run_dir)
+    time.sleep(8)  # waiting by now (an earlier failure ends the launch: its launcher's job)
+    assert waiter.poll() is None
+    (run_dir / "failed-0.json").write_text(json.dumps({"rank": 0, "errors": ["bad row"]}))
+    out, err = waiter.communicate(timeout=60)
+    assert waiter.returncode != 0
+    assert "the data could not be prepared" in err and "failed-0.json" in err
