@@ -1,5 +1,5 @@
 """Training data, prepared once and cached on disk: read, validated and, for the methods
-that tokenize in finetune (sft, classify), tokenized.
+that tokenize in finetune (sft, reward, classify), tokenized.
 
 The cache entry's key hashes everything the result depends on: the data files (path, size,
 modification time; a hub dataset: its id, subset, split and revision), the tokenizer's saved files, the method,

@@ -1,10 +1,52 @@
 """Reward modeling through TRL's RewardTrainer: a scalar head trained on chosen/rejected
 pairs; its eval reports pairwise accuracy. With data.weight_column each pair's loss is
-weighted (WeightedRewardTrainer)."""
+weighted (WeightedRewardTrainer).
+
+The pairs are tokenized here, as RewardTrainer would (prompt + answer, an EOS after plain
+text; the chat template for messages), once per machine and cached (build/prepare.py):
+RewardTrainer recognises tokenized rows and only filters them by max_length."""
+
+from __future__ import annotations
+
+from typing import Any
 
 from trl import RewardTrainer
 
+from finetune.build.data import Splits
+from finetune.config.schema import Experiment
+from finetune.config.trl_fields import training_value
 from finetune.methods import Job
+
+
+def _ids(tokenizer, value: str | list) -> list[int]:
+    if isinstance(value, list):
+        return list(tokenizer.apply_chat_template(value, tokenize=True,
+                                                  return_dict=True)["input_ids"])
+    if not value.endswith(tokenizer.eos_token):
+        value += tokenizer.eos_token
+    return tokenizer(value)["input_ids"]
+
+
+def _tokenized(dataset, tokenizer, max_length: int | None):
+    def one(row: dict[str, Any]) -> dict[str, Any]:
+        prompt = row.get("prompt") or ([] if isinstance(row["chosen"], list) else "")
+        return {"chosen_ids": _ids(tokenizer, prompt + row["chosen"]),
+                "rejected_ids": _ids(tokenizer, prompt + row["rejected"])}
+
+    dataset = dataset.map(one, remove_columns=[c for c in ("prompt", "chosen", "rejected")
+                                               if c in dataset.column_names], desc="tokenizing")
+    if max_length is None:
+        return dataset
+    return dataset.filter(lambda row: len(row["chosen_ids"]) <= max_length
+                          and len(row["rejected_ids"]) <= max_length)
+
+
+def prepare(splits: Splits, tokenizer, experiment: Experiment) -> Splits:
+    max_length = training_value("reward", experiment.training, "max_length")
+    return Splits(train=_tokenized(splits.train, tokenizer, max_length),
+                  eval=None if splits.eval is None else
+                  _tokenized(splits.eval, tokenizer, max_length),
+                  format=splits.format, eval_rows=splits.eval)
 
 
 def build_trainer(job: Job) -> RewardTrainer:
