@@ -60,6 +60,8 @@ def test_ecosystem_accelerate_launch_with_a_preset(write, tmp_path):
         cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "x 2 process(es)" in result.stdout
+    # The data was tokenized once, by the main process; the other rank loaded its entry.
+    assert result.stdout.count("finetune: data prepared and cached") == 1
 
 
 def _fails(result: subprocess.CompletedProcess, message: str) -> None:
