@@ -161,6 +161,29 @@ def _slurm(args: argparse.Namespace) -> int:
     return 0
 
 
+def _estimate(args: argparse.Namespace) -> int:
+    import json
+
+    from finetune.config import load_experiment
+    from finetune.errors import ConfigError
+    from finetune.estimate import as_dict, estimate, parse_memory, render_text
+
+    try:
+        memory = parse_memory(args.gpu_memory)
+    except ValueError as exc:
+        raise ConfigError([f"--gpu-memory: {exc}"]) from None
+    for flag, value in (("--gpus", args.gpus), ("--seq-len", args.seq_len)):
+        if value is not None and value < 1:
+            raise ConfigError([f"{flag}: must be at least 1, got {value}"])
+    experiment = load_experiment(args.config, args.overrides)
+    result = estimate(experiment, gpus=args.gpus, gpu_memory=memory, seq_len=args.seq_len)
+    if args.json:
+        print(json.dumps(as_dict(result), indent=1))
+    else:
+        sys.stdout.write(render_text(result))
+    return 0
+
+
 def _reference(args: argparse.Namespace) -> int:
     from finetune.config.reference import markdown
 
@@ -233,6 +256,24 @@ def build_parser() -> argparse.ArgumentParser:
                        help="send USR1 this many seconds before the time limit")
     slurm.add_argument("--submit", action="store_true", help="submit with sbatch")
     slurm.set_defaults(func=_slurm)
+
+    estimate = commands.add_parser(
+        "estimate", help="estimate per-GPU memory and recommend a layout (no torch)",
+        description="Estimate per-GPU memory of the experiment (weights, gradients, "
+                    "optimizer states, activations) from the model's config.json, and "
+                    "recommend the cheapest layout (data parallel, ZeRO-1/2/3, offload) and "
+                    "the largest micro batch that fit. See docs/estimate.md.")
+    _add_experiment_args(estimate)
+    estimate.add_argument("--gpus", type=int,
+                          help="number of GPUs (default: the experiment's world size)")
+    estimate.add_argument("--gpu-memory", default="80GB",
+                          help="memory per GPU: 80GB, 80GiB, 24G or a number of GB "
+                               "(GB = 2^30 bytes; default 80GB)")
+    estimate.add_argument("--seq-len", type=int,
+                          help="tokens per sequence (default: training.max_length, "
+                               "classify.max_length, or 512 prompt + completion tokens)")
+    estimate.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    estimate.set_defaults(func=_estimate)
 
     reference = commands.add_parser(
         "reference", help="print every experiment key with its type, default and meaning",

@@ -1,0 +1,204 @@
+"""Activation memory: the tensors autograd saves for the backward pass, per token.
+
+An estimate, built the way Korthikanti et al. (2022) count activations, but by walking the
+ops of a transformers llama/qwen decoder layer in order and tracking each tensor's dtype,
+so that the differences between regimes come out by themselves:
+- full fine-tuning under autocast keeps an fp32 residual stream (fp32 embeddings and
+  norms) while matmuls run in 16 bits, and every linear saves its own 16-bit cast of its
+  input;
+- a frozen linear saves nothing (the input gradient needs only the weight); a LoRA
+  adapter saves its dropout mask, its 16-bit input and its rank-r intermediate;
+- sdpa/flash attention saves q, k, v, the output and a log-sum-exp, never the s x s
+  scores (eager attention does); with a padding mask, transformers repeats k and v to
+  every query head before sdpa (no GQA kernel then).
+The walk saves a tensor once however many ops save it, as autograd does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import count
+
+from finetune.estimate.shapes import Shape
+
+LOGIT_SAVED = 4       # fp32 log-softmax output, saved for the backward of the loss
+LOGIT_TRANSIENT = 8   # its gradient and the logits' gradient (fp32), at the start of backward
+
+
+@dataclass(frozen=True)
+class Regime:
+    residual: int          # bytes of the residual stream, embeddings and norm weights
+    compute: int           # bytes of matmul inputs/outputs
+    autocast: bool
+    base_trainable: bool   # full fine-tuning: the layer weights get gradients
+    quantized: int         # 4 or 8: bitsandbytes base linears (4-bit returns the input's dtype)
+    adapter: int = 0       # bytes of LoRA weights (0: no LoRA)
+    rank: int = 0
+    dropout: bool = False
+    dora: bool = False
+    cuda: bool = True      # CUDA: bool dropout masks, and peft's autocast test sees autocast
+    attention: str = "sdpa"
+    padded: bool = True
+
+
+@dataclass(frozen=True)
+class _T:
+    elems: int   # per token
+    nbytes: int  # per element
+    ident: int   # which tensor: ops that save the same one save it once
+
+
+class _Walk:
+    def __init__(self) -> None:
+        self.saved: dict[int, int] = {}
+        self._ids = count()
+
+    def new(self, elems: int, nbytes: int) -> _T:
+        return _T(elems, nbytes, next(self._ids))
+
+    def save(self, *tensors: _T) -> None:
+        for t in tensors:
+            self.saved[t.ident] = t.elems * t.nbytes
+
+    def cast(self, t: _T, nbytes: int) -> _T:
+        return t if t.nbytes == nbytes else self.new(t.elems, nbytes)
+
+    @property
+    def total(self) -> int:
+        return sum(self.saved.values())
+
+
+def _norm(w: _Walk, x: _T, rows: int, reg: Regime, trainable: bool, grad: bool = True) -> _T:
+    """RMSNorm: x.float(), x * rsqrt(mean(x^2) + eps), weight * that.to(x.dtype).
+    grad: whether x requires grad (not so for the first layer's input under LoRA)."""
+    xf = w.cast(x, 4)
+    if grad:
+        w.save(xf, w.new(rows, 4))  # the fp32 input and one rsqrt per row
+    normed = w.cast(w.new(x.elems, 4), x.nbytes)
+    if trainable:
+        w.save(normed)
+    return w.new(x.elems, max(x.nbytes, reg.residual))
+
+
+def _linear(w: _Walk, x: _T, out: int, reg: Regime, lora: bool, grad: bool = True) -> _T:
+    if reg.base_trainable:
+        w.save(w.cast(x, reg.compute) if reg.autocast else x)
+    if reg.quantized == 4:
+        result = w.new(out, x.nbytes)  # Linear4bit casts its output back to the input dtype
+    else:
+        result = w.new(out, reg.compute if reg.autocast else x.nbytes)
+    if lora:
+        # peft casts x to the adapter dtype, except on quantized layers when it sees CUDA
+        # autocast on (torch.is_autocast_enabled() asks about CUDA).
+        skip = bool(reg.quantized) and reg.autocast and reg.cuda
+        xa = x if skip else w.cast(x, reg.adapter)
+        if reg.dropout:
+            if grad:  # the mask: bool on CUDA, the input's dtype on the CPU
+                w.save(w.new(x.elems, 1 if reg.cuda else xa.nbytes))
+            xa = w.new(x.elems, xa.nbytes)
+        a_in = w.cast(xa, reg.compute) if reg.autocast else xa
+        mid = reg.compute if reg.autocast else xa.nbytes
+        w.save(a_in, w.new(reg.rank, mid))
+        if reg.dora:  # approximate: DoRA also keeps the base and the adapter outputs
+            w.save(w.new(out, result.nbytes), w.new(out, mid))
+    return result
+
+
+def _attention(w: _Walk, q: _T, k: _T, v: _T, shape: Shape, reg: Regime, seq: int) -> _T:
+    """sdpa converts a boolean padding mask to the query's dtype on every call and saves
+    it: seq elements per token and layer."""
+    heads, q_dim = shape.heads, shape.q_dim
+    # RoPE: q * cos + rotate_half(q) * sin, with cos/sin in the residual dtype (saved once
+    # per model); the result is promoted to it.
+    q = w.new(q.elems, max(q.nbytes, reg.residual))
+    k = w.new(k.elems, max(k.nbytes, reg.residual))
+    c = reg.compute if reg.autocast else q.nbytes
+    expand = reg.attention == "eager" or (reg.attention == "sdpa" and reg.padded)
+    if expand and shape.kv_heads != shape.heads:  # repeat_kv copies k and v per query head
+        k, v = w.new(q_dim, k.nbytes), w.new(q_dim, v.nbytes)
+    q, k, v = w.cast(q, c), w.cast(k, c), w.cast(v, c)
+    w.save(q, k, v)
+    if reg.attention == "eager":
+        w.save(w.new(heads * seq, 4), w.new(heads * seq, c))  # softmax (fp32) and its cast
+        out = w.new(q_dim, c)  # transpose(1, 2).contiguous() copies the output
+        return out
+    out = w.new(q_dim, c)  # kernels write (batch, seq, heads, dim): the transpose is free
+    w.save(out, w.new(heads, 4))  # + log-sum-exp per head
+    if reg.attention == "sdpa" and reg.padded:
+        w.save(w.new(seq, c))
+    return out
+
+
+def layer_bytes(shape: Shape, reg: Regime, targets: frozenset[str], seq: int,
+                grad: bool = True) -> int:
+    """Bytes saved by one decoder layer, per token. grad: whether its input requires grad."""
+    w = _Walk()
+    h, i = shape.hidden, shape.intermediate
+    x = w.new(h, reg.residual)
+    y = _norm(w, x, 1, reg, reg.base_trainable, grad)
+    q = _linear(w, y, shape.q_dim, reg, "q_proj" in targets, grad)
+    k = _linear(w, y, shape.kv_dim, reg, "k_proj" in targets, grad)
+    v = _linear(w, y, shape.kv_dim, reg, "v_proj" in targets, grad)
+    if shape.qk_norm:  # qwen3: RMSNorm over each head of q and k
+        q = _norm(w, q, shape.heads, reg, reg.base_trainable)
+        k = _norm(w, k, shape.kv_heads, reg, reg.base_trainable)
+    out = _attention(w, q, k, v, shape, reg, seq)
+    o = _linear(w, out, h, reg, "o_proj" in targets)
+    x2 = w.new(h, max(reg.residual, o.nbytes))
+    y2 = _norm(w, x2, 1, reg, reg.base_trainable)
+    g = _linear(w, y2, i, reg, "gate_proj" in targets)
+    u = _linear(w, y2, i, reg, "up_proj" in targets)
+    a = w.new(i, g.nbytes)  # silu(g) saves g
+    w.save(g, a, u)         # a * u saves both
+    m = w.new(i, max(a.nbytes, u.nbytes))
+    _linear(w, m, h, reg, "down_proj" in targets)
+    return w.total
+
+
+@dataclass(frozen=True)
+class Activations:
+    """Bytes for one sample (all its sequences); every term grows linearly with the batch."""
+    layers: int         # decoder layers (with checkpointing: their inputs + one recomputed layer)
+    other: int          # token ids, final norm, head input, labels
+    logits_saved: int   # the loss's saved fp32 log-softmax
+    logits_peak: int    # its gradient and the logits' gradient, alive together in backward
+
+    @property
+    def total(self) -> int:
+        return self.layers + self.other + self.logits_saved + self.logits_peak
+
+
+def activations(shape: Shape, reg: Regime, layer_targets: list[frozenset[str]], seq: int,
+                logit_tokens: int, sequences: int, checkpointing: bool,
+                head_trainable: bool, lm_head: bool) -> Activations:
+    """Per sample. layer_targets: the LoRA-targeted projections of each layer."""
+    per_layer = [layer_bytes(shape, reg, t, seq) for t in layer_targets]
+    if not reg.base_trainable and not checkpointing:
+        # Under LoRA the embeddings are frozen, so nothing before the first adapter needs a
+        # gradient (with checkpointing, enable_input_require_grads changes that).
+        first = next((n for n, t in enumerate(layer_targets) if t), len(per_layer))
+        per_layer[:first] = [0] * first
+        if first < len(per_layer):
+            per_layer[first] = layer_bytes(shape, reg, layer_targets[first], seq, grad=False)
+    if checkpointing:  # each layer keeps its input; backward recomputes one layer at a time
+        layers = len(per_layer) * shape.hidden * reg.residual + max(per_layer)
+    else:
+        layers = sum(per_layer)
+    w = _Walk()
+    x = w.new(shape.hidden, reg.residual)
+    y = _norm(w, x, 1, reg, reg.base_trainable)
+    per_token = w.total
+    if reg.base_trainable:
+        per_token += 8                              # int64 ids, for the embedding's gradient
+    if lm_head:
+        per_token += 8                              # int64 shifted labels of the loss
+    head_tokens = logit_tokens if lm_head else seq
+    head_in = 0
+    if head_trainable:
+        head_in = y.elems * (reg.compute if reg.autocast else y.nbytes)
+    vocab = shape.vocab if lm_head else 0
+    return Activations(
+        layers=sequences * seq * layers,
+        other=sequences * (seq * per_token + head_tokens * head_in),
+        logits_saved=sequences * logit_tokens * vocab * LOGIT_SAVED,
+        logits_peak=sequences * logit_tokens * vocab * LOGIT_TRANSIENT)

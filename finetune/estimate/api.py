@@ -1,0 +1,149 @@
+"""estimate(experiment) -> Estimate: the numbers, the recommendation and what was assumed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from finetune.config.schema import Experiment
+from finetune.estimate.census import census, value_census, value_head
+from finetune.estimate.core import (CUDA_CONTEXT, FRAGMENTATION, GiB, Evaluation, evaluate,
+                                    ladder_layouts)
+from finetune.estimate.optimizers import model_of
+from finetune.estimate.settings import Layout, Settings, settings_of
+from finetune.estimate.shapes import Shape, read_shape
+
+DEFAULT_GPU_MEMORY = 80 * GiB
+
+
+@dataclass
+class Estimate:
+    shape: Shape
+    settings: Settings
+    params: int                # parameters of the model, logical count (4-bit counts as 1)
+    trainable_params: int
+    configured: Evaluation     # the experiment's own layout, micro batch and checkpointing
+    ladder: list[Evaluation]   # cheapest first, at the configured micro batch
+    gpu_memory: int
+    recommendation: list[str]
+    assumptions: list[str] = field(default_factory=list)
+    not_counted: list[str] = field(default_factory=list)
+
+
+def overrides_for(layout: Layout) -> str:
+    """The command-line overrides that select a layout."""
+    if layout.strategy != "deepspeed":
+        return f"distributed.strategy={layout.strategy}"
+    text = f"distributed.strategy=deepspeed distributed.deepspeed.zero_stage={layout.zero_stage}"
+    if layout.offload_optimizer != "none":
+        text += f" distributed.deepspeed.offload_optimizer={layout.offload_optimizer}"
+    if layout.offload_params != "none":
+        text += f" distributed.deepspeed.offload_params={layout.offload_params}"
+    return text
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:.1f} GiB"
+
+
+def _recommend(settings: Settings, ladder: list[Evaluation], retry) -> list[str]:
+    gpus = f"{settings.world} x {_gib(ladder[0].gpu_memory)}"
+    batch = settings.micro_batch
+    first = next((ev for ev in ladder if ev.fits), None)
+    if first is not None:
+        return [f"cheapest setup that fits {gpus} at micro batch {batch}: "
+                f"{first.layout.label()} ({_gib(first.total)} per GPU)",
+                f"  largest micro batch that fits with it: {first.max_micro_batch}",
+                f"  overrides: {overrides_for(first.layout)}"]
+    smaller = next((ev for ev in ladder if ev.max_micro_batch >= 1), None)
+    if smaller is not None:
+        return [f"nothing fits {gpus} at micro batch {batch}; {smaller.layout.label()} fits "
+                f"at micro batch {smaller.max_micro_batch} "
+                f"({_gib(smaller.total_at(smaller.max_micro_batch))} per GPU)",
+                f"  overrides: {overrides_for(smaller.layout)} "
+                f"training.per_device_train_batch_size={smaller.max_micro_batch} (raise "
+                "training.gradient_accumulation_steps to keep the global batch)"]
+    if not settings.checkpointing:
+        checkpointed = retry()
+        found = next((ev for ev in checkpointed if ev.max_micro_batch >= 1), None)
+        if found is not None:
+            fit = min(batch, found.max_micro_batch)
+            return [f"nothing fits {gpus} without activation checkpointing; with it, "
+                    f"{found.layout.label()} fits at micro batch {fit}",
+                    f"  overrides: training.activation_checkpointing=true "
+                    f"{overrides_for(found.layout)} training.per_device_train_batch_size={fit}"]
+    last = ladder[-1]
+    return [f"nothing fits {gpus}: even {last.layout.label()} at micro batch 1 needs "
+            f"{_gib(last.total_at(1))} per GPU; use more GPUs, (Q)LoRA, or shorter sequences"]
+
+
+def _assumptions(settings: Settings, shape: Shape) -> list[str]:
+    out = list(settings.notes)
+    pair = " (chosen + rejected)" if settings.sequences == 2 else ""
+    out.append(f"every sequence {settings.seq_len} tokens{pair}: the worst case, as batches "
+               "are padded to their longest row")
+    attention = {"sdpa": "sdpa" + (" with a padding mask (k/v repeated per head)"
+                                   if settings.padded else " without a mask"),
+                 "flash": "flash attention", "eager": "eager (s x s scores kept)"}
+    out.append(f"attention: {attention[settings.attention]}")
+    if settings.fused_loss:
+        out.append("use_liger_kernel: the fused linear cross-entropy never holds the logits "
+                   "(counted as 0)")
+    _, note = model_of(settings.optim)
+    if note:
+        out.append(note)
+    out.append("weights, gradients and optimizer states: exact per tensor for one process; "
+               "ZeRO/FSDP sharding: the ZeRO paper's arithmetic; activations: an estimate "
+               "(docs/estimate.md)")
+    if settings.device == "cuda":
+        out.append(f"CUDA context, cuBLAS and NCCL workspaces: {_gib(CUDA_CONTEXT)} per GPU; "
+                   f"allocator fragmentation: {FRAGMENTATION:.0%} of the tensors")
+    else:
+        out.append("distributed.device cpu: the numbers are per process, in host memory")
+    if shape.tied:
+        out.append("tied input/output embeddings: one matrix")
+    return out
+
+
+def _not_counted(settings: Settings) -> list[str]:
+    out = ["evaluation batches (per_device_eval_batch_size) and generation during evaluation",
+           "host memory to load the model", "DeepSpeed communication buckets (about hidden^2 "
+           "elements)"]
+    if settings.method in ("grpo", "ppo"):
+        out.insert(0, f"{settings.method}: generation (KV cache, sampling), rollout buffers and "
+                      "any reward model (rewards.model)")
+    if settings.method == "dpo" and settings.reference == "copy":
+        out.append("dpo.ref_model: assumed to have the policy's architecture")
+    return out
+
+
+def estimate(experiment: Experiment, gpus: int | None = None, gpu_memory: int | None = None,
+             seq_len: int | None = None) -> Estimate:
+    """Per-GPU memory of training `experiment` on `gpus` GPUs of `gpu_memory` bytes each."""
+    shape = read_shape(experiment.model.name_or_path, experiment.model.revision)
+    settings = settings_of(experiment, gpus, seq_len, shape.max_positions)
+    memory = gpu_memory or DEFAULT_GPU_MEMORY
+    tensors = census(shape, settings)
+    value = []
+    if settings.value_model == "separate":
+        value = value_census(shape)
+    elif settings.value_model == "shared":
+        tensors = tensors + value_head(shape)
+
+    def run(layouts, checkpointing):
+        return [evaluate(shape, settings, tensors, value, layout, settings.micro_batch,
+                         checkpointing, memory) for layout in layouts]
+
+    configured = run([settings.layout], settings.checkpointing)[0]
+    ladder = run(ladder_layouts(settings), settings.checkpointing)
+    recommendation = _recommend(settings, ladder, lambda: run(ladder_layouts(settings), True))
+    logits = next(size for key, _, size in configured.rows if key == "logits")
+    if logits > 0.25 * configured.total and settings.method != "ppo":
+        recommendation.append(f"  the logits and loss take {_gib(logits)} per GPU: "
+                              "training.use_liger_kernel=true computes the loss without them")
+    return Estimate(
+        shape=shape, settings=settings,
+        params=sum(t.numel for t in tensors
+                   if t.role not in ("lora", "magnitude", "copy", "value")),
+        trainable_params=sum(t.numel for t in tensors + value if t.trainable),
+        configured=configured, ladder=ladder, gpu_memory=memory, recommendation=recommendation,
+        assumptions=_assumptions(settings, shape), not_counted=_not_counted(settings))

@@ -1,0 +1,150 @@
+"""The estimate: model states + activations + overheads, for the experiment's own layout
+and for the ladder of layouts a recommendation picks from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from finetune.estimate import activations as act
+from finetune.estimate.census import Tensor, lora_targets
+from finetune.estimate.memory import States, model_states
+from finetune.estimate.settings import Layout, Settings
+from finetune.estimate.shapes import Shape
+
+GiB = 1024 ** 3
+CUDA_CONTEXT = 1 * GiB   # CUDA context, cuBLAS and NCCL workspaces: a stated constant
+FRAGMENTATION = 0.05     # allocator slack, as a fraction of the tensors
+
+
+@dataclass
+class Evaluation:
+    layout: Layout
+    rows: list[tuple[str, str, int]]   # (key, label, bytes per GPU)
+    states: States
+    fixed: int                         # everything but activations, before fragmentation
+    per_sample: int                    # activations + logits of one sample
+    micro_batch: int
+    checkpointing: bool
+    gpu_memory: int
+    overhead: int                      # CUDA context (0 for a CPU run)
+
+    def total_at(self, batch: int) -> int:
+        tensors = self.fixed + batch * self.per_sample
+        return int(tensors * (1 + FRAGMENTATION)) + self.overhead
+
+    @property
+    def total(self) -> int:
+        return self.total_at(self.micro_batch)
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.gpu_memory
+
+    @property
+    def max_micro_batch(self) -> int:
+        room = (self.gpu_memory - self.overhead) / (1 + FRAGMENTATION) - self.fixed
+        if self.per_sample <= 0 or room < self.per_sample:
+            return 0
+        batch = int(room // self.per_sample)
+        while batch > 0 and self.total_at(batch) > self.gpu_memory:  # integer rounding
+            batch -= 1
+        return batch
+
+
+def regime(settings: Settings, layout: Layout) -> act.Regime:
+    """Dtypes of the forward pass under a layout (see activations.py)."""
+    spec = settings.peft
+    half = settings.precision != "fp32"
+    c = 2 if half else 4
+    sharded16 = half and layout.strategy in ("deepspeed", "fsdp")  # module cast to 16 bits
+    lora = spec.type != "none"
+    quantized = spec.type == "qlora"
+    if sharded16:
+        residual, autocast, adapter = 2, False, 2
+    elif spec.type == "none":
+        residual, autocast, adapter = 4, half, 0
+    elif quantized:
+        residual, autocast, adapter = 4, half, 2 if settings.trl_cast else 4
+    else:
+        residual, autocast, adapter = c, half, 4
+    return act.Regime(
+        residual=residual, compute=c, autocast=autocast, base_trainable=not lora,
+        quantized=spec.bits if quantized else 0, adapter=adapter if lora else 0,
+        rank=spec.r if lora else 0,
+        dropout=lora and spec.dropout > 0, dora=lora and spec.use_dora,
+        cuda=settings.device == "cuda",
+        attention=settings.attention, padded=settings.padded)
+
+
+def layer_targets(shape: Shape, settings: Settings) -> list[frozenset[str]]:
+    if settings.peft.type == "none":
+        return [frozenset()] * shape.layers
+    found = [lin.name for lin in lora_targets(shape, settings)]
+    out = []
+    for n in range(shape.layers):
+        prefix = f"model.layers.{n}."
+        out.append(frozenset(name.rsplit(".", 1)[1] for name in found if name.startswith(prefix)))
+    return out
+
+
+def activation_bytes(shape: Shape, settings: Settings, layout: Layout,
+                     checkpointing: bool) -> act.Activations:
+    reg = regime(settings, layout)
+    full = settings.peft.type == "none"
+    saved_head = settings.head == "score" or "lm_head" in (settings.peft.modules_to_save or [])
+    policy = act.activations(
+        shape, reg, layer_targets(shape, settings), settings.seq_len, settings.logit_tokens,
+        settings.sequences, checkpointing, head_trainable=full or saved_head,
+        lm_head=settings.head == "lm")
+    if settings.fused_loss:  # Liger's fused linear cross-entropy works chunk by chunk
+        policy = act.Activations(policy.layers, policy.other, 0, 0)
+    if settings.value_model != "separate":
+        return policy
+    # ppo: the separate value backbone runs its own forward, fully trained in fp32 + autocast.
+    value_reg = act.Regime(residual=4, compute=reg.compute, autocast=reg.compute == 2,
+                           base_trainable=True, quantized=0, attention=reg.attention,
+                           padded=reg.padded, cuda=reg.cuda)
+    value = act.activations(shape, value_reg, [frozenset()] * shape.layers, settings.seq_len, 0,
+                            1, checkpointing, head_trainable=True, lm_head=False)
+    return act.Activations(policy.layers + value.layers, policy.other + value.other,
+                           policy.logits_saved, policy.logits_peak)
+
+
+def evaluate(shape: Shape, settings: Settings, tensors: list[Tensor], value: list[Tensor],
+             layout: Layout, micro_batch: int, checkpointing: bool, gpu_memory: int) -> Evaluation:
+    states = model_states(tensors, value, shape, settings, layout)
+    acts = activation_bytes(shape, settings, layout, checkpointing)
+    ckpt = "checkpointed" if checkpointing else "no checkpointing"
+    rows = [
+        ("weights", "frozen weights", states.weights),
+        ("trainable", "trainable parameters", states.trainable),
+        ("gradients", "gradients", states.gradients),
+        ("optimizer", f"optimizer states ({settings.optim})", states.optimizer),
+        ("master", "fp32 master weights", states.master),
+        ("buffers", states.buffers_label or "communication buffers", states.buffers),
+        ("autocast", "autocast 16-bit weight copies", states.autocast),
+        ("dora", "DoRA base weight copies", states.dora),
+        ("reference", "reference model", states.reference),
+        ("value", "value model (weights, gradients, optimizer)", states.value),
+        ("activations", f"activations ({shape.layers} layers, {ckpt})",
+         micro_batch * (acts.layers + acts.other)),
+        ("logits", "logits and loss", micro_batch * (acts.logits_saved + acts.logits_peak)),
+    ]
+    fixed = sum(b for key, _, b in rows if key not in ("activations", "logits"))
+    overhead = CUDA_CONTEXT if settings.device == "cuda" else 0
+    return Evaluation(layout, rows, states, fixed, acts.total, micro_batch, checkpointing,
+                      gpu_memory, overhead)
+
+
+def ladder_layouts(settings: Settings) -> list[Layout]:
+    """Cheapest first: plain data parallel, ZeRO-1, -2, -3, then offload. Only layouts
+    finetune accepts for the experiment (rules.py: ppo none/ddp, qlora not with ZeRO-3)."""
+    base = Layout("ddp" if settings.world > 1 else "none")
+    if settings.method == "ppo":
+        return [base]
+    if settings.peft.type == "qlora":
+        return [base, Layout("deepspeed", 1), Layout("deepspeed", 2),
+                Layout("deepspeed", 2, offload_optimizer="cpu")]
+    return [base, Layout("deepspeed", 1), Layout("deepspeed", 2), Layout("deepspeed", 3),
+            Layout("deepspeed", 3, offload_optimizer="cpu"),
+            Layout("deepspeed", 3, offload_optimizer="cpu", offload_params="cpu")]

@@ -1,0 +1,211 @@
+"""Model shapes from a config.json, read as JSON: the estimator must not import torch.
+
+The parameter list mirrors what transformers builds for llama, mistral, qwen2 and qwen3
+(names included, so a test can compare tensor by tensor); other architectures are refused
+rather than guessed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from finetune.errors import ConfigError
+
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@dataclass(frozen=True)
+class Shape:
+    model_type: str
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool          # qwen3: RMSNorm over head_dim on q and k
+    max_positions: int | None
+    source: str            # the config.json read
+
+    @property
+    def q_dim(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+
+@dataclass(frozen=True)
+class Linear:
+    """An nn.Linear (or the embedding, kind 'embedding') of the model, by module name."""
+    name: str
+    inp: int
+    out: int
+    bias: bool
+    kind: str  # 'layer' (inside a decoder layer), 'head' (lm_head / score), 'embedding'
+
+
+@dataclass(frozen=True)
+class Param:
+    name: str
+    numel: int
+    role: str    # 'embedding', 'norm', 'linear' (a layer's Linear weight), 'bias', 'head'
+    module: str  # owning module name
+    out: int = 0  # output features of a Linear weight (8-bit scales are per output row)
+
+
+def _hub_cache() -> Path:
+    # The Hugging Face hub's own documented variables, read the way huggingface_hub reads them.
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"])
+    if os.environ.get("HF_HOME"):
+        return Path(os.environ["HF_HOME"]) / "hub"
+    return Path.home() / ".cache" / "huggingface" / "hub"
+
+
+def _cached_config(hub_id: str, revision: str | None) -> Path | None:
+    repo = _hub_cache() / ("models--" + hub_id.replace("/", "--"))
+    snapshots = repo / "snapshots"
+    ref = repo / "refs" / (revision or "main")
+    if ref.is_file():
+        found = snapshots / ref.read_text().strip() / "config.json"
+        if found.is_file():
+            return found
+    if revision and (snapshots / revision / "config.json").is_file():
+        return snapshots / revision / "config.json"
+    candidates = sorted(snapshots.glob("*/config.json"), key=lambda p: p.stat().st_mtime)
+    return candidates[-1] if candidates else None
+
+
+def find_config(name_or_path: str, revision: str | None = None) -> Path:
+    """config.json of a local model directory, else of the hub id in the local HF cache."""
+    local = Path(name_or_path)
+    if local.is_dir():
+        path = local / "config.json"
+        if not path.is_file():
+            raise ConfigError([f"model.name_or_path: {local} has no config.json"])
+        return path
+    found = _cached_config(name_or_path, revision) if name_or_path.count("/") == 1 else None
+    if found is None:
+        raise ConfigError([
+            f"model.name_or_path: {name_or_path!r} is not a local directory and its config.json "
+            f"is not in the Hugging Face cache ({_hub_cache()}); the estimator reads no network. "
+            f"Pass a local model directory, e.g. `finetune estimate CONFIG "
+            f"model.name_or_path=/path/to/model`"])
+    return found
+
+
+def _int(config: dict[str, Any], key: str, where: str, default: int | None = None) -> int:
+    value = config.get(key, default)
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ConfigError([f"{where}: {key} must be a positive integer, got {value!r}"])
+    return value
+
+
+def shape_of(config: dict[str, Any], where: str) -> Shape:
+    kind = config.get("model_type")
+    if kind not in SUPPORTED:
+        raise ConfigError([f"{where}: model_type {kind!r} is not supported by the estimator "
+                           f"(supported: {', '.join(SUPPORTED)})"])
+    hidden = _int(config, "hidden_size", where)
+    heads = _int(config, "num_attention_heads", where)
+    kv_heads = _int(config, "num_key_value_heads", where, default=heads)
+    # llama/qwen read head_dim with getattr(..., hidden // heads); mistral also replaces null.
+    head_dim = config.get("head_dim") or hidden // heads
+    attention_bias = bool(config.get("attention_bias", False))
+    qkv_bias = {"qwen2": True, "mistral": False}.get(kind, attention_bias)
+    o_bias = {"qwen2": False, "mistral": False}.get(kind, attention_bias)
+    return Shape(
+        model_type=kind, hidden=hidden, intermediate=_int(config, "intermediate_size", where),
+        layers=_int(config, "num_hidden_layers", where), heads=heads, kv_heads=kv_heads,
+        head_dim=_int({"head_dim": head_dim}, "head_dim", where),
+        vocab=_int(config, "vocab_size", where),
+        tied=bool(config.get("tie_word_embeddings", False)),
+        qkv_bias=qkv_bias, o_bias=o_bias,
+        mlp_bias=kind == "llama" and bool(config.get("mlp_bias", False)),
+        qk_norm=kind == "qwen3", max_positions=config.get("max_position_embeddings"),
+        source=where)
+
+
+def read_shape(name_or_path: str, revision: str | None = None) -> Shape:
+    path = find_config(name_or_path, revision)
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError([f"{path}: cannot read as JSON: {exc}"]) from None
+    if not isinstance(config, dict):
+        raise ConfigError([f"{path}: expected a JSON object"])
+    return shape_of(config, str(path))
+
+
+def linears(shape: Shape, head: str, num_labels: int = 1) -> list[Linear]:
+    """Every module LoRA can target, in named_modules() order. head: 'lm' or 'score'."""
+    h, i = shape.hidden, shape.intermediate
+    out = [Linear("model.embed_tokens", shape.vocab, h, False, "embedding")]
+    for n in range(shape.layers):
+        a, m = f"model.layers.{n}.self_attn", f"model.layers.{n}.mlp"
+        out += [Linear(f"{a}.q_proj", h, shape.q_dim, shape.qkv_bias, "layer"),
+                Linear(f"{a}.k_proj", h, shape.kv_dim, shape.qkv_bias, "layer"),
+                Linear(f"{a}.v_proj", h, shape.kv_dim, shape.qkv_bias, "layer"),
+                Linear(f"{a}.o_proj", shape.q_dim, h, shape.o_bias, "layer"),
+                Linear(f"{m}.gate_proj", h, i, shape.mlp_bias, "layer"),
+                Linear(f"{m}.up_proj", h, i, shape.mlp_bias, "layer"),
+                Linear(f"{m}.down_proj", i, h, shape.mlp_bias, "layer")]
+    if head == "lm":
+        out.append(Linear("lm_head", h, shape.vocab, False, "head"))
+    else:
+        out.append(Linear("score", h, num_labels, False, "head"))
+    return out
+
+
+def module_names(shape: Shape, head: str) -> list[str]:
+    """Module names as named_modules() gives them (for modules_to_save matching)."""
+    names = ["model", "model.embed_tokens", "model.layers"]
+    for n in range(shape.layers):
+        p = f"model.layers.{n}"
+        names += [p, f"{p}.self_attn", f"{p}.self_attn.q_proj", f"{p}.self_attn.k_proj",
+                  f"{p}.self_attn.v_proj", f"{p}.self_attn.o_proj"]
+        if shape.qk_norm:
+            names += [f"{p}.self_attn.q_norm", f"{p}.self_attn.k_norm"]
+        names += [f"{p}.mlp", f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj", f"{p}.mlp.down_proj",
+                  f"{p}.mlp.act_fn", f"{p}.input_layernorm", f"{p}.post_attention_layernorm"]
+    names += ["model.norm", "model.rotary_emb", "lm_head" if head == "lm" else "score"]
+    return names
+
+
+def parameters(shape: Shape, head: str, num_labels: int = 1) -> list[Param]:
+    """The model's parameters as model.parameters() yields them: a tied lm_head is the
+    embedding matrix and appears once."""
+    h = shape.hidden
+    params = [Param("model.embed_tokens.weight", shape.vocab * h, "embedding",
+                    "model.embed_tokens", h)]
+    for lin in linears(shape, head, num_labels):
+        if lin.kind != "layer":
+            continue
+        params.append(Param(f"{lin.name}.weight", lin.inp * lin.out, "linear", lin.name, lin.out))
+        if lin.bias:
+            params.append(Param(f"{lin.name}.bias", lin.out, "bias", lin.name))
+        if shape.qk_norm and lin.name.endswith("o_proj"):
+            base = lin.name.rsplit(".", 1)[0]
+            params += [Param(f"{base}.q_norm.weight", shape.head_dim, "norm", f"{base}.q_norm"),
+                       Param(f"{base}.k_norm.weight", shape.head_dim, "norm", f"{base}.k_norm")]
+        if lin.name.endswith("down_proj"):
+            layer = lin.name.rsplit(".", 2)[0]
+            params += [Param(f"{layer}.{norm}.weight", h, "norm", f"{layer}.{norm}")
+                       for norm in ("input_layernorm", "post_attention_layernorm")]
+    params.append(Param("model.norm.weight", h, "norm", "model.norm"))
+    if head == "score":
+        params.append(Param("score.weight", h * num_labels, "head", "score", num_labels))
+    elif not shape.tied:
+        params.append(Param("lm_head.weight", h * shape.vocab, "head", "lm_head", shape.vocab))
+    return params
