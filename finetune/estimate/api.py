@@ -136,6 +136,14 @@ def estimate(experiment: Experiment, gpus: int | None = None, gpu_memory: int | 
     configured = run([settings.layout], settings.checkpointing)[0]
     ladder = run(ladder_layouts(settings), settings.checkpointing)
     recommendation = _recommend(settings, ladder, lambda: run(ladder_layouts(settings), True))
+    if settings.checkpointing:  # the checkpointing policy: off wherever it is not needed
+        plain = evaluate(shape, settings, tensors, value, settings.layout, settings.micro_batch,
+                         False, memory)
+        if plain.fits:
+            recommendation.append(
+                f"  without activation checkpointing it still fits ({_gib(plain.total)} per "
+                "GPU): training.activation_checkpointing=false saves its recomputation, "
+                "about a quarter of the step's compute")
     logits = next(size for key, _, size in configured.rows if key == "logits")
     if logits > 0.25 * configured.total and settings.method != "ppo":
         recommendation.append(f"  the logits and loss take {_gib(logits)} per GPU: "
