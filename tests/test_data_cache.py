@@ -34,6 +34,17 @@ print("rows", len(splits.train), "eval rows", len(splits.eval_rows), flush=True)
 
 
 @pytest.fixture
+def waiters():
+    """Waiting processes, killed at the end whatever the test's outcome."""
+    started: list[subprocess.Popen] = []
+    yield started
+    for process in started:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+@pytest.fixture
 def config(tmp_path):
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
@@ -88,10 +99,12 @@ def test_entry_reused_and_keyed_by_what_it_depends_on(config, tmp_path, capsys):
     assert len(_entries(experiment, run_dir)) == 3
 
 
-def test_other_ranks_wait_for_the_main_process_then_share_its_entry(config, tmp_path):
+def test_other_ranks_wait_for_the_main_process_then_share_its_entry(config, tmp_path,
+                                                                     waiters):
     run_dir = tmp_path / "runs" / "a"
     run_dir.mkdir(parents=True)
     waiter = _waiter(config, run_dir)
+    waiters.append(waiter)
     time.sleep(8)  # its imports, then it waits: nothing is prepared yet
     assert waiter.poll() is None
     experiment = load_experiment(config)
@@ -104,10 +117,11 @@ def test_other_ranks_wait_for_the_main_process_then_share_its_entry(config, tmp_
     assert len(_entries(experiment, run_dir)) == 1
 
 
-def test_a_waiting_rank_stops_when_the_main_process_fails(config, tmp_path):
+def test_a_waiting_rank_stops_when_the_main_process_fails(config, tmp_path, waiters):
     run_dir = tmp_path / "runs" / "a"
     run_dir.mkdir(parents=True)
     waiter = _waiter(config, run_dir)
+    waiters.append(waiter)
     time.sleep(8)  # waiting by now (an earlier failure ends the launch: its launcher's job)
     assert waiter.poll() is None
     (run_dir / "failed-0.json").write_text(json.dumps({"rank": 0, "errors": ["bad row"]}))
