@@ -1,9 +1,10 @@
 """Training data, prepared once and cached on disk: read, validated and, for the methods
 that tokenize in finetune (sft, reward, classify), tokenized.
 
-The cache entry's key hashes everything the result depends on: the data files (path, size,
-modification time; a hub dataset: its id, subset, split and revision), the tokenizer's saved files, the method,
-the data section and the settings that change tokenization, and the library versions.
+The cache entry's key hashes everything the result depends on: the data files (path,
+size, modification time; a hub dataset: its id, subset, split and revision), the
+tokenizer's saved files, the method, the data section, the settings that change
+tokenization, and the library versions.
 A second run with the same key loads the entry instead of preparing again.
 
 Within a run, the main process of each machine (LOCAL_RANK 0) prepares; the other ranks
