@@ -24,9 +24,11 @@ def speed_defaults(experiment: Experiment, device: str) -> dict[str, Any]:
     (Fused AdamW is transformers' own default already: optim adamw_torch_fused.)"""
     training, out = experiment.training, {}
     if experiment.method == "sft" and not training.get("packing") and \
-            experiment.data.weight_column is None:
+            experiment.data.weight_column is None and not experiment.model.trust_remote_code:
         # Flattened batches with position_ids: no compute spent on padding, and the same
         # loss as padded batches (each row attends only to itself; tests/test_speed.py).
+        # transformers' own models mask across rows from the position_ids; remote code
+        # might not, and would silently attend across rows.
         out["padding_free"] = True
     if device == "cuda":
         out["dataloader_num_workers"] = 2  # collate while the GPU computes
