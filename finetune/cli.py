@@ -33,6 +33,9 @@ def _validate(args: argparse.Namespace) -> int:
 
 def _train(args: argparse.Namespace) -> int:
     import os
+    import time
+
+    launched = time.time()  # before the heavy imports: see build/prepare.py, _wait
 
     from finetune.config import load_experiment
     from finetune.launch.environment import rank_of
@@ -45,7 +48,7 @@ def _train(args: argparse.Namespace) -> int:
     from finetune.worker import train  # heavy: torch, transformers, trl
 
     try:
-        train(experiment, run_dir, plan)
+        train(experiment, run_dir, plan, launched)
     except (ConfigError, DataError, RunError) as exc:
         _record_failure(run_dir, exc)
         raise

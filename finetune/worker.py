@@ -104,7 +104,8 @@ def _save_final(trainer, tokenizer, run_dir: Path, main: bool) -> Path:
     return final
 
 
-def train(experiment: Experiment, run_dir: Path, plan: ResumePlan) -> dict[str, Any]:
+def train(experiment: Experiment, run_dir: Path, plan: ResumePlan,
+          launched: float | None = None) -> dict[str, Any]:
     from transformers import set_seed
 
     started = time.time()
@@ -115,7 +116,8 @@ def train(experiment: Experiment, run_dir: Path, plan: ResumePlan) -> dict[str, 
     experiment = _without_redacted(experiment)
     hw = resolve_hardware(experiment)
     tokenizer = load_tokenizer(experiment)
-    data = prepared_data(experiment, tokenizer, run_dir)  # before any process group
+    # Before any process group exists: see build/prepare.py.
+    data = prepared_data(experiment, tokenizer, run_dir, launched or started)
     seed = trl_fields.training_value(experiment.method, experiment.training, "seed")
     initial = initial_weights(experiment, hw, tokenizer, run_dir, seed, rank)
     args = make_training_args(experiment, run_dir, hw)

@@ -22,12 +22,14 @@ ROWS = [{"messages": [{"role": "user", "content": f"q {i}"},
                       {"role": "assistant", "content": "a " * (1 + i % 5)}]} for i in range(40)]
 WAITER = """
 import sys
+import time
 from pathlib import Path
+launched = time.time()
 from finetune.build.prepare import prepared_data
 from finetune.build.tokenizer import load_tokenizer
 from finetune.config import load_experiment
 experiment = load_experiment(sys.argv[1])
-splits = prepared_data(experiment, load_tokenizer(experiment), Path(sys.argv[2]),
+splits = prepared_data(experiment, load_tokenizer(experiment), Path(sys.argv[2]), launched,
                        {"LOCAL_RANK": "1", "RANK": "1"})
 print("rows", len(splits.train), "eval rows", len(splits.eval_rows), flush=True)
 """
@@ -71,7 +73,7 @@ def test_entry_reused_and_keyed_by_what_it_depends_on(config, tmp_path, capsys):
     run_dir.mkdir(parents=True)
     experiment = load_experiment(config)
     tokenizer = load_tokenizer(experiment)
-    first = prepared_data(experiment, tokenizer, run_dir, {})
+    first = prepared_data(experiment, tokenizer, run_dir, time.time(), {})
     assert "data prepared and cached" in capsys.readouterr().out
     assert len(first.train) == 30 and len(first.eval) == 10 and len(first.eval_rows) == 10
     assert max(len(ids) for ids in first.train["input_ids"]) == 16
@@ -79,7 +81,7 @@ def test_entry_reused_and_keyed_by_what_it_depends_on(config, tmp_path, capsys):
     row = first.train[0]
     assert -100 in row["labels"] and any(t != -100 for t in row["labels"])
 
-    again = prepared_data(experiment, tokenizer, run_dir, {})
+    again = prepared_data(experiment, tokenizer, run_dir, time.time(), {})
     assert "data loaded from the cache" in capsys.readouterr().out
     assert again.train["input_ids"] == first.train["input_ids"]
     assert again.eval_rows["messages"] == first.eval_rows["messages"]
@@ -87,15 +89,15 @@ def test_entry_reused_and_keyed_by_what_it_depends_on(config, tmp_path, capsys):
 
     # Another max_length, or the data file rewritten, is another entry.
     longer = load_experiment(config, ["training.max_length=32"])
-    prepared_data(longer, tokenizer, run_dir, {})
+    prepared_data(longer, tokenizer, run_dir, time.time(), {})
     data = tmp_path / "train.jsonl"
     time.sleep(0.01)
     data.write_text(data.read_text())
-    prepared_data(experiment, tokenizer, run_dir, {})
+    prepared_data(experiment, tokenizer, run_dir, time.time(), {})
     assert len(_entries(experiment, run_dir)) == 3
 
     off = load_experiment(config, ["data.cache=false"])
-    assert len(prepared_data(off, tokenizer, run_dir, {}).train) == 30
+    assert len(prepared_data(off, tokenizer, run_dir, time.time(), {}).train) == 30
     assert len(_entries(experiment, run_dir)) == 3
 
 
@@ -110,7 +112,7 @@ def test_other_ranks_wait_for_the_main_process_then_share_its_entry(config, tmp_
     experiment = load_experiment(config)
     assert not cache_root(experiment, run_dir).exists() or not _entries(experiment, run_dir)
 
-    prepared_data(experiment, load_tokenizer(experiment), run_dir, {})
+    prepared_data(experiment, load_tokenizer(experiment), run_dir, time.time(), {})
     out, err = waiter.communicate(timeout=60)
     assert waiter.returncode == 0, err[-2000:]
     assert "rows 30 eval rows 10" in out and "prepared" not in out
@@ -122,7 +124,7 @@ def test_a_waiting_rank_stops_when_the_main_process_fails(config, tmp_path, wait
     run_dir.mkdir(parents=True)
     waiter = _waiter(config, run_dir)
     waiters.append(waiter)
-    time.sleep(8)  # waiting by now (an earlier failure ends the launch: its launcher's job)
+    time.sleep(1)  # still importing: a failure after its start counts all the same
     assert waiter.poll() is None
     (run_dir / "failed-0.json").write_text(json.dumps({"rank": 0, "errors": ["bad row"]}))
     out, err = waiter.communicate(timeout=60)

@@ -134,38 +134,39 @@ def _load(entry: Path) -> Splits:
                   eval_rows=part("eval_rows"))
 
 
-def _wait(entry: Path, run_dir: Path, started: float, rank: int) -> None:
-    """Until the local main's entry is complete, or it has reported a failure since this
-    rank started waiting (a rank that fails even earlier ends the whole launch: torchrun
-    and accelerate stop the other processes)."""
+def _wait(entry: Path, run_dir: Path, launched: float, rank: int) -> None:
+    """Until the local main's entry is complete, or a rank of this launch has reported a
+    failure (failed-<rank>.json newer than this process's start: the ranks of a launch
+    start together, and none can fail before its own imports are done)."""
+    waiting = time.time()
     told = False
     while not (entry / META).exists():
         failed = [p for p in run_dir.glob(FAILED_MARKER.replace(".json", "-*.json"))
-                  if p.stat().st_mtime >= started]
+                  if p.stat().st_mtime >= launched]
         if failed:
             raise DataError(f"rank {rank}: the data could not be prepared; the error is "
                             f"in {failed[0]} and above")
-        if not told and time.time() - started > 10:
+        if not told and time.time() - waiting > 10:
             print(f"finetune: rank {rank} waiting for the data being prepared into {entry}",
                   flush=True)
             told = True
         time.sleep(POLL_SECONDS)
 
 
-def prepared_data(experiment: Experiment, tokenizer, run_dir: Path,
+def prepared_data(experiment: Experiment, tokenizer, run_dir: Path, launched: float,
                   env: dict[str, str] | None = None) -> Splits:
-    """This rank's data: from the cache, prepared by this machine's main process."""
+    """This rank's data: from the cache, prepared by this machine's main process.
+    `launched`: when this process started (time.time())."""
     env = os.environ if env is None else env
     if not experiment.data.cache:
         return prepare(experiment, tokenizer)
-    started = time.time()
     entry = cache_root(experiment, run_dir) / cache_key(experiment, tokenizer)
     if not (entry / META).exists():
         if int(env.get("LOCAL_RANK", "0")) == 0:
             _save(prepare(experiment, tokenizer), entry)
             print(f"finetune: data prepared and cached in {entry}", flush=True)
         else:
-            _wait(entry, run_dir, started, int(env.get("RANK", "0")))
+            _wait(entry, run_dir, launched, int(env.get("RANK", "0")))
     elif int(env.get("RANK", "0")) == 0:
         print(f"finetune: data loaded from the cache {entry}", flush=True)
     return _load(entry)
