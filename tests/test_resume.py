@@ -105,7 +105,7 @@ def test_fault_injection_every_kill_point_survives(write, tmp_path):
         "  save_steps: 4\n", "") + extra)
     run_dir = tmp_path / "runs" / "fault"
 
-    kills, mid_save, survived = 8, 0, 0
+    kills, mid_save, survived = 6, 0, 0
     for attempt in range(1, kills + 1):
         run = Run("train", config, tmp_path, attempt)
         start = losses(run_dir)[-1][0] if losses(run_dir) else 0
