@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -80,6 +81,16 @@ def test_entry_reused_and_keyed_by_what_it_depends_on(config, tmp_path, capsys):
     # Only assistant tokens are trained (assistant_only_loss).
     row = first.train[0]
     assert -100 in row["labels"] and any(t != -100 for t in row["labels"])
+
+    # A crash's staging directory of another key stays; of this key, a day old, goes.
+    root = cache_root(experiment, run_dir)
+    abandoned, other = root / f".{_entries(experiment, run_dir)[0]}.x1", root / ".other.x2"
+    for path in (abandoned, other):
+        path.mkdir()
+        os.utime(path, (time.time() - 2 * 86400,) * 2)
+    shutil.rmtree(root / _entries(experiment, run_dir)[0])
+    prepared_data(experiment, tokenizer, run_dir, time.time(), {})  # prepares again
+    assert not abandoned.exists() and other.exists()
 
     again = prepared_data(experiment, tokenizer, run_dir, time.time(), {})
     assert "data loaded from the cache" in capsys.readouterr().out

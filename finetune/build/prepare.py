@@ -43,6 +43,7 @@ SETTINGS = ("max_length", "truncation_mode", "assistant_only_loss", "completion_
             "dataset_text_field")
 PACKAGES = ("finetune", "transformers", "tokenizers", "datasets", "trl")
 POLL_SECONDS = 0.2
+STAGING_MAX_AGE = 24 * 3600  # seconds
 
 
 def cache_root(experiment: Experiment, run_dir: Path) -> Path:
@@ -105,9 +106,18 @@ def prepare(experiment: Experiment, tokenizer) -> Splits:
     return method_prepare(splits, tokenizer, experiment) if method_prepare else splits
 
 
+def _remove_abandoned(entry: Path) -> None:
+    """Staging directories of this key untouched for a day: left by a crash (a live
+    writer, even one tokenizing for hours, is not that old)."""
+    for staging in entry.parent.glob(f".{entry.name}.*"):
+        if time.time() - staging.stat().st_mtime > STAGING_MAX_AGE:
+            shutil.rmtree(staging, ignore_errors=True)
+
+
 def _save(splits: Splits, entry: Path) -> None:
     """Write aside, then rename into place; a concurrent writer's entry wins if first."""
     entry.parent.mkdir(parents=True, exist_ok=True)
+    _remove_abandoned(entry)
     staging = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", dir=entry.parent))
     try:
         parts = {"train": splits.train, "eval": splits.eval, "eval_rows": splits.eval_rows}

@@ -77,11 +77,14 @@ def _prompt_completion(tokenizer, row: dict[str, Any], weight: float, masking: M
                                               label)
         prompt_length = len(_render(tokenizer, prompt, True))
     else:
+        # As TRL: the joined text is tokenized, and the completion starts where it and the
+        # prompt alone stop agreeing (tokens may merge across the boundary).
         head = tokenizer(prompt)["input_ids"]
-        tail = tokenizer(completion, add_special_tokens=False)["input_ids"]
-        if not tail or tail[-1] != tokenizer.eos_token_id:
-            tail.append(tokenizer.eos_token_id)
-        ids, prompt_length = head + tail, len(head)
+        ids = tokenizer(prompt + completion)["input_ids"]
+        if not ids or ids[-1] != tokenizer.eos_token_id:
+            ids.append(tokenizer.eos_token_id)
+        prompt_length = next((i for i, (a, b) in enumerate(zip(head, ids)) if a != b),
+                             min(len(head), len(ids)))
         trained, weights = [True] * len(ids), [weight] * len(ids)
     if masking.completion_only:
         trained[:prompt_length] = [False] * prompt_length
