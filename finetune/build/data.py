@@ -8,7 +8,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from datasets import Dataset, concatenate_datasets, load_dataset
 
@@ -46,6 +46,12 @@ class Splits:
     @property
     def eval_examples(self) -> Dataset | None:
         return self.eval if self.eval_rows is None else self.eval_rows
+
+    def tokenized(self, tokenize: Callable[[Dataset, str], Dataset]) -> "Splits":
+        """tokenize(rows, split name) applied to train and eval; the eval rows are kept."""
+        return Splits(train=tokenize(self.train, "train"),
+                      eval=None if self.eval is None else tokenize(self.eval, "eval"),
+                      format=self.format, eval_rows=self.eval)
 
 
 def _files(path: Path) -> list[Path]:

@@ -25,11 +25,8 @@ def _tokenized(dataset, tokenizer, max_length: int):
 
 def prepare(splits: Splits, tokenizer, experiment: Experiment) -> Splits:
     """Tokenized rows (run once by build/prepare.py, cached)."""
-    max_length = experiment.classify.max_length
-    return Splits(train=_tokenized(splits.train, tokenizer, max_length),
-                  eval=None if splits.eval is None else
-                  _tokenized(splits.eval, tokenizer, max_length),
-                  format=splits.format, eval_rows=splits.eval)
+    return splits.tokenized(
+        lambda rows, _: _tokenized(rows, tokenizer, experiment.classify.max_length))
 
 
 def build_trainer(job: Job) -> ClassifyTrainer:

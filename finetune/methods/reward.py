@@ -43,10 +43,7 @@ def _tokenized(dataset, tokenizer, max_length: int | None):
 
 def prepare(splits: Splits, tokenizer, experiment: Experiment) -> Splits:
     max_length = training_value("reward", experiment.training, "max_length")
-    return Splits(train=_tokenized(splits.train, tokenizer, max_length),
-                  eval=None if splits.eval is None else
-                  _tokenized(splits.eval, tokenizer, max_length),
-                  format=splits.format, eval_rows=splits.eval)
+    return splits.tokenized(lambda rows, _: _tokenized(rows, tokenizer, max_length))
 
 
 def build_trainer(job: Job) -> RewardTrainer:
