@@ -101,6 +101,13 @@ def _data(exp: Experiment) -> Iterator[Problem]:
     for name in ("packing", "padding_free"):
         if exp.data.weight_column and exp.training.get(name):
             yield ("training", name), "not supported with loss weights (data.weight_column)"
+    if exp.method == "sft":
+        mode = exp.training.get("truncation_mode", "keep_start")
+        if mode not in ("keep_start", "keep_end"):
+            yield ("training", "truncation_mode"), f"{mode!r} is not keep_start or keep_end"
+        if exp.training.get("packing") and "max_length" in exp.training and \
+                exp.training["max_length"] is None:
+            yield ("training", "packing"), "needs training.max_length (the packed length)"
     if exp.training.get("completion_only_loss") and exp.data.format in ("text", "messages"):
         yield ("training", "completion_only_loss"), "needs prompt/completion data; for " \
                                                     "messages use assistant_only_loss"

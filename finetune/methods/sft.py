@@ -21,17 +21,12 @@ from finetune.config.trl_fields import training_value
 from finetune.errors import ConfigError
 from finetune.methods import Job
 
-TRUNCATION_MODES = ("keep_start", "keep_end")
-
-
 def _masking(splits: Splits, experiment: Experiment) -> sft_tokens.Masking:
     value = lambda key: training_value("sft", experiment.training, key)
     weighted = experiment.data.weight_column is not None or \
         sft_tokens.uses_token_weights(splits.train, splits.format)
+    # What depends on the rows; the settings alone were checked by config/rules.py.
     problems = []
-    if value("truncation_mode") not in TRUNCATION_MODES:
-        problems.append(f"training.truncation_mode: {value('truncation_mode')!r} is not one of "
-                        f"{', '.join(TRUNCATION_MODES)}")
     if value("assistant_only_loss") and splits.format == "text":
         problems.append("training.assistant_only_loss: needs conversational data "
                         "(messages, or prompt/completion as message lists); this data is text")
@@ -39,8 +34,6 @@ def _masking(splits: Splits, experiment: Experiment) -> sft_tokens.Masking:
     if weighted and packed:
         problems.append(f"training.{packed[0]}: not supported with loss weights "
                         "(data.weight_column or `weight` on messages)")
-    if value("packing") and value("max_length") is None:
-        problems.append("training.packing: needs training.max_length (the packed length)")
     if problems:
         raise ConfigError(problems)
     return sft_tokens.Masking(
@@ -62,17 +55,16 @@ def _packed(dataset, experiment: Experiment):
 def prepare(splits: Splits, tokenizer, experiment: Experiment) -> Splits:
     """Tokenized (and packed, with training.packing) train and eval rows."""
     masking = _masking(splits, experiment)
-    train = sft_tokens.tokenize(splits.train, tokenizer, splits.format, masking, "train")
-    evaluation = None if splits.eval is None else \
-        sft_tokens.tokenize(splits.eval, tokenizer, splits.format, masking, "eval")
-    if training_value("sft", experiment.training, "packing"):
-        train = _packed(train, experiment)
-        eval_packing = training_value("sft", experiment.training, "eval_packing")
-        if evaluation is not None and eval_packing is not False:
-            evaluation = _packed(evaluation, experiment)
-    elif training_value("sft", experiment.training, "shuffle_dataset"):
-        train = train.shuffle(seed=training_value("sft", experiment.training, "seed"))
-    return Splits(train=train, eval=evaluation, format=splits.format, eval_rows=splits.eval)
+    out = splits.tokenized(
+        lambda rows, split: sft_tokens.tokenize(rows, tokenizer, splits.format, masking, split))
+    value = lambda key: training_value("sft", experiment.training, key)
+    if value("packing"):
+        out.train = _packed(out.train, experiment)
+        if out.eval is not None and value("eval_packing") is not False:
+            out.eval = _packed(out.eval, experiment)
+    elif value("shuffle_dataset"):
+        out.train = out.train.shuffle(seed=value("seed"))
+    return out
 
 
 @contextmanager
