@@ -238,3 +238,34 @@ def test_resume_rules(write, tmp_path, monkeypatch):
                for p in found), found
     assert load_experiment(path, ["training.save_only_model=true", "resume=never"])
     assert "preemption.save_timeout" in problems(path, "preemption.save_timeout=0")[0]
+
+
+def test_attention_accepts_what_transformers_accepts(write):
+    for name in ("flex_attention", "flash_attention_3", "finetune_varlen",
+                 "kernels-community/flash-attn2"):
+        exp = load_experiment(write("exp.yaml", BASE), [f"model.attn_implementation={name}"])
+        assert exp.model.attn_implementation == name
+    path = write("exp.yaml", BASE.replace("init: random\n",
+                                          "init: random\n  attn_implementation: flash_attn2\n"))
+    [problem] = problems(path)
+    assert problem.startswith(f"{path}:5: model.attn_implementation: 'flash_attn2' is not an "
+                              "attention implementation: use one of auto, finetune_varlen")
+
+
+@pytest.mark.parametrize("attn, device, padding_free", [
+    ("auto", "cpu", True),            # faster than padding on the CPU, measured
+    ("sdpa", "cuda", False),          # a dense (tokens x tokens) mask on the GPU
+    ("finetune_varlen", "cuda", True),
+    ("flash_attention_2", "cuda", True),
+])
+def test_padding_free_by_default_only_where_it_is_fast(write, attn, device, padding_free):
+    from finetune.render.training_args import training_kwargs
+
+    exp = load_experiment(write("exp.yaml", BASE), [f"model.attn_implementation={attn}"])
+    precision = "bf16" if device == "cuda" else "fp32"
+    kwargs = training_kwargs(exp, write("run/x", "").parent, device, precision)
+    assert kwargs.get("padding_free", False) is padding_free
+    explicit = load_experiment(write("exp.yaml", BASE), [f"model.attn_implementation={attn}",
+                                                         "training.padding_free=true"])
+    assert training_kwargs(explicit, write("run/x", "").parent, device,
+                           precision)["padding_free"] is True

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import shutil
-from importlib.util import find_spec
 from pathlib import Path
 
 import torch
@@ -11,6 +10,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequence
                           BitsAndBytesConfig, PreTrainedModel, PreTrainedTokenizerBase)
 
 from finetune.build.device import Hardware
+from finetune.config import attention
 from finetune.config.schema import Experiment
 from finetune.errors import RunError
 
@@ -58,21 +58,21 @@ def _config(experiment: Experiment, tokenizer: PreTrainedTokenizerBase):
     return config
 
 
-def attention(experiment: Experiment, hw: Hardware) -> str | None:
-    """model.attn_implementation, with 'auto' resolved: flash-attention 2 where it runs
-    (installed, CUDA, a 16-bit precision; it also makes padding-free batches use varlen
-    kernels), else None: transformers' own choice, sdpa."""
-    choice = experiment.model.attn_implementation
-    if choice != "auto":
-        return choice
-    if hw.device == "cuda" and hw.precision in ("bf16", "fp16") and find_spec("flash_attn"):
-        return "flash_attention_2"
-    return None
+def attention_of(experiment: Experiment, hw: Hardware) -> str | None:
+    """model.attn_implementation for this hardware (config/attention.py resolves auto);
+    finetune's own varlen function is registered with transformers before it is named."""
+    implementation = attention.resolve(experiment.model.attn_implementation, hw.device,
+                                       hw.precision)
+    if implementation == attention.VARLEN:
+        from finetune.build import varlen
+
+        varlen.register()
+    return implementation
 
 
 def _kwargs(experiment: Experiment, hw: Hardware) -> dict:
     kwargs = {"trust_remote_code": experiment.model.trust_remote_code}
-    implementation = attention(experiment, hw)
+    implementation = attention_of(experiment, hw)
     if implementation is not None:
         kwargs["attn_implementation"] = implementation
     return kwargs

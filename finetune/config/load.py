@@ -240,7 +240,10 @@ def _describe(error: dict[str, Any]) -> str:
     if kind == "missing":
         return "required, but missing"
     message = error["msg"]
-    if "input" in error and kind not in ("model_type", "dict_type"):
+    if kind == "value_error":  # our own validators: their message, without pydantic's prefix
+        message = str(error["ctx"]["error"])
+    if "input" in error and kind not in ("model_type", "dict_type") and \
+            repr(error["input"]) not in message:
         message += f" (got {error['input']!r})"
     return message
 

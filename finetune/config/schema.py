@@ -11,6 +11,8 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from finetune.config import attention
+
 Method = Literal["sft", "reward", "dpo", "classify", "grpo", "ppo"]
 
 
@@ -28,9 +30,19 @@ class ModelSection(Section):
     revision: str | None = Field(None, description="Hub revision (branch, tag or commit).")
     trust_remote_code: bool = Field(
         False, description="Run modelling code shipped with the model. Off unless you trust it.")
-    attn_implementation: Literal["auto", "eager", "sdpa", "flash_attention_2",
-                                 "flash_attention_3"] = Field(
-        "auto", description="Attention kernel; 'auto' lets transformers pick (sdpa if available).")
+    attn_implementation: str = Field(
+        "auto", description="Attention kernel, any name transformers accepts (eager, sdpa, "
+        "flex_attention, flash_attention_2/3/4, a hub kernel id org/repo[:function]) or "
+        "finetune_varlen (PyTorch's flash varlen kernel). 'auto': flash_attention_2 on CUDA "
+        "when flash_attn is installed, else finetune_varlen on CUDA in bf16/fp16, else sdpa.")
+
+    @field_validator("attn_implementation")
+    @classmethod
+    def _attention(cls, value: str) -> str:
+        problem = attention.check_name(value)
+        if problem:
+            raise ValueError(problem)
+        return value
 
 
 class TokenizerSection(Section):

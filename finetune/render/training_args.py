@@ -8,6 +8,7 @@ from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
+from finetune.config import attention
 from finetune.config.schema import Experiment
 from finetune.render.deepspeed import deepspeed_dict
 
@@ -19,14 +20,19 @@ DEFAULTS: dict[str, Any] = {
 }
 
 
-def speed_defaults(experiment: Experiment, device: str) -> dict[str, Any]:
+def speed_defaults(experiment: Experiment, device: str, precision: str) -> dict[str, Any]:
     """Faster settings that change no result, each overridden by setting it in `training:`.
     (Fused AdamW is transformers' own default already: optim adamw_torch_fused.)"""
     training, out = experiment.training, {}
+    implementation = attention.resolve(experiment.model.attn_implementation, device, precision)
     if experiment.method == "sft" and not training.get("packing") and \
-            experiment.data.weight_column is None and not experiment.model.trust_remote_code:
+            experiment.data.weight_column is None and not experiment.model.trust_remote_code \
+            and (device == "cpu" or attention.runs_varlen(implementation)):
         # Flattened batches with position_ids: no compute spent on padding, and the same
         # loss as padded batches (each row attends only to itself; tests/test_speed.py).
+        # On a GPU only with a varlen kernel: under sdpa the flattened row gets a dense
+        # (tokens x tokens) mask and no flash kernel, 2.7x slower than padding on an H100
+        # (docs/benchmarks.md); on the CPU it is faster than padding all the same.
         # transformers' own models mask across rows from the position_ids; remote code
         # might not, and would silently attend across rows.
         out["padding_free"] = True
@@ -39,7 +45,7 @@ def speed_defaults(experiment: Experiment, device: str) -> dict[str, Any]:
 
 def training_kwargs(experiment: Experiment, run_dir: Path, device: str,
                     precision: str) -> dict[str, Any]:
-    kwargs = {**DEFAULTS, **speed_defaults(experiment, device), "run_name": experiment.name,
+    kwargs = {**DEFAULTS, **speed_defaults(experiment, device, precision), "run_name": experiment.name,
               **experiment.training}
     kwargs.update(
         output_dir=str(run_dir / "checkpoints"),

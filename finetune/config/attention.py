@@ -1,0 +1,68 @@
+"""Which attention a run uses, decided without importing torch: the names transformers
+accepts, `auto` resolved for the device, and whether the choice runs padding-free batches
+without a dense mask (the speed defaults and the estimate depend on that)."""
+
+from __future__ import annotations
+
+import re
+from importlib.util import find_spec
+from pathlib import Path
+
+# finetune's own attention function (build/varlen.py), registered with transformers'
+# AttentionInterface before a model is built: PyTorch's flash varlen kernel, no install.
+VARLEN = "finetune_varlen"
+# What transformers 5.x accepts by name (`["eager"] + ALL_ATTENTION_FUNCTIONS.valid_keys()`;
+# tests/test_attention.py compares this with the installed transformers).
+TRANSFORMERS_NAMES = ("eager", "sdpa", "flex_attention", "flash_attention_2",
+                      "flash_attention_3", "flash_attention_4", "paged|eager")
+NAMES = ("auto", VARLEN, *TRANSFORMERS_NAMES)
+# A kernel from the hub, as transformers matches it (integrations/hub_kernels.is_kernel):
+# org/repo, optionally @revision and :function.
+HUB_KERNEL = re.compile(r"[^/:@\s]+/[^/:@\s]+(?:@[^/:@\s]+)?(?::[^/:@\s]+)?")
+# Implementations that take a flattened batch's cu_seqlens to a varlen kernel instead of
+# building a (tokens x tokens) mask.
+_VARLEN_NAMES = ("flash_attention_2", "flash_attention_3", "flash_attention_4", VARLEN)
+
+
+def check_name(name: str) -> str | None:
+    """None if transformers (or finetune) can run `name`, else the problem."""
+    if name in NAMES or HUB_KERNEL.fullmatch(name):
+        return None
+    return (f"{name!r} is not an attention implementation: use one of {', '.join(NAMES)}, "
+            "or a hub kernel id (org/repo[@revision][:function], needs `pip install kernels`)")
+
+
+def torch_has_varlen() -> bool:
+    """PyTorch ships torch.nn.attention.varlen (2.10+), found without importing torch."""
+    spec = find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    return any((Path(p) / "nn" / "attention" / "varlen.py").exists()
+               for p in spec.submodule_search_locations)
+
+
+def resolve(choice: str, device: str, precision: str) -> str | None:
+    """model.attn_implementation with `auto` decided for the device: on CUDA in 16 bits,
+    flash-attention 2 when installed, else PyTorch's own flash varlen kernel; otherwise
+    None, transformers' default (sdpa). Flash kernels need fp16/bf16."""
+    if choice != "auto":
+        return choice
+    if device == "cuda" and precision in ("bf16", "fp16"):
+        if find_spec("flash_attn") is not None:
+            return "flash_attention_2"
+        if torch_has_varlen():
+            return VARLEN
+    return None
+
+
+def runs_varlen(implementation: str | None) -> bool:
+    """Padding-free and packed batches reach a varlen kernel (no dense mask): flash
+    attention, finetune's varlen function, or a hub kernel (transformers routes those
+    through its flash-attention path)."""
+    if implementation is None:
+        return False
+    return implementation in _VARLEN_NAMES or HUB_KERNEL.fullmatch(implementation) is not None
+
+
+def label(implementation: str | None) -> str:
+    return implementation or "sdpa"
