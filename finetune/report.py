@@ -64,6 +64,7 @@ def start_summary(job, trainable: int, total: int) -> str:
         f"= {effective} effective; {length}, learning rate {args.learning_rate:g}",
         f"  speed      {_speed(job)}",
     ]
+    lines += [f"             {note}" for note in job.notes]
     return "\n".join(lines)
 
 
@@ -74,7 +75,7 @@ def _speed(job) -> str:
     optim = getattr(args.optim, "value", args.optim)
     parts = [f"attention {attention or 'default'}", f"optim {optim}"]
     for name in ("packing", "padding_free", "use_liger_kernel", "torch_compile",
-                 "gradient_checkpointing"):
+                 "activation_checkpointing"):
         if getattr(args, name, False):
             parts.append(name)
     if args.train_sampling_strategy != "random":

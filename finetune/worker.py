@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from finetune import checkpoints
-from finetune.build.device import Hardware, resolve_hardware
+from finetune.build.device import Hardware, checkpointing_decision, resolve_hardware
 from finetune.build.model import count_parameters, initial_weights, load_model
 from finetune.build.peft import apply_peft, match_adapter_precision
 from finetune.build.prepare import prepared_data
@@ -32,7 +32,8 @@ from finetune.resume import ResumePlan
 from finetune.rundir import REDACTED
 
 
-def make_training_args(experiment: Experiment, run_dir: Path, hw: Hardware) -> Any:
+def make_training_args(experiment: Experiment, run_dir: Path, hw: Hardware,
+                       checkpointing: bool | None = None) -> Any:
     """The method's TRL config; creating it also sets up torch.distributed. Every rank
     first checks its launch environment, then the process group it joined."""
     problems = launch_problems(experiment, os.environ, hw.precision)
@@ -45,7 +46,8 @@ def make_training_args(experiment: Experiment, run_dir: Path, hw: Hardware) -> A
     module, name = trl_fields.CONFIG_CLASSES[experiment.method]
     cls = getattr(importlib.import_module(module), name)
     try:
-        args = cls(**training_kwargs(experiment, run_dir, hw.device, hw.precision))
+        args = cls(**training_kwargs(experiment, run_dir, hw.device, hw.precision,
+                                     checkpointing))
     except (ValueError, TypeError) as exc:
         raise ConfigError([f"training: {module}.{name} rejected these settings: {exc}"]) from None
     problems = process_group_problems(experiment, args, hw.device)
@@ -120,7 +122,8 @@ def train(experiment: Experiment, run_dir: Path, plan: ResumePlan,
     data = prepared_data(experiment, tokenizer, run_dir, launched or started)
     seed = trl_fields.training_value(experiment.method, experiment.training, "seed")
     initial = initial_weights(experiment, hw, tokenizer, run_dir, seed, rank)
-    args = make_training_args(experiment, run_dir, hw)
+    checkpointing, checkpointing_note = checkpointing_decision(experiment, hw)
+    args = make_training_args(experiment, run_dir, hw, checkpointing)
     args.distributed_state.wait_for_everyone()  # rank 0 has saved the initial weights
     set_seed(args.seed)
     model = load_model(experiment, hw, tokenizer, run_dir, initial)
@@ -132,7 +135,8 @@ def train(experiment: Experiment, run_dir: Path, plan: ResumePlan,
                            experiment.training.get("save_total_limit"), stop)
     window = LossWindow(plan.checkpoint)
     job = Job(experiment=experiment, run_dir=run_dir, hardware=hw, tokenizer=tokenizer,
-              model=model, data=data, args=args, callbacks=[metrics, stop, window, seal])
+              model=model, data=data, args=args, callbacks=[metrics, stop, window, seal],
+              notes=[checkpointing_note] if checkpointing_note else [])
     trainer = build_trainer(job)
     window.trainer = trainer
     if experiment.peft.type == "qlora":

@@ -286,7 +286,9 @@ def test_model_states_exact_against_real_tensors(case, tiny_model, tmp_path):
 
     # Activations are an estimate: on the CPU (float dropout masks) it must come within 1%
     # (what is left: the rotary cos/sin tables, one per forward, and a scalar); DoRA 5%.
-    acts = activation_bytes(shape, settings.with_(device="cpu"), Layout("none"), False)
+    # The batch above is padded (sdpa with a padding mask), whatever sft's default.
+    acts = activation_bytes(shape, settings.with_(device="cpu", mask="padding"),
+                            Layout("none"), False)
     expected = batch * (acts.layers + acts.other + acts.logits_saved) // settings.sequences
     expected += states.autocast + states.dora
     measured = sum(alive.values())
@@ -378,3 +380,58 @@ def test_ladders_follow_the_rules():
     ppo = load_experiment(REPO / "configs" / "examples" / "qwen2.5-0.5b-ppo-lora.yaml",
                           [f"model.name_or_path={QWEN}"])
     assert [layout.strategy for layout in ladder_layouts(settings_of(ppo))] == ["none"]
+
+
+# --- The run that will happen: finetune's effective settings ---------------------------
+
+LLAMA_1B = BENCH / "llama-3.2-1b"
+
+
+def _llama1b(*overrides: str):
+    return load_experiment(SFT_LORA, [f"model.name_or_path={LLAMA_1B}", "peft.type=none",
+                                      "training.max_length=2048", "precision=bf16",
+                                      "distributed.device=cuda",
+                                      "training.per_device_train_batch_size=8",
+                                      "training.activation_checkpointing=auto", *overrides])
+
+
+def _row(found, key: str) -> int:
+    return next(size for k, _, size in found.configured.rows if k == key)
+
+
+def test_estimate_counts_the_attention_and_loss_the_run_will_use():
+    """The settings come from the same training arguments the worker builds: padding-free
+    batches on a varlen kernel keep no mask; under sdpa a flattened row keeps a dense one;
+    Liger's fused loss never holds the logits."""
+    off = "training.activation_checkpointing=false"
+    varlen = estimate(_llama1b(off, "model.attn_implementation=finetune_varlen"))
+    assert (varlen.settings.attention, varlen.settings.mask) == ("flash", "none")
+    padded = estimate(_llama1b(off, "model.attn_implementation=sdpa"))
+    assert padded.settings.mask == "padding"  # padding-free is not sdpa's default on a GPU
+    dense = estimate(_llama1b(off, "model.attn_implementation=sdpa", "training.padding_free=true"))
+    assert dense.settings.mask == "flattened"
+    assert _row(varlen, "activations") < _row(padded, "activations") < _row(dense, "activations")
+    assert "dense mask over each flattened" in "\n".join(dense.assumptions)
+
+    liger = estimate(_llama1b(off, "training.use_liger_kernel=true"))
+    plain = estimate(_llama1b(off, "training.use_liger_kernel=false"))
+    assert _row(liger, "logits") == 0 < _row(plain, "logits")
+    assert _row(liger, "activations") < _row(plain, "activations")  # RMSNorm, SwiGLU
+
+
+def test_activation_checkpointing_auto_follows_the_device_memory():
+    liger = "training.use_liger_kernel=true"  # as in the H100 run (docs/estimate.md)
+    big = estimate(_llama1b(liger), gpu_memory=80 * GiB)
+    assert big.settings.checkpointing is False and big.configured.checkpointing is False
+    assert big.checkpointing_note.startswith("activation checkpointing off (auto): without it "
+                                             "the estimate is")
+    assert "within 85% of 80.0 GiB" in big.checkpointing_note
+    small = estimate(_llama1b(liger), gpu_memory=24 * GiB)
+    assert small.settings.checkpointing is True and small.configured.checkpointing is True
+    assert "over 85% of 24.0 GiB" in small.checkpointing_note
+    assert big.configured.total > 0.85 * 24 * GiB  # the same run, decided differently
+    for value in ("true", "false"):
+        chosen = estimate(_llama1b(f"training.activation_checkpointing={value}"),
+                          gpu_memory=24 * GiB)
+        assert chosen.settings.checkpointing is (value == "true")
+        assert chosen.checkpointing_note is None

@@ -54,6 +54,12 @@ OWNED: dict[str, str] = {
     "reward_weights": "rewards.weights",
 }
 
+# Values finetune decides itself, accepted on top of the field's own type.
+FINETUNE_VALUES: dict[str, tuple[Any, ...]] = {
+    # auto: off where the run's memory estimate fits the device (render/training_args.py)
+    "activation_checkpointing": ("auto",),
+}
+
 
 def _versions() -> dict[str, str]:
     return {name: metadata.version(name) for name in ("trl", "transformers")}
@@ -206,6 +212,8 @@ def check_training(method: str, training: dict[str, Any]) -> tuple[dict[str, Any
             close = difflib.get_close_matches(key, list(fields), n=1)
             hint = f"; did you mean {close[0]}?" if close else ""
             problems.append((key, f"unknown key: not a field of {where}{hint}"))
+        elif value in FINETUNE_VALUES.get(key, ()):
+            checked[key] = value
         else:
             value, problem = _check_value(value, fields[key])
             if problem:

@@ -9,8 +9,9 @@ so that the differences between regimes come out by themselves:
 - a frozen linear saves nothing (the input gradient needs only the weight); a LoRA
   adapter saves its dropout mask, its 16-bit input and its rank-r intermediate;
 - sdpa/flash attention saves q, k, v, the output and a log-sum-exp, never the s x s
-  scores (eager attention does); with a padding mask, transformers repeats k and v to
-  every query head before sdpa (no GQA kernel then).
+  scores (eager attention does); with a mask, transformers repeats k and v to every
+  query head before sdpa (no GQA kernel then). A padding-free or packed batch under sdpa
+  gets a dense mask over the whole flattened row; a varlen kernel keeps none.
 The walk saves a tensor once however many ops save it, as autograd does.
 """
 
@@ -38,7 +39,8 @@ class Regime:
     dora: bool = False
     cuda: bool = True      # CUDA: bool dropout masks, and peft's autocast test sees autocast
     attention: str = "sdpa"
-    padded: bool = True
+    mask_keys: int = 0     # key positions per query in the mask sdpa/eager keeps (0: none)
+    liger: bool = False    # use_liger_kernel: Liger's RMSNorm and SwiGLU save less
 
 
 @dataclass(frozen=True)
@@ -75,7 +77,7 @@ def _norm(w: _Walk, x: _T, rows: int, reg: Regime, trainable: bool, grad: bool =
     if grad:
         w.save(xf, w.new(rows, 4))  # the fp32 input and one rsqrt per row
     normed = w.cast(w.new(x.elems, 4), x.nbytes)
-    if trainable:
+    if trainable and not reg.liger:  # Liger's kernel saves only x and the rsqrt per row
         w.save(normed)
     return w.new(x.elems, max(x.nbytes, reg.residual))
 
@@ -105,27 +107,30 @@ def _linear(w: _Walk, x: _T, out: int, reg: Regime, lora: bool, grad: bool = Tru
 
 
 def _attention(w: _Walk, q: _T, k: _T, v: _T, shape: Shape, reg: Regime, seq: int) -> _T:
-    """sdpa converts a boolean padding mask to the query's dtype on every call and saves
-    it: seq elements per token and layer."""
+    """sdpa converts a boolean mask to the query's dtype on every call and saves it:
+    mask_keys elements per token and layer (seq for a padding mask; every token of the
+    micro batch for the block mask of a flattened, padding-free row)."""
     heads, q_dim = shape.heads, shape.q_dim
     # RoPE: q * cos + rotate_half(q) * sin, with cos/sin in the residual dtype (saved once
     # per model); the result is promoted to it.
     q = w.new(q.elems, max(q.nbytes, reg.residual))
     k = w.new(k.elems, max(k.nbytes, reg.residual))
     c = reg.compute if reg.autocast else q.nbytes
-    expand = reg.attention == "eager" or (reg.attention == "sdpa" and reg.padded)
+    masked = reg.attention == "sdpa" and reg.mask_keys > 0
+    expand = reg.attention == "eager" or masked
     if expand and shape.kv_heads != shape.heads:  # repeat_kv copies k and v per query head
         k, v = w.new(q_dim, k.nbytes), w.new(q_dim, v.nbytes)
     q, k, v = w.cast(q, c), w.cast(k, c), w.cast(v, c)
     w.save(q, k, v)
     if reg.attention == "eager":
-        w.save(w.new(heads * seq, 4), w.new(heads * seq, c))  # softmax (fp32) and its cast
+        keys = reg.mask_keys or seq
+        w.save(w.new(heads * keys, 4), w.new(heads * keys, c))  # softmax (fp32), its cast
         out = w.new(q_dim, c)  # transpose(1, 2).contiguous() copies the output
         return out
     out = w.new(q_dim, c)  # kernels write (batch, seq, heads, dim): the transpose is free
     w.save(out, w.new(heads, 4))  # + log-sum-exp per head
-    if reg.attention == "sdpa" and reg.padded:
-        w.save(w.new(seq, c))
+    if masked:
+        w.save(w.new(reg.mask_keys, c))
     return out
 
 
@@ -149,7 +154,7 @@ def layer_bytes(shape: Shape, reg: Regime, targets: frozenset[str], seq: int,
     g = _linear(w, y2, i, reg, "gate_proj" in targets)
     u = _linear(w, y2, i, reg, "up_proj" in targets)
     a = w.new(i, g.nbytes)  # silu(g) saves g
-    w.save(g, a, u)         # a * u saves both
+    w.save(g, u) if reg.liger else w.save(g, a, u)  # a * u saves both; Liger recomputes a
     m = w.new(i, max(a.nbytes, u.nbytes))
     _linear(w, m, h, reg, "down_proj" in targets)
     return w.total

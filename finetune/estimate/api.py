@@ -13,6 +13,9 @@ from finetune.estimate.settings import Layout, Settings, settings_of
 from finetune.estimate.shapes import Shape, read_shape
 
 DEFAULT_GPU_MEMORY = 80 * GiB
+# activation_checkpointing auto turns it off when the estimate without it stays under this
+# share of the device: the estimate aims to be within 15 % of the measured peak.
+CHECKPOINTING_MARGIN = 0.85
 
 
 @dataclass
@@ -27,6 +30,7 @@ class Estimate:
     recommendation: list[str]
     assumptions: list[str] = field(default_factory=list)
     not_counted: list[str] = field(default_factory=list)
+    checkpointing_note: str | None = None   # what activation_checkpointing auto decided
 
 
 def overrides_for(layout: Layout) -> str:
@@ -81,9 +85,13 @@ def _assumptions(settings: Settings, shape: Shape) -> list[str]:
     pair = " (chosen + rejected)" if settings.sequences == 2 else ""
     out.append(f"every sequence {settings.seq_len} tokens{pair}: the worst case, as batches "
                "are padded to their longest row")
-    attention = {"sdpa": "sdpa" + (" with a padding mask (k/v repeated per head)"
-                                   if settings.padded else " without a mask"),
-                 "flash": "flash attention", "eager": "eager (s x s scores kept)"}
+    mask = {"none": " without a mask",
+            "padding": " with a padding mask (k/v repeated per head)",
+            "flattened": " with a dense mask over each flattened padding-free/packed row "
+                         "(k/v repeated per head; grows with the square of the micro batch, "
+                         "counted at the configured one)"}[settings.mask]
+    attention = {"sdpa": "sdpa" + mask, "eager": "eager (scores kept)" + mask,
+                 "flash": "a flash/varlen kernel, no mask"}
     out.append(f"attention: {attention[settings.attention]}")
     if settings.fused_loss:
         out.append("use_liger_kernel: the fused linear cross-entropy never holds the logits "
@@ -117,10 +125,12 @@ def _not_counted(settings: Settings) -> list[str]:
 
 
 def estimate(experiment: Experiment, gpus: int | None = None, gpu_memory: int | None = None,
-             seq_len: int | None = None) -> Estimate:
-    """Per-GPU memory of training `experiment` on `gpus` GPUs of `gpu_memory` bytes each."""
+             seq_len: int | None = None, device: str | None = None,
+             precision: str | None = None) -> Estimate:
+    """Per-GPU memory of training `experiment` on `gpus` GPUs of `gpu_memory` bytes each.
+    device, precision: as resolved where the run happens (else assumed, settings_of)."""
     shape = read_shape(experiment.model.name_or_path, experiment.model.revision)
-    settings = settings_of(experiment, gpus, seq_len, shape.max_positions)
+    settings = settings_of(experiment, gpus, seq_len, shape.max_positions, device, precision)
     memory = gpu_memory or DEFAULT_GPU_MEMORY
     tensors = census(shape, settings)
     value = []
@@ -133,10 +143,20 @@ def estimate(experiment: Experiment, gpus: int | None = None, gpu_memory: int | 
         return [evaluate(shape, settings, tensors, value, layout, settings.micro_batch,
                          checkpointing, memory) for layout in layouts]
 
+    checkpointing_note = None
+    if settings.checkpointing is None:  # auto: off where the run fits without it
+        plain = run([settings.layout], False)[0]
+        on = plain.total > CHECKPOINTING_MARGIN * memory
+        unit = "GPU" if settings.device == "cuda" else "process"
+        checkpointing_note = (
+            f"activation checkpointing {'on' if on else 'off'} (auto): without it the "
+            f"estimate is {_gib(plain.total)} per {unit}, {'over' if on else 'within'} "
+            f"{CHECKPOINTING_MARGIN:.0%} of {_gib(memory)}")
+        settings = settings.with_(checkpointing=on)
     configured = run([settings.layout], settings.checkpointing)[0]
     ladder = run(ladder_layouts(settings), settings.checkpointing)
     recommendation = _recommend(settings, ladder, lambda: run(ladder_layouts(settings), True))
-    if settings.checkpointing:  # the checkpointing policy: off wherever it is not needed
+    if settings.checkpointing and checkpointing_note is None:  # off wherever not needed
         plain = evaluate(shape, settings, tensors, value, settings.layout, settings.micro_batch,
                          False, memory)
         if plain.fits:
@@ -148,10 +168,13 @@ def estimate(experiment: Experiment, gpus: int | None = None, gpu_memory: int | 
     if logits > 0.25 * configured.total and settings.method != "ppo":
         recommendation.append(f"  the logits and loss take {_gib(logits)} per GPU: "
                               "training.use_liger_kernel=true computes the loss without them")
+    if checkpointing_note:
+        recommendation.append(f"  {checkpointing_note}")
     return Estimate(
         shape=shape, settings=settings,
         params=sum(t.numel for t in tensors
                    if t.role not in ("lora", "magnitude", "copy", "value")),
         trainable_params=sum(t.numel for t in tensors + value if t.trainable),
         configured=configured, ladder=ladder, gpu_memory=memory, recommendation=recommendation,
-        assumptions=_assumptions(settings, shape), not_counted=_not_counted(settings))
+        assumptions=_assumptions(settings, shape), not_counted=_not_counted(settings),
+        checkpointing_note=checkpointing_note)

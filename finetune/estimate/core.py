@@ -73,7 +73,16 @@ def regime(settings: Settings, layout: Layout) -> act.Regime:
         rank=spec.r if lora else 0,
         dropout=lora and spec.dropout > 0, dora=lora and spec.use_dora,
         cuda=settings.device == "cuda",
-        attention=settings.attention, padded=settings.padded)
+        attention=settings.attention, mask_keys=mask_keys(settings),
+        liger=settings.fused_loss)
+
+
+def mask_keys(settings: Settings) -> int:
+    """Key positions per query token in the attention mask (0: no mask). The flattened
+    row's mask grows with the micro batch: counted at the configured one."""
+    rows = settings.micro_batch * settings.sequences
+    return {"none": 0, "padding": settings.seq_len,
+            "flattened": rows * settings.seq_len}[settings.mask]
 
 
 def layer_targets(shape: Shape, settings: Settings) -> list[frozenset[str]]:
@@ -103,7 +112,7 @@ def activation_bytes(shape: Shape, settings: Settings, layout: Layout,
     # ppo: the separate value backbone runs its own forward, fully trained in fp32 + autocast.
     value_reg = act.Regime(residual=4, compute=reg.compute, autocast=reg.compute == 2,
                            base_trainable=True, quantized=0, attention=reg.attention,
-                           padded=reg.padded, cuda=reg.cuda)
+                           mask_keys=reg.mask_keys, cuda=reg.cuda)
     value = act.activations(shape, value_reg, [frozenset()] * shape.layers, settings.seq_len, 0,
                             1, checkpointing, head_trainable=True, lm_head=False)
     return act.Activations(policy.layers + value.layers, policy.other + value.other,

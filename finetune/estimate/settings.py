@@ -8,11 +8,13 @@ up there but taken from the method's own section.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
-from finetune.config import trl_fields
+from finetune.config import attention, trl_fields
 from finetune.config.schema import Experiment, PeftSection
 from finetune.errors import ConfigError
+from finetune.render.training_args import checkpointing_setting, training_kwargs
 
 # Methods whose trainer is TRL's: under (Q)LoRA on a quantized model it casts every
 # trainable parameter except DoRA magnitudes to bf16 (trl sft_trainer.py and siblings).
@@ -58,11 +60,11 @@ class Settings:
     seq_len: int
     logit_tokens: int              # positions per sequence whose logits get a loss
     sequences: int                 # sequences per sample (2 for chosen + rejected pairs)
-    checkpointing: bool
+    checkpointing: bool | None     # None: auto, decided against the device memory
     head: str                      # lm or score
     num_labels: int
     attention: str                 # sdpa, eager, flash
-    padded: bool                   # batches carry an attention mask (padding)
+    mask: str                      # none, padding, flattened (tokens x tokens of the batch)
     fused_loss: bool               # use_liger_kernel: the logits are never materialised
     world: int
     per_machine: int
@@ -76,21 +78,26 @@ class Settings:
         return replace(self, **changes)
 
 
-def _value(exp: Experiment, key: str) -> Any:
-    """The effective training value, or None where the method's config class lacks it."""
+def _value(exp: Experiment, key: str, effective: dict[str, Any] | None = None) -> Any:
+    """The value the run's training arguments will have (finetune's effective settings,
+    then TRL's default), or None where the method's config class lacks the key."""
+    if effective is not None and key in effective:
+        return effective[key]
     try:
         return trl_fields.training_value(exp.method, exp.training, key)
     except KeyError:
         return None
 
 
-def _checkpointing(exp: Experiment) -> bool:
-    # transformers: activation_checkpointing wins; gradient_checkpointing is its deprecated
-    # alias, used when the new name is unset (TRL defaults it to True).
-    new = _value(exp, "activation_checkpointing")
-    if new is not None:
-        return bool(new)
-    return bool(_value(exp, "gradient_checkpointing"))
+def _attention(exp: Experiment, device: str, precision: str, flattened: bool) -> tuple[str, str]:
+    """(kernel family, mask) of the attention the run will use: a varlen/flash kernel keeps
+    no mask; sdpa and eager keep a padding mask, or a dense mask over the whole flattened
+    row for padding-free and packed batches."""
+    implementation = attention.resolve(exp.model.attn_implementation, device, precision)
+    if attention.runs_varlen(implementation) or implementation == "flex_attention":
+        return "flash", "none"
+    kind = "eager" if implementation == "eager" else "sdpa"
+    return kind, "flattened" if flattened else "padding"
 
 
 def _sequence(exp: Experiment, seq_len: int | None, max_positions: int | None,
@@ -135,44 +142,51 @@ def _layout(exp: Experiment, world: int) -> Layout:
 
 
 def settings_of(exp: Experiment, gpus: int | None = None, seq_len: int | None = None,
-                max_positions: int | None = None) -> Settings:
+                max_positions: int | None = None, device: str | None = None,
+                precision: str | None = None) -> Settings:
+    """device and precision: as resolved on the machine (the worker); else assumed from
+    the experiment (auto: CUDA, bf16)."""
     notes: list[str] = []
     dist = exp.distributed
-    device = "cpu" if dist.device == "cpu" else "cuda"
-    if dist.device == "auto":
-        notes.append("distributed.device auto: estimated for CUDA GPUs")
-    precision = exp.precision
-    if precision == "auto":
-        precision = "fp32" if device == "cpu" else "bf16"
-        if device == "cuda":
-            notes.append("precision auto: bf16 (a GPU with bf16 support, Ampere or newer)")
+    if device is None:
+        device = "cpu" if dist.device == "cpu" else "cuda"
+        if dist.device == "auto":
+            notes.append("distributed.device auto: estimated for CUDA GPUs")
+    if precision is None:
+        precision = exp.precision
+        if precision == "auto":
+            precision = "fp32" if device == "cpu" else "bf16"
+            if device == "cuda":
+                notes.append("precision auto: bf16 (a GPU with bf16 support, Ampere or newer)")
+    # The training arguments the worker will build, speed defaults included.
+    effective = training_kwargs(exp, Path("run"), device, precision)
+    value = lambda key: _value(exp, key, effective)
     world = gpus or dist.world_size
     per_machine = world // dist.num_machines if world % dist.num_machines == 0 else world
     if gpus and dist.strategy == "none" and gpus > 1:
         notes.append(f"--gpus {gpus} with strategy none: estimated as ddp")
     tokens, logits, sequences = _sequence(exp, seq_len, max_positions, notes)
-    micro = _value(exp, "per_device_train_batch_size") or 8
+    micro = value("per_device_train_batch_size") or 8
     head = "score" if exp.method in ("reward", "classify") else "lm"
     labels = len(exp.classify.labels) if exp.method == "classify" and exp.classify else 1
-    attention = {"flash_attention_2": "flash", "flash_attention_3": "flash",
-                 "eager": "eager"}.get(exp.model.attn_implementation, "sdpa")
-    padding_free = bool(_value(exp, "padding_free")) or bool(_value(exp, "packing"))
-    padded = attention != "flash" and not padding_free
+    flattened = bool(value("padding_free")) or bool(value("packing"))
+    kind, mask = _attention(exp, device, precision, flattened)
     reference, value_model = "none", "none"
     if exp.method == "dpo" and (exp.peft.type == "none" or exp.dpo.ref_model):
         reference = "copy"
-    if exp.method == "grpo" and exp.peft.type == "none" and (_value(exp, "beta") or 0) > 0:
+    if exp.method == "grpo" and exp.peft.type == "none" and (value("beta") or 0) > 0:
         reference = "copy"
     if exp.method == "ppo":
         reference = "copy" if exp.peft.type == "none" else "none"
         value_model = exp.ppo.value_model
-    optim = _value(exp, "optim") or "adamw_torch"
+    optim = value("optim") or "adamw_torch"
+    setting = checkpointing_setting(exp)
     return Settings(
         method=exp.method, precision=precision, device=device, peft=exp.peft, optim=str(optim),
         micro_batch=int(micro), seq_len=int(tokens), logit_tokens=int(logits),
-        sequences=sequences, checkpointing=_checkpointing(exp), head=head, num_labels=labels,
-        attention=attention, padded=padded,
-        fused_loss=exp.method != "ppo" and bool(_value(exp, "use_liger_kernel")),
+        sequences=sequences, checkpointing=None if setting == "auto" else setting, head=head,
+        num_labels=labels, attention=kind, mask=mask,
+        fused_loss=exp.method != "ppo" and bool(value("use_liger_kernel")),
         world=world, per_machine=max(per_machine, 1),
         layout=_layout(exp, world), trl_cast=exp.method in TRL_TRAINERS and precision != "fp32",
         reference=reference, value_model=value_model, notes=tuple(notes))

@@ -25,6 +25,7 @@ class Job:
     data: Splits
     args: Any  # the method's TRL config instance
     callbacks: list = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # decisions the start summary reports
 
 
 # method -> module of finetune.methods with a build_trainer(job); imported on use, so a

@@ -43,10 +43,27 @@ def speed_defaults(experiment: Experiment, device: str, precision: str) -> dict[
     return {k: v for k, v in out.items() if k not in training}
 
 
-def training_kwargs(experiment: Experiment, run_dir: Path, device: str,
-                    precision: str) -> dict[str, Any]:
-    kwargs = {**DEFAULTS, **speed_defaults(experiment, device, precision), "run_name": experiment.name,
-              **experiment.training}
+def checkpointing_setting(experiment: Experiment) -> bool | str:
+    """training.activation_checkpointing as set (or its deprecated alias
+    gradient_checkpointing), else "auto": decided per run from the memory estimate
+    (estimate.checkpointing_decision), since recomputing costs about a quarter of a step."""
+    training = experiment.training
+    value = training.get("activation_checkpointing")
+    if value is None:
+        value = training.get("gradient_checkpointing")
+    return "auto" if value is None or value == "auto" else bool(value)
+
+
+def training_kwargs(experiment: Experiment, run_dir: Path, device: str, precision: str,
+                    checkpointing: bool | None = None) -> dict[str, Any]:
+    """checkpointing: the decision for activation_checkpointing "auto" (None: TRL's default,
+    on)."""
+    kwargs = {**DEFAULTS, **speed_defaults(experiment, device, precision),
+              "run_name": experiment.name, **experiment.training}
+    if checkpointing_setting(experiment) == "auto":
+        kwargs.pop("activation_checkpointing", None)
+        if checkpointing is not None:
+            kwargs["activation_checkpointing"] = checkpointing
     kwargs.update(
         output_dir=str(run_dir / "checkpoints"),
         bf16=precision == "bf16",
