@@ -127,6 +127,7 @@ def train(experiment: Experiment, run_dir: Path, plan: ResumePlan,
     args.distributed_state.wait_for_everyone()  # rank 0 has saved the initial weights
     set_seed(args.seed)
     model = load_model(experiment, hw, tokenizer, run_dir, initial)
+    initial = None  # loaded back from init-model/ (quantized, ZeRO-3): not kept alive
     model = apply_peft(model, experiment, args.gradient_checkpointing)
 
     metrics = MetricsFile(run_dir / "metrics.jsonl")

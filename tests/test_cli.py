@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -69,3 +70,35 @@ def test_unreachable_hub_model_is_a_clear_error(write, tmp_path):
     result = run_cli("train", str(config), cwd=tmp_path)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "cannot load the tokenizer from 'Qwen/Qwen2.5-0.5B-Instruct'" in result.stderr
+
+
+def test_trains_from_a_source_tree_without_installing(write, tmp_path):
+    """`PYTHONPATH=. python -m finetune`: no distribution metadata for finetune. The
+    environment is the installed packages without finetune's own (python -S: no .pth, so
+    no editable install), the source tree on PYTHONPATH."""
+    import importlib.util
+    import os
+    import shutil
+
+    site = tmp_path / "site"
+    site.mkdir()
+    installed = Path(importlib.util.find_spec("torch").origin).parent.parent
+    for entry in installed.iterdir():
+        if not entry.name.startswith(("finetune", "__editable__")):
+            (site / entry.name).symlink_to(entry)
+    config = write("src.yaml", (
+        f"method: sft\nmodel: {{name_or_path: {TINY_MODEL}, init: random}}\n"
+        f"data:\n  train: {{path: {DATA}/sft_train.jsonl, max_samples: 8}}\n"
+        "evaluation: {before_training: false}\noutput: {plot: false}\n"
+        "training: {max_steps: 2, per_device_train_batch_size: 4, save_strategy: 'no'}\n"))
+    source = tmp_path / "src"  # the package alone: an editable install leaves egg-info
+    shutil.copytree(REPO / "finetune", source / "finetune")
+    env = {**os.environ, "PYTHONPATH": f"{source}{os.pathsep}{site}"}
+    probe = subprocess.run([sys.executable, "-S", "-c",
+                            "import importlib.metadata as m, finetune; m.version('finetune')"],
+                           cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert "PackageNotFoundError" in probe.stderr  # really not installed there
+    result = subprocess.run([sys.executable, "-S", "-m", "finetune", "train", str(config)],
+                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "finetune: done in" in result.stdout

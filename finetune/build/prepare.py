@@ -30,6 +30,7 @@ from typing import Any, Callable
 
 from datasets import load_from_disk
 
+from finetune import __version__
 from finetune.build.data import Splits, load_data
 from finetune.config.rules import is_local
 from finetune.config.schema import Experiment
@@ -41,7 +42,7 @@ META = "meta.json"  # written last: its presence marks a complete entry
 SETTINGS = ("max_length", "truncation_mode", "assistant_only_loss", "completion_only_loss",
             "packing", "packing_strategy", "eval_packing", "shuffle_dataset", "seed",
             "dataset_text_field")
-PACKAGES = ("finetune", "transformers", "tokenizers", "datasets", "trl")
+PACKAGES = ("transformers", "tokenizers", "datasets", "trl")
 POLL_SECONDS = 0.2
 STAGING_MAX_AGE = 24 * 3600  # seconds
 
@@ -86,7 +87,10 @@ def cache_key(experiment: Experiment, tokenizer) -> str:
         "version": VERSION, "method": experiment.method, "data": data, "settings": settings,
         "classify": experiment.classify.model_dump(mode="json") if experiment.classify else None,
         "sources": _sources_digest(experiment), "tokenizer": _tokenizer_digest(tokenizer),
-        "packages": {name: metadata.version(name) for name in PACKAGES},
+        # finetune's own version from the package: a source tree run without installing
+        # has no distribution metadata.
+        "packages": {"finetune": __version__,
+                     **{name: metadata.version(name) for name in PACKAGES}},
     }
     text = json.dumps(described, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:24]
