@@ -1,6 +1,6 @@
 """Data-parallel equivalence, measured: 2 processes x batch b (gloo, launched by
 `finetune launch`) end with the same weights as 1 process x batch 2b and as 1 process x
-batch b x accumulation 2 (fp32, SGD), for sft, reward and dpo.
+batch b x accumulation 2 (fp32, SGD), for sft (through finetune_varlen), reward and dpo.
 
 The training set is exactly one global batch, so every step sees the same rows in every
 layout whatever order the samplers draw them in; only the split across processes or
@@ -26,7 +26,10 @@ LAYOUTS = {  # name: (processes, per-device batch, accumulation)
 def experiment(method: str, processes: int, batch: int, accumulation: int) -> str:
     distributed = (f"distributed: {{strategy: ddp, num_processes: {processes}, device: cpu, "
                    "main_process_port: 29517}\n" if processes > 1 else "")
-    return (f"method: {method}\nmodel: {{name_or_path: {TINY_MODEL}, init: random}}\n"
+    # sft runs finetune_varlen (padding-free rows as cu_seqlens, the reference kernel on the
+    # CPU); the default sdpa path keeps its equivalences in test_launch and test_resume.
+    attention = ", attn_implementation: finetune_varlen" if method == "sft" else ""
+    return (f"method: {method}\nmodel: {{name_or_path: {TINY_MODEL}, init: random{attention}}}\n"
             f"data:\n  train: {{path: {DATA}/{DATASETS[method]}.jsonl, max_samples: 4}}\n"
             f"{distributed}evaluation: {{before_training: false}}\n"
             f"output: {{plot: false}}\n"
@@ -44,6 +47,7 @@ def train(method: str, layout: str, write, tmp_path) -> dict[str, torch.Tensor]:
     result = run_cli(command, str(config), cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"x {processes} process(es)" in result.stdout
+    assert ("attention finetune_varlen" in result.stdout) is (method == "sft")
     run = tmp_path / "runs" / f"{method}-{layout}"
     return load_file(run / "final" / "model.safetensors"), load_file(
         run / "init-model" / "model.safetensors")
