@@ -20,8 +20,13 @@ positions, padding included).
 - padding: 1 - tokens / positions, positions = the same difference of
   num_input_tokens_seen (input_ids.numel() of every batch).
 - peak memory (run_measured): on CPU the child's peak RSS (os.wait4's rusage); on GPU the
-  device's used memory (nvidia-smi, sampled every 100 ms) above what it was before the
-  child started: CUDA context and allocator cache included, not just allocated tensors.
+  device's used memory (nvidia-smi, sampled every 100 ms) above the device's idle level,
+  measured once before the first contender: CUDA context and allocator cache included,
+  not just allocated tensors. Before each contender the device must be back at idle (the
+  previous contender's process group killed, the driver's release awaited): a baseline
+  taken while a finished neighbour still held its memory once read 0.00 GiB for a run
+  that used ~10 GiB. A reading that cannot be right (nothing above idle) is None, shown
+  as n/a, never 0.
 - FLOPs (MFU), the same model for every contender (same model, same LoRA):
     sum over Linear weights W (LM head included, embedding lookup not):
         6 * |W| per token if W trains, 4 * |W| if frozen (forward + input gradient)
@@ -36,6 +41,7 @@ import os
 import signal
 import subprocess
 import threading
+import time
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -91,20 +97,47 @@ def settings(training_args: Path) -> dict:
     return {k: saved.get(k) for k in SETTINGS}
 
 
+SETTLE_MIB = 256        # "back at idle": within this of the idle level
+SETTLE_SECONDS = 120
+
+
+def _device() -> str:
+    return (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0]
+
+
+def gpu_used_mib() -> int | None:
+    """The device's used memory now (MiB), or None without a readable nvidia-smi."""
+    try:
+        out = subprocess.run(["nvidia-smi", "-i", _device(), "--query-gpu=memory.used",
+                              "--format=csv,noheader,nounits"], capture_output=True,
+                             text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return int(out) if out.isdigit() else None
+
+
+def settle(idle_mib: int, timeout: float = SETTLE_SECONDS) -> int | None:
+    """Wait until the device is back at its idle level; the level then (None: unreadable)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        used = gpu_used_mib()
+        if used is None or used <= idle_mib + SETTLE_MIB or time.monotonic() > deadline:
+            return used
+        time.sleep(0.2)
+
+
 class GpuMemory:
     """Device-wide used GPU memory, sampled by `nvidia-smi -lms 100` while a child runs;
-    peak_bytes: the highest sample above the first (taken before the child starts).
-    None without nvidia-smi."""
+    high_mib: the highest sample (None without nvidia-smi)."""
 
     def __init__(self):
-        self.peak_bytes = None
+        self.high_mib = None
         self.proc = None
 
     def __enter__(self):
-        device = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0]
         try:
             self.proc = subprocess.Popen(
-                ["nvidia-smi", "-i", device, "--query-gpu=memory.used",
+                ["nvidia-smi", "-i", _device(), "--query-gpu=memory.used",
                  "--format=csv,noheader,nounits", "-lms", "100"],
                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         except OSError:
@@ -115,7 +148,7 @@ class GpuMemory:
             self.proc.wait()
             self.proc = None
             return self
-        self.base = self.high = int(first)
+        self.high_mib = int(first)
         self.thread = threading.Thread(target=self._read, daemon=True)
         self.thread.start()
         return self
@@ -123,19 +156,28 @@ class GpuMemory:
     def _read(self):
         for line in self.proc.stdout:
             if line.strip().isdigit():
-                self.high = max(self.high, int(line))
+                self.high_mib = max(self.high_mib, int(line))
 
     def __exit__(self, *exc):
         if self.proc is not None:
             self.proc.terminate()
             self.proc.wait()
             self.thread.join(timeout=5)
-            self.peak_bytes = (self.high - self.base) * 2**20  # MiB
+
+
+def _kill_group(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def run_measured(cmd: list[str], log: Path, env: dict, cwd: Path, timeout: int,
-                 gpu: bool) -> tuple[int | str, dict]:
-    """Run one contender (output to `log`); its exit code and peak memory."""
+                 gpu_idle_mib: int | None = None) -> tuple[int | str, dict]:
+    """Run one contender (output to `log`); its exit code and peak memory. gpu_idle_mib:
+    the device's idle level, for a GPU run (None: a CPU run)."""
+    gpu = gpu_idle_mib is not None
+    base = settle(gpu_idle_mib) if gpu else None
     with log.open("a") as handle, GpuMemory() if gpu else nullcontext() as memory:
         proc = subprocess.Popen(cmd, stdout=handle, stderr=subprocess.STDOUT, env=env, cwd=cwd,
                                 start_new_session=True)
@@ -143,10 +185,7 @@ def run_measured(cmd: list[str], log: Path, env: dict, cwd: Path, timeout: int,
 
         def kill():
             killed.set()
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            _kill_group(proc.pid)
 
         timer = threading.Timer(timeout, kill)
         timer.start()
@@ -160,12 +199,28 @@ def run_measured(cmd: list[str], log: Path, env: dict, cwd: Path, timeout: int,
         finally:
             timer.cancel()
         proc.returncode = code = os.waitstatus_to_exitcode(status)
-    if gpu:
-        return ("timeout" if killed.is_set() else code), {
-            "peak_mem_bytes": memory.peak_bytes,
-            "peak_mem_kind": "GPU memory used (nvidia-smi) above the level before the run"}
-    return ("timeout" if killed.is_set() else code), {
-        "peak_mem_bytes": usage.ru_maxrss * 1024, "peak_mem_kind": "process peak RSS"}
+        _kill_group(proc.pid)  # dataloader workers or other leftovers of the contender
+    code = "timeout" if killed.is_set() else code
+    if not gpu:
+        return code, {"peak_mem_bytes": usage.ru_maxrss * 1024,
+                      "peak_mem_kind": "process peak RSS"}
+    return code, gpu_peak(memory.high_mib, gpu_idle_mib, base)
+
+
+def gpu_peak(high_mib: int | None, idle_mib: int, base_mib: int | None) -> dict:
+    """The run's peak above the device's idle level, or None with the reason."""
+    kind = "GPU memory used (nvidia-smi) above the device's idle level"
+    if high_mib is None or base_mib is None:
+        return {"peak_mem_bytes": None, "peak_mem_kind": kind,
+                "peak_mem_note": "nvidia-smi unreadable"}
+    out = {"peak_mem_bytes": (high_mib - idle_mib) * 2**20, "peak_mem_kind": kind}
+    if base_mib > idle_mib + SETTLE_MIB:
+        out["peak_mem_note"] = (f"the device held {base_mib - idle_mib} MiB above idle when "
+                                "the run started (not released in time): counted from idle")
+    if high_mib <= base_mib:
+        out.update(peak_mem_bytes=None, peak_mem_note="no memory use seen above the start "
+                   "level: a sampling failure, not a measurement")
+    return out
 
 
 def flops_per_token(model_dir: str, lora: dict | None, ctx_per_token: float) -> dict:

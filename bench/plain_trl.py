@@ -112,6 +112,10 @@ def build_model(args: argparse.Namespace, config_args, tokenizer):
     config = AutoConfig.from_pretrained(args.model)
     config.pad_token_id = tokenizer.pad_token_id
     attn = {"attn_implementation": args.attn} if args.attn else {}
+    if args.attn == "finetune_varlen":  # finetune's own function (mode same, on a GPU)
+        from finetune.build import varlen
+
+        varlen.register()
     set_seed(config_args.seed)
     if args.init == "random":
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, **attn).to(dtype)

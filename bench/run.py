@@ -12,7 +12,7 @@ same way, by bench/meter.py, from the metrics.jsonl it leaves in its run directo
 
 Usage:
   python bench/run.py                              # CPU preset, a few minutes on 2 cores
-  python bench/run.py --preset gpu-qwen0.5b [--lora] --out results.json --markdown
+  python bench/run.py --preset gpu-qwen0.5b[-dense] [--lora] --out results.json --markdown
   python bench/table.py results.json --markdown    # the table again, from a results file
 """
 
@@ -42,17 +42,21 @@ PRESETS = {
     # One thread per run: on a shared CPU, OpenMP threads spin-waiting for a descheduled
     # sibling turn other load into 10x swings; a single thread degrades gracefully.
     "cpu": dict(device="cpu", model="models/tiny-cpu", precision="fp32", steps=12,
-                warmup_steps=2, batch_size=4, max_length=512, median=128, repeats=3,
-                threads=1),
-    # Realistic shapes (real vocab sizes included), random weights, one GPU; one preset x
-    # {full, --lora} fits the 10-minute limit of a device call with 2 repeats.
+                warmup_steps=2, batch_size=4, max_length=512, data="lognormal", median=128,
+                repeats=3, threads=1),
+    # Realistic shapes (real vocab sizes included), random weights, one GPU. Each preset
+    # comes in two data sets: log-normal rows (most SFT data: padding dominates) and dense
+    # rows near max_length (long-context data: attention and memory dominate).
     "gpu-qwen0.5b": dict(device="cuda", model="models/qwen2.5-0.5b", precision="bf16",
-                         steps=40, warmup_steps=5, batch_size=8, max_length=2048, median=256,
-                         repeats=2),
+                         steps=40, warmup_steps=5, batch_size=8, max_length=2048,
+                         data="lognormal", median=256, repeats=2),
     "gpu-llama1b": dict(device="cuda", model="models/llama-3.2-1b", precision="bf16",
-                        steps=40, warmup_steps=5, batch_size=8, max_length=2048, median=256,
-                        repeats=2),
+                        steps=40, warmup_steps=5, batch_size=8, max_length=2048,
+                        data="lognormal", median=256, repeats=2),
 }
+# The dense twin of every preset: the same run on rows of 0.75-1 x max_length.
+PRESETS.update({f"{name}-dense": {**preset, "data": "dense", "steps": min(preset["steps"], 20)}
+                for name, preset in list(PRESETS.items())})
 CONTENDERS = ("finetune", "defaults", "tuned", "same")
 
 
@@ -75,14 +79,16 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--logging-steps", type=int, default=1)
-    p.add_argument("--attn", help="attn_implementation for every contender (default: "
-                   "transformers' choice; on cuda flash_attention_2 if flash_attn is installed)")
+    p.add_argument("--attn", help="attn_implementation for every contender (default: each "
+                   "its own: finetune's auto, TRL's sdpa; `same` takes finetune's)")
     p.add_argument("--repeats", type=int)
     p.add_argument("--threads", type=int, help="OMP_NUM_THREADS of every run (cpu preset: 1; "
                    "default otherwise: torch's choice)")
     p.add_argument("--contenders", default=",".join(CONTENDERS),
                    help="comma-separated subset of " + ",".join(CONTENDERS))
     p.add_argument("--rows", type=int, help="data rows (default: enough for every contender)")
+    p.add_argument("--data", choices=make_data.DISTRIBUTIONS, help="row lengths: log-normal "
+                   "or dense (near max_length)")
     p.add_argument("--median", type=float, help="median row length in tokens (log-normal)")
     p.add_argument("--sigma", type=float, default=1.0, help="log-normal sigma of lengths")
     p.add_argument("--workdir", type=Path, default=Path("/tmp/finetune-bench"))
@@ -97,18 +103,6 @@ def parse(argv=None) -> argparse.Namespace:
     for key, value in preset.items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)
-    if args.device == "cuda" and args.attn is None:
-        # Padding-free and packed batches are one flattened row: under sdpa transformers
-        # builds a dense block-causal mask over the whole row (cost ~ row length^2), so
-        # they need a varlen kernel to show their worth. Shared by every contender.
-        from importlib.util import find_spec
-
-        if find_spec("flash_attn") is not None:
-            args.attn = "flash_attention_2"
-        else:
-            print("warning: flash_attn is not installed: every contender runs sdpa, which "
-                  "attends over whole flattened rows in padding-free/packed batches",
-                  file=sys.stderr)
     model = Path(args.model)
     args.model = str(model if model.is_absolute() or model.exists() else BENCH / model)
     args.contenders = [c.strip() for c in args.contenders.split(",") if c.strip()]
@@ -127,9 +121,11 @@ def prepare(args) -> dict:
     work = args.workdir
     work.mkdir(parents=True, exist_ok=True)
     tokenizer_dir = make_tokenizer.build(work / "tokenizer")
+    typical = make_data.typical_length(args.data, args.median, args.max_length)
     rows = args.rows or max(1000, 2 * args.steps * args.batch_size * args.max_length
-                            // int(args.median))
-    data = make_data.make_rows(rows, args.max_length, 20, args.median, args.sigma, args.seed)
+                            // int(typical))
+    data = make_data.make_rows(rows, args.max_length, 20, args.median, args.sigma, args.seed,
+                               args.data)
     make_data.write(data, work / "data.jsonl")
     token_lengths = make_data.token_lengths(data, str(tokenizer_dir))
     lengths = make_data.describe(token_lengths)
@@ -178,12 +174,17 @@ def plain_command(args, files: dict, mode: str, out_dir: Path,
            "--max-length", str(args.max_length), "--precision", args.precision,
            "--device", args.device, "--seed", str(args.seed),
            "--logging-steps", str(args.logging_steps), "--output-dir", str(out_dir)]
+    attn = args.attn
     if mode == "same":
         cmd += ["--finetune-args", str(finetune_args)]
+        # finetune's attention as its run resolved it (environment.json), unless forced
+        environment = finetune_args.with_name("finetune_environment.json")
+        if attn is None and environment.exists():
+            attn = json.loads(environment.read_text()).get("attention")
     if args.lora:
         cmd.append("--lora")
-    if args.attn:
-        cmd += ["--attn", args.attn]
+    if attn:
+        cmd += ["--attn", attn]
     return cmd
 
 
@@ -205,7 +206,7 @@ def run_one(args, files: dict, contender: str, repeat: int) -> dict:
         env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(args.threads)
     started = time.time()
     code, memory = meter.run_measured(cmd, log, env, BENCH.parent, args.timeout,
-                                      gpu=args.device == "cuda")
+                                      gpu_idle_mib=files.get("gpu_idle_mib"))
     record = {"contender": contender, "repeat": repeat, "command": shlex.join(cmd),
               "wall_s": round(time.time() - started, 1), "log": str(log), "exit": code}
     try:
@@ -226,6 +227,8 @@ def run_one(args, files: dict, contender: str, repeat: int) -> dict:
         saved = out_dir / "training_args.json"
         if saved.exists() and not finetune_args.exists():
             shutil.copy(saved, finetune_args)
+            shutil.copy(out_dir / "environment.json",
+                        finetune_args.with_name("finetune_environment.json"))
     if not args.keep_runs:
         shutil.rmtree(out_dir, ignore_errors=True)
     return record
@@ -258,8 +261,11 @@ def main(argv=None) -> None:
 
         if not torch.cuda.is_available():
             sys.exit("--device cuda: no CUDA device visible")
-    (args.workdir / "finetune_training_args.json").unlink(missing_ok=True)
+    for name in ("finetune_training_args.json", "finetune_environment.json"):
+        (args.workdir / name).unlink(missing_ok=True)
     files = prepare(args)
+    if args.device == "cuda":  # what the device holds with no contender running
+        files["gpu_idle_mib"] = meter.gpu_used_mib()
     info = machine(args.device)
     if args.device == "cuda" and args.peak_tflops is None:
         args.peak_tflops = meter.peak_tflops(info.get("gpu"))
@@ -285,7 +291,7 @@ def main(argv=None) -> None:
         "settings": {k: getattr(args, k) for k in (
             "preset", "device", "model", "init", "lora", "steps", "warmup_steps",
             "batch_size", "max_length", "precision", "lr", "seed", "logging_steps", "attn",
-            "repeats", "threads", "contenders", "median", "sigma")},
+            "repeats", "threads", "contenders", "data", "median", "sigma")},
         "data": {"rows": files["lengths"]["rows"], "lengths": files["lengths"]},
         "runs": runs, "summary": table.summarize(runs),
     }

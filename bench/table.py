@@ -86,7 +86,8 @@ def rows(summary: dict) -> list[list[str]]:
             LABELS[name] + failed, _fmt(row["tokens_per_s"]) + spread,
             _fmt(row["s_per_step"], "{:.3f}"), _fmt(row["tokens_per_step"]),
             _fmt(row["padding_fraction"], "{:.1%}"),
-            _fmt(row["peak_mem_bytes"] and row["peak_mem_bytes"] / 2**30, "{:.2f} GiB"),
+            _fmt(None if row["peak_mem_bytes"] is None else row["peak_mem_bytes"] / 2**30,
+                 "{:.2f} GiB", "n/a"),
             _fmt(row["mfu"], "{:.1%}", "n/a"), _fmt(row["finetune_over_this"], "{:.2f}×")])
     return body
 
@@ -112,11 +113,13 @@ def overhead_line(summary: dict) -> str:
 def setup_line(results: dict) -> str:
     s, lengths = results["settings"], results["data"]["lengths"]
     model = s["model"].split("/bench/", 1)[-1]
+    kind = "dense" if s.get("data") == "dense" else "log-normal"
     threads = f", {s['threads']} thread(s) per run" if s.get("threads") else ""
     return (f"Model `{model}` ({'LoRA r=16' if s['lora'] else 'full fine-tuning'}), "
             f"{s['precision']}, {s['device']}{threads}, batch {s['batch_size']}, max_length "
             f"{s['max_length']}, {s['steps']} steps (the first {s['warmup_steps']} not timed), "
-            f"{s['repeats']} repeats interleaved. Data: {lengths['rows']} rows, tokens per row "
+            f"{s['repeats']} repeats interleaved. Data: {lengths['rows']} {kind} rows, "
+            f"tokens per row "
             f"min {lengths['min']} / median {lengths['median']:g} / mean {lengths['mean']} / "
             f"p90 {lengths['p90']} / max {lengths['max']}.")
 
@@ -149,7 +152,7 @@ def merge(files: list[Path]) -> dict:
             merged = {**results, "runs": runs}
             continue
         keys = ("device", "model", "lora", "steps", "warmup_steps", "batch_size",
-                "max_length", "precision", "attn")
+                "max_length", "precision", "attn", "data")
         if any(results["settings"].get(k) != merged["settings"].get(k) for k in keys):
             raise SystemExit(f"{path}: other settings than {files[0]}")
         merged["runs"] += runs

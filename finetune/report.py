@@ -18,7 +18,7 @@ PACKAGES = ("torch", "transformers", "accelerate", "peft", "trl", "datasets", "d
             "bitsandbytes", "pydantic")
 
 
-def environment(device: str, precision: str) -> dict[str, Any]:
+def environment(device: str, precision: str, attention: str | None) -> dict[str, Any]:
     import torch
 
     versions = {}
@@ -31,11 +31,17 @@ def environment(device: str, precision: str) -> dict[str, Any]:
         "finetune": __version__, "python": sys.version.split()[0],
         "platform": platform.platform(), "host": socket.gethostname(),
         "packages": versions, "device": device, "precision": precision,
+        "attention": attention,
         "cpu_count": os.cpu_count(),
     }
     if device == "cuda":
         info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     return info
+
+
+def attention_name(model) -> str | None:
+    """The attention implementation the built model runs (auto resolved)."""
+    return getattr(getattr(model, "config", None), "_attn_implementation", None)
 
 
 def _count(n: int) -> str:
@@ -70,8 +76,8 @@ def start_summary(job, trainable: int, total: int) -> str:
 
 def _speed(job) -> str:
     """The throughput settings in effect, so a slow run shows why."""
-    args, model = job.args, job.model
-    attention = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    args = job.args
+    attention = attention_name(job.model)
     optim = getattr(args.optim, "value", args.optim)
     parts = [f"attention {attention or 'default'}", f"optim {optim}"]
     for name in ("packing", "padding_free", "use_liger_kernel", "torch_compile",

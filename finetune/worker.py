@@ -27,7 +27,8 @@ from finetune.launch.environment import launch_problems, process_group_problems,
 from finetune.methods import Job, build_trainer
 from finetune.preemption import Preempted, StopOnSignal
 from finetune.render.training_args import training_kwargs
-from finetune.report import end_summary, environment, plot_loss, start_summary, write_json
+from finetune.report import (attention_name, end_summary, environment, plot_loss,
+                             start_summary, write_json)
 from finetune.resume import ResumePlan
 from finetune.rundir import REDACTED
 
@@ -144,7 +145,8 @@ def train(experiment: Experiment, run_dir: Path, plan: ResumePlan,
         match_adapter_precision(trainer.model, hw.precision)
     main = trainer.is_world_process_zero()
     if main:
-        write_json(run_dir / "environment.json", environment(hw.device, hw.precision))
+        write_json(run_dir / "environment.json",
+                   environment(hw.device, hw.precision, attention_name(trainer.model)))
         write_json(run_dir / "training_args.json", args.to_dict())
         print(start_summary(job, *count_parameters(trainer.model)), flush=True)
 

@@ -172,12 +172,13 @@ def test_names_are_what_transformers_accepts():
 
 
 def test_auto_resolution_by_device():
-    assert attention.resolve("auto", "cpu", "fp32") is None
-    assert attention.resolve("auto", "cuda", "fp32") is None  # flash kernels need 16 bits
+    resolve = attention.resolve
+    assert resolve("auto", "cpu", "fp32", flattened=True) == attention.VARLEN  # reference
+    assert resolve("auto", "cpu", "fp32", flattened=False) is None
+    assert resolve("auto", "cuda", "fp32", flattened=True) is None  # flash needs 16 bits
     if attention.torch_has_varlen():
-        assert attention.resolve("auto", "cuda", "bf16") in ("flash_attention_2",
-                                                            attention.VARLEN)
-    assert attention.resolve("eager", "cuda", "bf16") == "eager"
+        assert resolve("auto", "cuda", "bf16", True) in ("flash_attention_2", attention.VARLEN)
+    assert resolve("eager", "cuda", "bf16", True) == "eager"
     assert attention.runs_varlen(attention.VARLEN) and not attention.runs_varlen("sdpa")
     assert not attention.runs_varlen(None)
 

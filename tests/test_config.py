@@ -253,8 +253,9 @@ def test_attention_accepts_what_transformers_accepts(write):
 
 
 @pytest.mark.parametrize("attn, device, padding_free", [
-    ("auto", "cpu", True),            # faster than padding on the CPU, measured
-    ("sdpa", "cuda", False),          # a dense (tokens x tokens) mask on the GPU
+    ("auto", "cpu", True),            # finetune_varlen's reference kernel, no mask
+    ("sdpa", "cpu", False),           # a dense (tokens x tokens) mask
+    ("sdpa", "cuda", False),
     ("finetune_varlen", "cuda", True),
     ("flash_attention_2", "cuda", True),
 ])

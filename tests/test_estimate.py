@@ -286,9 +286,10 @@ def test_model_states_exact_against_real_tensors(case, tiny_model, tmp_path):
 
     # Activations are an estimate: on the CPU (float dropout masks) it must come within 1%
     # (what is left: the rotary cos/sin tables, one per forward, and a scalar); DoRA 5%.
-    # The batch above is padded (sdpa with a padding mask), whatever sft's default.
-    acts = activation_bytes(shape, settings.with_(device="cpu", mask="padding"),
-                            Layout("none"), False)
+    # The batch above is padded: sdpa with a padding mask (finetune_varlen, sft's default
+    # here, hands padded batches to sdpa), whatever sft's default for flattened rows.
+    acts = activation_bytes(shape, settings.with_(device="cpu", attention="sdpa",
+                                                  mask="padding"), Layout("none"), False)
     expected = batch * (acts.layers + acts.other + acts.logits_saved) // settings.sequences
     expected += states.autocast + states.dora
     measured = sum(alive.values())

@@ -13,7 +13,11 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequence
 from finetune.build.device import Hardware
 from finetune.config import attention
 from finetune.config.schema import Experiment
+from finetune.render.training_args import attention_implementation
 from finetune.errors import RunError
+
+# Architectures whose attention passes sinks (s_aux), which finetune_varlen cannot run.
+NO_VARLEN = ("gpt_oss",)
 
 # Which head each method trains, and the PEFT task type that matches it.
 HEADS = {
@@ -59,21 +63,27 @@ def _config(experiment: Experiment, tokenizer: PreTrainedTokenizerBase):
     return config
 
 
-def attention_of(experiment: Experiment, hw: Hardware) -> str | None:
-    """model.attn_implementation for this hardware (config/attention.py resolves auto);
-    finetune's own varlen function is registered with transformers before it is named."""
-    implementation = attention.resolve(experiment.model.attn_implementation, hw.device,
-                                       hw.precision)
-    if implementation == attention.VARLEN:
-        from finetune.build import varlen
+def attention_of(experiment: Experiment, hw: Hardware, config) -> str | None:
+    """The attention implementation for this hardware (render/training_args.py decides
+    auto); finetune's own varlen function is registered with transformers before it is
+    named. `auto` does not pick it for a model whose attention it cannot run (logit
+    softcapping, attention sinks): transformers' default then."""
+    implementation = attention_implementation(experiment, hw.device, hw.precision)
+    if implementation != attention.VARLEN:
+        return implementation
+    unsupported = getattr(config, "attn_logit_softcapping", None) is not None or \
+        config.model_type in NO_VARLEN
+    if unsupported and experiment.model.attn_implementation == "auto":
+        return None
+    from finetune.build import varlen
 
-        varlen.register()
+    varlen.register()
     return implementation
 
 
-def _kwargs(experiment: Experiment, hw: Hardware) -> dict:
+def _kwargs(experiment: Experiment, hw: Hardware, config) -> dict:
     kwargs = {"trust_remote_code": experiment.model.trust_remote_code}
-    implementation = attention_of(experiment, hw)
+    implementation = attention_of(experiment, hw, config)
     if implementation is not None:
         kwargs["attn_implementation"] = implementation
     return kwargs
@@ -93,9 +103,10 @@ def initial_weights(experiment: Experiment, hw: Hardware, tokenizer: PreTrainedT
     auto_class, _ = HEADS[experiment.method]
     # Drawn where the model will train: on a GPU, seconds of CPU random numbers (~8 s for
     # 0.5B) become milliseconds. The seeded CUDA generator makes it as reproducible.
+    config = _config(experiment, tokenizer)
     with torch.device(_init_device(hw)):
-        model = auto_class.from_config(_config(experiment, tokenizer), dtype=torch.float32,
-                                       **_kwargs(experiment, hw))
+        model = auto_class.from_config(config, dtype=torch.float32,
+                                       **_kwargs(experiment, hw, config))
     if rank == 0:
         target = run_dir / "init-model"
         staging = run_dir / ".init-model.tmp"
@@ -125,12 +136,13 @@ def load_model(experiment: Experiment, hw: Hardware, tokenizer: PreTrainedTokeni
     source, revision = experiment.model.name_or_path, experiment.model.revision
     if initial is not None:
         source, revision = str(run_dir / "init-model"), None
-    kwargs = _kwargs(experiment, hw)
+    config = _config(experiment, tokenizer)
+    kwargs = _kwargs(experiment, hw, config)
     if quantization is not None:
         kwargs["quantization_config"] = quantization
         kwargs["device_map"] = {"": 0} if hw.device == "cuda" else {"": "cpu"}
     return HEADS[experiment.method][0].from_pretrained(
-        source, config=_config(experiment, tokenizer), revision=revision,
+        source, config=config, revision=revision,
         dtype=_load_dtype(experiment, hw), **kwargs)
 
 

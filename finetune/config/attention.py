@@ -41,17 +41,23 @@ def torch_has_varlen() -> bool:
                for p in spec.submodule_search_locations)
 
 
-def resolve(choice: str, device: str, precision: str) -> str | None:
-    """model.attn_implementation with `auto` decided for the device: on CUDA in 16 bits,
-    flash-attention 2 when installed, else PyTorch's own flash varlen kernel; otherwise
-    None, transformers' default (sdpa). Flash kernels need fp16/bf16."""
+def resolve(choice: str, device: str, precision: str, flattened: bool) -> str | None:
+    """model.attn_implementation with `auto` decided for the device. flattened: the run
+    would train padding-free or packed batches, given a varlen kernel for them.
+    - CUDA in 16 bits: flash-attention 2 when installed; else, for flattened batches,
+      PyTorch's own flash varlen kernel (finetune_varlen);
+    - CPU, flattened batches: finetune_varlen with its reference kernel (one sdpa per
+      sequence), faster than the dense mask sdpa would build (docs/benchmarks.md);
+    - otherwise None: transformers' default, sdpa."""
     if choice != "auto":
         return choice
     if device == "cuda" and precision in ("bf16", "fp16"):
         if find_spec("flash_attn") is not None:
             return "flash_attention_2"
-        if torch_has_varlen():
+        if flattened and torch_has_varlen():
             return VARLEN
+    if device == "cpu" and flattened:
+        return VARLEN
     return None
 
 

@@ -14,7 +14,8 @@ from typing import Any
 from finetune.config import attention, trl_fields
 from finetune.config.schema import Experiment, PeftSection
 from finetune.errors import ConfigError
-from finetune.render.training_args import checkpointing_setting, training_kwargs
+from finetune.render.training_args import (attention_implementation, checkpointing_setting,
+                                           training_kwargs)
 
 # Methods whose trainer is TRL's: under (Q)LoRA on a quantized model it casts every
 # trainable parameter except DoRA magnitudes to bf16 (trl sft_trainer.py and siblings).
@@ -93,7 +94,7 @@ def _attention(exp: Experiment, device: str, precision: str, flattened: bool) ->
     """(kernel family, mask) of the attention the run will use: a varlen/flash kernel keeps
     no mask; sdpa and eager keep a padding mask, or a dense mask over the whole flattened
     row for padding-free and packed batches."""
-    implementation = attention.resolve(exp.model.attn_implementation, device, precision)
+    implementation = attention_implementation(exp, device, precision)
     if attention.runs_varlen(implementation) or implementation == "flex_attention":
         return "flash", "none"
     kind = "eager" if implementation == "eager" else "sdpa"

@@ -20,21 +20,35 @@ DEFAULTS: dict[str, Any] = {
 }
 
 
+def flattens(experiment: Experiment) -> bool:
+    """sft that would train flattened rows (padding-free or packed) on a varlen kernel.
+    Weighted sft pads, and so do models with remote code: transformers' own models mask
+    across rows from the position_ids; remote code might not, and would silently attend
+    across rows."""
+    training = experiment.training
+    return experiment.method == "sft" and experiment.data.weight_column is None \
+        and not experiment.model.trust_remote_code \
+        and (bool(training.get("packing")) or training.get("padding_free") is not False)
+
+
+def attention_implementation(experiment: Experiment, device: str, precision: str) -> str | None:
+    """The attention the run's model is built with (None: transformers' default, sdpa)."""
+    return attention.resolve(experiment.model.attn_implementation, device, precision,
+                             flattens(experiment))
+
+
 def speed_defaults(experiment: Experiment, device: str, precision: str) -> dict[str, Any]:
     """Faster settings that change no result, each overridden by setting it in `training:`.
     (Fused AdamW is transformers' own default already: optim adamw_torch_fused.)"""
     training, out = experiment.training, {}
-    implementation = attention.resolve(experiment.model.attn_implementation, device, precision)
-    if experiment.method == "sft" and not training.get("packing") and \
-            experiment.data.weight_column is None and not experiment.model.trust_remote_code \
-            and (device == "cpu" or attention.runs_varlen(implementation)):
+    implementation = attention_implementation(experiment, device, precision)
+    if flattens(experiment) and not training.get("packing") and \
+            attention.runs_varlen(implementation):
         # Flattened batches with position_ids: no compute spent on padding, and the same
-        # loss as padded batches (each row attends only to itself; tests/test_speed.py).
-        # On a GPU only with a varlen kernel: under sdpa the flattened row gets a dense
-        # (tokens x tokens) mask and no flash kernel, 2.7x slower than padding on an H100
-        # (docs/benchmarks.md); on the CPU it is faster than padding all the same.
-        # transformers' own models mask across rows from the position_ids; remote code
-        # might not, and would silently attend across rows.
+        # loss as padded batches (each row attends only to itself; tests/test_speed.py,
+        # tests/test_attention.py). Only with a varlen kernel: under sdpa the flattened
+        # row gets a dense (tokens x tokens) mask and no flash kernel, 2.7x slower than
+        # padding on an H100 (docs/benchmarks.md).
         out["padding_free"] = True
     if device == "cuda":
         out["dataloader_num_workers"] = 2  # collate while the GPU computes
