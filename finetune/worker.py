@@ -3,12 +3,15 @@ hand them to the method's trainer, train, evaluate before and after, save."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
+
+from transformers import TrainerCallback
 
 from finetune import checkpoints
 from finetune.build.device import Hardware, resolve_hardware
@@ -61,14 +64,28 @@ def _without_redacted(experiment: Experiment) -> Experiment:
     return experiment.model_copy(update={"training": training})
 
 
+def _generating(trainer):
+    """FSDP1 leaves its root unit's parameters (embeddings, head) sharded outside its own
+    forward, and generate() bypasses that forward: gather them while generating. FSDP2's
+    generate is an FSDP forward already (the Trainer registers it)."""
+    plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None)
+    if plugin is None or plugin.fsdp_version != 1:
+        return contextlib.nullcontext()
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return FullyShardedDataParallel.summon_full_params(trainer.model_wrapped, recurse=False,
+                                                       writeback=False)
+
+
 def _evaluate(trainer, job: Job, metrics: MetricsFile, when: str) -> dict[str, Any]:
     if job.data.eval is None:
         return {}
     results = dict(trainer.evaluate())
     spec = job.experiment.evaluation
     if spec.exact_match:
-        scored = exact_match(trainer.model, job.tokenizer, job.data.eval_examples, job.data.format,
-                             spec.max_new_tokens, spec.max_samples)
+        with _generating(trainer):
+            scored = exact_match(trainer.model, job.tokenizer, job.data.eval_examples,
+                                 job.data.format, spec.max_new_tokens, spec.max_samples)
         results["eval_exact_match"] = scored["exact_match"]
         if trainer.is_world_process_zero():
             metrics.write({"step": trainer.state.global_step, "when": when,
@@ -76,6 +93,31 @@ def _evaluate(trainer, job: Job, metrics: MetricsFile, when: str) -> dict[str, A
                            "exact_match_samples": scored["samples"],
                            "exact_match_examples": scored["examples"]})
     return results
+
+
+class EvaluateAsTrainingBegins(TrainerCallback):
+    """Under FSDP the Trainer shards model and optimizer together inside train(). An
+    evaluate() before train() prepares the model alone (transformers' evaluation_loop):
+    FSDP2 refuses that, and FSDP1 then trains with no optimizer. So there the evaluation
+    before training runs as training begins: everything prepared, no step taken yet."""
+
+    def __init__(self, evaluate: Callable[[], dict[str, Any]]):
+        self.evaluate = evaluate
+        self.results: dict[str, Any] = {}  # filled in once train() has begun
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.results.update(self.evaluate())
+
+
+def _evaluate_before(trainer, job: Job, metrics: MetricsFile) -> dict[str, Any]:
+    def evaluate() -> dict[str, Any]:
+        return _evaluate(trainer, job, metrics, "before")
+
+    if not trainer.is_fsdp_enabled:
+        return evaluate()
+    first = EvaluateAsTrainingBegins(evaluate)
+    trainer.add_callback(first)
+    return first.results
 
 
 def _start_attempt(run_dir: Path, plan: ResumePlan) -> None:
@@ -144,7 +186,7 @@ def train(experiment: Experiment, run_dir: Path, plan: ResumePlan,
         print(start_summary(job, *count_parameters(trainer.model)), flush=True)
 
     # A resumed run was evaluated before training by its first attempt.
-    before = _evaluate(trainer, job, metrics, "before") \
+    before = _evaluate_before(trainer, job, metrics) \
         if experiment.evaluation.before_training and plan.checkpoint is None else {}
     try:
         trainer.train(resume_from_checkpoint=str(plan.checkpoint) if plan.checkpoint else None)
