@@ -137,6 +137,10 @@ def _save_final(trainer, tokenizer, run_dir: Path, main: bool) -> Path:
     if main:
         shutil.rmtree(staging, ignore_errors=True)
     trainer.args.distributed_state.wait_for_everyone()
+    if trainer.is_fsdp_enabled:
+        # From a sharded state dict the Trainer's save_model writes no weights at all; the
+        # final model is whole, gathered to rank 0 (every rank takes part).
+        trainer.accelerator.state.fsdp_plugin.set_state_dict_type("FULL_STATE_DICT")
     trainer.save_model(str(staging))
     trainer.args.distributed_state.wait_for_everyone()  # every rank's part is written
     if main:
