@@ -64,6 +64,10 @@ def _without_redacted(experiment: Experiment) -> Experiment:
     return experiment.model_copy(update={"training": training})
 
 
+FSDP_NEEDS_CUDA = ("distributed.strategy fsdp needs CUDA devices and this run is on the CPU: "
+                   "accelerate runs FSDP only on accelerators; on CPU use ddp or deepspeed")
+
+
 def _generating(trainer):
     """FSDP1 leaves its root unit's parameters (embeddings, head) sharded outside its own
     forward, and generate() bypasses that forward: gather them while generating. FSDP2's
@@ -161,6 +165,8 @@ def train(experiment: Experiment, run_dir: Path, plan: ResumePlan,
         _start_attempt(run_dir, plan)
     experiment = _without_redacted(experiment)
     hw = resolve_hardware(experiment)
+    if experiment.distributed.strategy == "fsdp" and hw.device != "cuda":
+        raise RunError(FSDP_NEEDS_CUDA)  # device auto on a machine without CUDA
     tokenizer = load_tokenizer(experiment)
     # Before any process group exists: see build/prepare.py.
     data = prepared_data(experiment, tokenizer, run_dir, launched or started)
@@ -180,6 +186,9 @@ def train(experiment: Experiment, run_dir: Path, plan: ResumePlan,
     job = Job(experiment=experiment, run_dir=run_dir, hardware=hw, tokenizer=tokenizer,
               model=model, data=data, args=args, callbacks=[metrics, stop, window, seal])
     trainer = build_trainer(job)
+    if experiment.distributed.strategy == "fsdp" and not trainer.is_fsdp_enabled:
+        raise RunError("distributed.strategy is fsdp, but the Trainer runs without FSDP: start "
+                       "it with `finetune launch` (its accelerate.yaml turns FSDP on)")
     window.trainer = trainer
     if experiment.peft.type == "qlora":
         match_adapter_precision(trainer.model, hw.precision)
