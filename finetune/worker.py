@@ -3,12 +3,15 @@ hand them to the method's trainer, train, evaluate before and after, save."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
+
+from transformers import TrainerCallback
 
 from finetune import checkpoints
 from finetune.build.device import Hardware, checkpointing_decision, resolve_hardware
@@ -64,14 +67,32 @@ def _without_redacted(experiment: Experiment) -> Experiment:
     return experiment.model_copy(update={"training": training})
 
 
+FSDP_NEEDS_CUDA = ("distributed.strategy fsdp needs CUDA devices and this run is on the CPU: "
+                   "accelerate runs FSDP only on accelerators; on CPU use ddp or deepspeed")
+
+
+def _generating(trainer):
+    """FSDP1 leaves its root unit's parameters (embeddings, head) sharded outside its own
+    forward, and generate() bypasses that forward: gather them while generating. FSDP2's
+    generate is an FSDP forward already (the Trainer registers it)."""
+    plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None)
+    if plugin is None or plugin.fsdp_version != 1:
+        return contextlib.nullcontext()
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return FullyShardedDataParallel.summon_full_params(trainer.model_wrapped, recurse=False,
+                                                       writeback=False)
+
+
 def _evaluate(trainer, job: Job, metrics: MetricsFile, when: str) -> dict[str, Any]:
     if job.data.eval is None:
         return {}
     results = dict(trainer.evaluate())
     spec = job.experiment.evaluation
     if spec.exact_match:
-        scored = exact_match(trainer.model, job.tokenizer, job.data.eval_examples, job.data.format,
-                             spec.max_new_tokens, spec.max_samples)
+        with _generating(trainer):
+            scored = exact_match(trainer.model, job.tokenizer, job.data.eval_examples,
+                                 job.data.format, spec.max_new_tokens, spec.max_samples)
         results["eval_exact_match"] = scored["exact_match"]
         if trainer.is_world_process_zero():
             metrics.write({"step": trainer.state.global_step, "when": when,
@@ -79,6 +100,31 @@ def _evaluate(trainer, job: Job, metrics: MetricsFile, when: str) -> dict[str, A
                            "exact_match_samples": scored["samples"],
                            "exact_match_examples": scored["examples"]})
     return results
+
+
+class EvaluateAsTrainingBegins(TrainerCallback):
+    """Under FSDP the Trainer shards model and optimizer together inside train(). An
+    evaluate() before train() prepares the model alone (transformers' evaluation_loop):
+    FSDP2 refuses that, and FSDP1 then trains with no optimizer. So there the evaluation
+    before training runs as training begins: everything prepared, no step taken yet."""
+
+    def __init__(self, evaluate: Callable[[], dict[str, Any]]):
+        self.evaluate = evaluate
+        self.results: dict[str, Any] = {}  # filled in once train() has begun
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.results.update(self.evaluate())
+
+
+def _evaluate_before(trainer, job: Job, metrics: MetricsFile) -> dict[str, Any]:
+    def evaluate() -> dict[str, Any]:
+        return _evaluate(trainer, job, metrics, "before")
+
+    if not trainer.is_fsdp_enabled:
+        return evaluate()
+    first = EvaluateAsTrainingBegins(evaluate)
+    trainer.add_callback(first)
+    return first.results
 
 
 def _start_attempt(run_dir: Path, plan: ResumePlan) -> None:
@@ -98,6 +144,10 @@ def _save_final(trainer, tokenizer, run_dir: Path, main: bool) -> Path:
     if main:
         shutil.rmtree(staging, ignore_errors=True)
     trainer.args.distributed_state.wait_for_everyone()
+    if trainer.is_fsdp_enabled:
+        # From a sharded state dict the Trainer's save_model writes no weights at all; the
+        # final model is whole, gathered to rank 0 (every rank takes part).
+        trainer.accelerator.state.fsdp_plugin.set_state_dict_type("FULL_STATE_DICT")
     trainer.save_model(str(staging))
     trainer.args.distributed_state.wait_for_everyone()  # every rank's part is written
     if main:
@@ -118,6 +168,8 @@ def train(experiment: Experiment, run_dir: Path, plan: ResumePlan,
         _start_attempt(run_dir, plan)
     experiment = _without_redacted(experiment)
     hw = resolve_hardware(experiment)
+    if experiment.distributed.strategy == "fsdp" and hw.device != "cuda":
+        raise RunError(FSDP_NEEDS_CUDA)  # device auto on a machine without CUDA
     tokenizer = load_tokenizer(experiment)
     # Before any process group exists: see build/prepare.py.
     data = prepared_data(experiment, tokenizer, run_dir, launched or started)
@@ -140,6 +192,9 @@ def train(experiment: Experiment, run_dir: Path, plan: ResumePlan,
               model=model, data=data, args=args, callbacks=[metrics, stop, window, seal],
               notes=[checkpointing_note] if checkpointing_note else [])
     trainer = build_trainer(job)
+    if experiment.distributed.strategy == "fsdp" and not trainer.is_fsdp_enabled:
+        raise RunError("distributed.strategy is fsdp, but the Trainer runs without FSDP: start "
+                       "it with `finetune launch` (its accelerate.yaml turns FSDP on)")
     window.trainer = trainer
     if experiment.peft.type == "qlora":
         match_adapter_precision(trainer.model, hw.precision)
@@ -151,7 +206,7 @@ def train(experiment: Experiment, run_dir: Path, plan: ResumePlan,
         print(start_summary(job, *count_parameters(trainer.model)), flush=True)
 
     # A resumed run was evaluated before training by its first attempt.
-    before = _evaluate(trainer, job, metrics, "before") \
+    before = _evaluate_before(trainer, job, metrics) \
         if experiment.evaluation.before_training and plan.checkpoint is None else {}
     try:
         trainer.train(resume_from_checkpoint=str(plan.checkpoint) if plan.checkpoint else None)

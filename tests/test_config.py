@@ -207,7 +207,12 @@ def test_distributed_rules(write):
         "{strategy: deepspeed, deepspeed: {offload_optimizer: nvme}}")
     assert "distributed.deepspeed: options for strategy deepspeed, but strategy is ddp" in found(
         "{strategy: ddp, num_processes: 2, deepspeed: {zero_stage: 3}}")
-    assert "fsdp needs CUDA devices" in found("{strategy: fsdp, device: cpu}")
+    assert "fsdp needs CUDA devices (accelerate runs FSDP only on accelerators)" in found(
+        "{strategy: fsdp, device: cpu}")
+    assert "NO_SHARD needs fsdp version 1" in found(
+        "{strategy: fsdp, device: cuda, fsdp: {sharding_strategy: NO_SHARD}}")
+    load_experiment(write("v1.yaml", BASE + "distributed: {strategy: fsdp, device: cuda, "
+                          "fsdp: {version: 1, sharding_strategy: HYBRID_SHARD}}\n"))
     assert "strategy fsdp needs launcher accelerate" in found(
         "{strategy: fsdp, device: cuda, launcher: torchrun}")
 

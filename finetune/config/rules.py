@@ -207,7 +207,16 @@ def _distributed(exp: Experiment) -> Iterator[Problem]:
         # FSDP is switched on through the generated Accelerate config, which torchrun skips.
         yield ("distributed", "launcher"), "strategy fsdp needs launcher accelerate"
     if dist.strategy == "fsdp" and dist.device == "cpu":
-        yield ("distributed", "strategy"), "fsdp needs CUDA devices; on CPU use ddp or deepspeed"
+        # accelerate 1.15 turns FSDP on only for accelerator devices: on CPU (gloo) FSDP2
+        # silently trains as DDP, FSDP1 stops with "no available devices found".
+        yield ("distributed", "strategy"), "fsdp needs CUDA devices (accelerate runs FSDP " \
+                                           "only on accelerators); on CPU use ddp or deepspeed"
+    if dist.strategy == "fsdp" and dist.fsdp.version == 2 and \
+            dist.fsdp.sharding_strategy in ("NO_SHARD", "HYBRID_SHARD"):
+        # FSDP2 always shards, over one mesh dimension here: no exact translation.
+        yield ("distributed", "fsdp", "sharding_strategy"), \
+            f"{dist.fsdp.sharding_strategy} needs fsdp version 1; version 2 takes FULL_SHARD " \
+            "or SHARD_GRAD_OP"
     if exp.peft.type == "qlora" and (dist.strategy == "fsdp" or
                                      (dist.strategy == "deepspeed" and ds.zero_stage == 3)):
         yield ("peft", "type"), "qlora cannot be combined with FSDP or ZeRO-3 here; use " \

@@ -22,6 +22,9 @@ def static_precision(experiment: Experiment) -> str:
 
 
 def _fsdp(experiment: Experiment) -> dict[str, Any]:
+    """The keys accelerate 1.15 reads for each version (its launcher turns them into FSDP_*
+    variables, from which Accelerator() builds the plugin the Trainer uses). The layer class
+    to wrap is left to the model's _no_split_modules (the decoder layer)."""
     spec = experiment.distributed.fsdp
     config: dict[str, Any] = {
         "fsdp_version": spec.version,
@@ -29,13 +32,16 @@ def _fsdp(experiment: Experiment) -> dict[str, Any]:
         "fsdp_offload_params": spec.cpu_offload,
         "fsdp_state_dict_type": spec.state_dict_type,
         "fsdp_cpu_ram_efficient_loading": True,
-        "fsdp_sync_module_states": True,
-        "fsdp_use_orig_params": True,
     }
     if spec.version == 2:
+        # FSDP2 has no sync_module_states/use_orig_params (`accelerate to-fsdp2` drops
+        # them); FULL_SHARD or SHARD_GRAD_OP only (config rules).
         config["fsdp_reshard_after_forward"] = spec.sharding_strategy == "FULL_SHARD"
     else:
-        config["fsdp_sharding_strategy"] = spec.sharding_strategy
+        # FSDP1 takes sharding_strategy over reshard_after_forward, which its launcher
+        # always sets; rank 0's weights are broadcast (cpu_ram_efficient_loading needs it).
+        config.update(fsdp_sharding_strategy=spec.sharding_strategy,
+                      fsdp_sync_module_states=True, fsdp_use_orig_params=True)
     return config
 
 
