@@ -68,6 +68,9 @@ def fingerprint(experiment: Experiment) -> dict[str, Any]:
     flat["checkpoint format"] = "plain" if strategy in ("none", "ddp") else strategy
     if strategy == "deepspeed":
         flat["distributed.deepspeed.zero_stage"] = experiment.distributed.deepspeed.zero_stage
+    if strategy == "fsdp":  # another version or state-dict type reads other files
+        for key in ("version", "state_dict_type"):
+            flat[f"distributed.fsdp.{key}"] = getattr(experiment.distributed.fsdp, key)
     for key in sorted(experiment.training):
         if not harmless(key):
             flat[f"training.{key}"] = experiment.training[key]

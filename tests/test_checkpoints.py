@@ -13,7 +13,8 @@ from conftest import DATA, TINY_MODEL
 from finetune import checkpoints
 from finetune.config import load_experiment
 from finetune.errors import RunError
-from finetune.fingerprint import fingerprint, layout
+from finetune.config.schema import Experiment
+from finetune.fingerprint import differences, fingerprint, layout
 from finetune.resume import plan_resume
 
 
@@ -146,6 +147,20 @@ def test_changes_to_what_is_trained_are_refused_with_a_diff_unless_forced(write,
     plan = plan_resume(forced, run)
     assert plan.checkpoint.name == "checkpoint-4"
     assert any(n.startswith("force_resume") and "training.seed" in n for n in plan.notes)
+
+
+def test_an_fsdp_checkpoint_is_not_read_as_another_fsdp_format():
+    exp = lambda fsdp: Experiment.model_validate({
+        "name": "f", "method": "sft", "model": {"name_or_path": "m"},
+        "data": {"train": "d.jsonl"},
+        "distributed": {"strategy": "fsdp", "num_processes": 2, "fsdp": fsdp}})
+    sharded = fingerprint(exp({}))
+    assert sharded["checkpoint format"] == "fsdp"
+    assert differences(sharded, fingerprint(exp({"version": 1}))) == [
+        "distributed.fsdp.version: 2 -> 1"]
+    assert differences(sharded, fingerprint(exp({"state_dict_type": "FULL_STATE_DICT"}))) == [
+        "distributed.fsdp.state_dict_type: 'SHARDED_STATE_DICT' -> 'FULL_STATE_DICT'"]
+    assert differences(sharded, fingerprint(exp({"cpu_offload": True}))) == []
 
 
 def test_harmless_changes_resume_silently(write, tmp_path):
