@@ -16,27 +16,16 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from finetune.config import rules, trl_fields
+from finetune.config import paths, rules, trl_fields, yamltext
 from finetune.config.schema import Experiment
 from finetune.errors import ConfigError
 
 Loc = tuple  # a path into the experiment: ("training", "learning_rate") or ("data", "train", 0)
 
 
-class _Loader(yaml.SafeLoader):
-    """SafeLoader that also reads 1e-4 as a float (YAML 1.1 needs a dot: 1.0e-4)."""
-
-
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
-    list("-+0123456789"),
-)
-
-
-def parse_scalar(text: str) -> Any:
+def parse_scalar(text: str, where: str = "command line") -> Any:
     """Type a command-line value the way YAML would."""
-    return yaml.load(text, Loader=_Loader) if text.strip() else None
+    return yamltext.compose(text, where)[1] if text.strip() else None
 
 
 def dotted(loc: Loc) -> str:
@@ -61,17 +50,10 @@ class _Origins:
 
 def _read_yaml(path: Path, origins: _Origins, problems: list[str]) -> dict[str, Any]:
     try:
-        text = path.read_text()
+        raw = path.read_bytes()
     except OSError as exc:
         raise ConfigError([f"{path}: cannot read experiment file: {exc.strerror}"]) from None
-    try:
-        node = yaml.compose(text, Loader=_Loader)
-        data = yaml.load(text, Loader=_Loader)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
-        problem = getattr(exc, "problem", None) or str(exc)
-        raise ConfigError([f"{where}: YAML syntax error: {problem}"]) from None
+    node, data = yamltext.compose(yamltext.decode(raw, str(path)), str(path))
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -104,15 +86,15 @@ def _local(value: Any, base: Path) -> Any:
     ../ is local whether it exists or not (validation reports it missing); anything else
     is left as written (a hub id).
     """
-    if not isinstance(value, str) or not value:
-        return value
+    if not isinstance(value, str) or not value or paths.problem(value):
+        return value  # validation names what is wrong with it
     if value.startswith("~"):
         return str(Path(value).expanduser())
     if Path(value).is_absolute():
         return value
     candidate = base / value
-    if value.startswith(("./", "../")) or candidate.exists():
-        return str(candidate.resolve())
+    if value.startswith(("./", "../")) or paths.exists(candidate):
+        return str(paths.resolve(candidate))
     return value
 
 
@@ -159,12 +141,15 @@ def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
 
 def _load_file(path: Path, origins: _Origins, problems: list[str],
                chain: tuple[Path, ...] = ()) -> dict[str, Any]:
-    path = path.resolve()
+    where = f"{chain[-1]}: extends: " if chain else ""
+    bad = paths.problem(str(path))
+    if bad:
+        raise ConfigError([f"{where}{str(path)!r}: {bad}"])
+    path = paths.resolve(path.expanduser())
     if path in chain:
         cycle = " -> ".join(str(p) for p in chain + (path,))
         raise ConfigError([f"{path}: extends: cycle: {cycle}"])
-    if not path.is_file():
-        where = f"{chain[-1]}: extends: " if chain else ""
+    if not paths.is_file(path):
         raise ConfigError([f"{where}{path}: no such experiment file"])
     data = _resolve(_read_yaml(path, origins, problems), (), path.parent)
     parents = data.pop("extends", None)
@@ -188,10 +173,12 @@ def apply_override(data: dict[str, Any], override: str, origins: _Origins) -> No
     if "=" not in override:
         raise ConfigError([f"override {override!r}: expected key.sub=value"])
     key, _, text = override.partition("=")
-    parts: list[Any] = [int(p) if p.isdigit() else p for p in key.strip().split(".")]
+    # ASCII digits only: str.isdigit() is also true for '²' and '٣', which int() refuses.
+    parts: list[Any] = [int(p) if p.isascii() and p.isdigit() else p
+                        for p in key.strip().split(".")]
     if not all(str(p) for p in parts):
         raise ConfigError([f"override {override!r}: empty key segment"])
-    value = _resolve(parse_scalar(text), tuple(parts), Path.cwd())
+    value = _resolve(parse_scalar(text, f"override {override!r}"), tuple(parts), Path.cwd())
     node: Any = data
     for i, part in enumerate(parts[:-1]):
         if isinstance(node, list) and isinstance(part, int) and part < len(node):
@@ -264,8 +251,10 @@ def load_experiment(path: str | Path, overrides: list[str] | tuple[str, ...] = (
     # The training section is checked even when the schema fails, so every problem of
     # the file is reported in one go.
     training = data.get("training")
-    if data.get("method") in trl_fields.CONFIG_CLASSES and isinstance(training, dict):
-        data["training"], training_problems = trl_fields.check_training(data["method"], training)
+    method = data.get("method")
+    if isinstance(method, str) and method in trl_fields.CONFIG_CLASSES and \
+            isinstance(training, dict):
+        data["training"], training_problems = trl_fields.check_training(method, training)
         problems += [_problem(origins, ("training", key), msg, str(path))
                      for key, msg in training_problems]
     try:

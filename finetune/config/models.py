@@ -1,0 +1,51 @@
+"""What validate can tell about a model without loading it: a local directory that ships
+its own modelling code, and a hub id that cannot be fetched because the hub is off."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Iterator
+
+from finetune.config import paths
+
+Problem = tuple[tuple, str]
+_TRUE = ("1", "on", "yes", "true")
+
+
+def remote_code(loc: tuple, directory: str, trusted: bool) -> Iterator[Problem]:
+    """A config.json with auto_map names classes in .py files of the model itself;
+    transformers refuses to load them unless trust_remote_code is on."""
+    if trusted:
+        return
+    try:
+        config = json.loads((Path(directory) / "config.json").read_text())
+    except (OSError, ValueError):
+        yield loc, f"{directory}/config.json is not a readable JSON file"
+        return
+    if isinstance(config, dict) and config.get("auto_map"):
+        yield loc, (f"{directory} ships its own modelling code (auto_map in config.json); "
+                    "read it, then set model.trust_remote_code: true to run it")
+
+
+def hub_cache() -> Path:
+    """huggingface_hub's cache directory, by its documented variables."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"])
+    home = os.environ.get("HF_HOME") or str(
+        Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "huggingface")
+    return Path(home) / "hub"
+
+
+def offline(loc: tuple, hub_id: str) -> Iterator[Problem]:
+    """With HF_HUB_OFFLINE set, a bare name (no org/, the way a local directory next to
+    the YAML file is written) must be in the local hub cache, else it is most likely a
+    mistyped directory. Ids with an org are left to the hub: examples validate offline."""
+    if "/" in hub_id or os.environ.get("HF_HUB_OFFLINE", "").lower() not in _TRUE:
+        return
+    if paths.is_dir(hub_cache() / ("models--" + hub_id.replace("/", "--"))):
+        return
+    yield loc, (f"{hub_id!r} is not a local directory, and cannot be fetched from the hub "
+                f"offline (HF_HUB_OFFLINE is set; it is not in {hub_cache()}); "
+                "for a directory next to the YAML file, check the spelling")
