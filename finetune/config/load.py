@@ -172,7 +172,11 @@ def _load_file(path: Path, origins: _Origins, problems: list[str],
 def apply_override(data: dict[str, Any], override: str, origins: _Origins) -> None:
     if "=" not in override:
         raise ConfigError([f"override {override!r}: expected key.sub=value"])
+    from finetune.rundir import REDACTED, is_secret
+
     key, _, text = override.partition("=")
+    if is_secret(key.strip().rpartition(".")[2]):
+        override = f"{key}={REDACTED}"  # how it is named in errors
     # ASCII digits only: str.isdigit() is also true for '²' and '٣', which int() refuses.
     parts: list[Any] = [int(p) if p.isascii() and p.isdigit() else p
                         for p in key.strip().split(".")]
@@ -220,6 +224,8 @@ def _fields_at(loc: Loc) -> list[str]:
 
 
 def _describe(error: dict[str, Any]) -> str:
+    from finetune.rundir import is_secret
+
     kind, loc = error["type"], error["loc"]
     if kind == "extra_forbidden":
         close = difflib.get_close_matches(str(loc[-1]), _fields_at(loc), n=1)
@@ -229,10 +235,19 @@ def _describe(error: dict[str, Any]) -> str:
     message = error["msg"]
     if kind == "value_error":  # our own validators: their message, without pydantic's prefix
         message = str(error["ctx"]["error"])
-    if "input" in error and kind not in ("model_type", "dict_type") and \
+    secret = any(isinstance(part, str) and is_secret(part) for part in loc)
+    if "input" in error and kind not in ("model_type", "dict_type") and not secret and \
             repr(error["input"]) not in message:
         message += f" (got {error['input']!r})"
     return message
+
+
+# user:password@ in a URL (a data source, a model, an index): never repeated in errors.
+_CREDENTIALS = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^\s/@]+@")
+
+
+def scrub(text: str) -> str:
+    return _CREDENTIALS.sub(r"\1<redacted>@", text)
 
 
 def _problem(origins: _Origins, loc: Loc, message: str, default: str) -> str:
@@ -241,7 +256,13 @@ def _problem(origins: _Origins, loc: Loc, message: str, default: str) -> str:
 
 
 def load_experiment(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Experiment:
-    path = Path(path)
+    try:
+        return _load_experiment(Path(path), overrides)
+    except ConfigError as exc:  # an override or a path may carry credentials
+        raise ConfigError([scrub(problem) for problem in exc.problems]) from None
+
+
+def _load_experiment(path: Path, overrides: list[str] | tuple[str, ...]) -> Experiment:
     origins = _Origins()
     problems: list[str] = []
     data = _load_file(path, origins, problems)

@@ -37,6 +37,27 @@ Loader.add_implicit_resolver(
 _STR = "tag:yaml.org,2002:str"
 
 
+def _checked(construct):
+    """A constructor that names the line of a value its tag cannot make (!!int "1e400",
+    !!timestamp "x": ValueError, OverflowError or, from PyYAML, AttributeError), without
+    repeating the value, which may be a secret."""
+
+    def build(loader: yaml.SafeLoader, node: yaml.Node) -> Any:
+        try:
+            return construct(loader, node)
+        except (ValueError, OverflowError, AttributeError):
+            raise yaml.constructor.ConstructorError(
+                None, None, f"the value cannot be read as {node.tag.rpartition(':')[2]}",
+                node.start_mark) from None
+
+    return build
+
+
+for _tag in ("int", "float", "bool", "timestamp", "binary", "null"):
+    _full = f"tag:yaml.org,2002:{_tag}"
+    Loader.add_constructor(_full, _checked(yaml.SafeLoader.yaml_constructors[_full]))
+
+
 def decode(raw: bytes, where: str) -> str:
     if len(raw) > MAX_BYTES:
         raise ConfigError([f"{where}: {len(raw):,} bytes: an experiment file may have at "
@@ -101,14 +122,13 @@ def compose(text: str, where: str) -> tuple[yaml.Node | None, Any]:
         if node is None:
             return None, None
         _measure(node, where)
-        try:
-            return node, loader.construct_document(node)
-        except (ValueError, OverflowError) as exc:  # e.g. !!int "1e400", a bad !!timestamp
-            raise ConfigError([f"{where}: a value cannot be read: {exc}"]) from None
+        return node, loader.construct_document(node)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         line = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
         problem = getattr(exc, "problem", None) or str(exc)
-        raise ConfigError([f"{where}{line}: YAML syntax error: {problem}"]) from None
+        kind = "YAML value error" if isinstance(exc, yaml.constructor.ConstructorError) \
+            else "YAML syntax error"
+        raise ConfigError([f"{where}{line}: {kind}: {problem}"]) from None
     finally:
         loader.dispose()
