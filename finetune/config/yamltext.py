@@ -113,8 +113,9 @@ def _measure(root: yaml.Node, where: str) -> None:
 
 def compose(text: str, where: str) -> tuple[yaml.Node | None, Any]:
     """The node graph (for line numbers) and the data of one YAML document."""
-    loader = Loader(text)
+    loader = None
     try:
+        loader = Loader(text)  # checks the characters: a ReaderError for control codes
         try:
             node = loader.get_single_node()
         except RecursionError:
@@ -126,9 +127,10 @@ def compose(text: str, where: str) -> tuple[yaml.Node | None, Any]:
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         line = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
-        problem = getattr(exc, "problem", None) or str(exc)
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         kind = "YAML value error" if isinstance(exc, yaml.constructor.ConstructorError) \
             else "YAML syntax error"
         raise ConfigError([f"{where}{line}: {kind}: {problem}"]) from None
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
