@@ -179,8 +179,7 @@ def test_attention_needs_its_package(capsys, write, name):
 
 
 def test_mistyped_bare_model_name_offline(capsys, tmp_path):
-    shutil.copytree(QUICKSTART / "data", tmp_path / "data")
-    shutil.copytree(TINY_MODEL, tmp_path / "tiny-llama")
+    shutil.copytree(QUICKSTART / "data", tmp_path / "data")  # no model directory beside
     text = (QUICKSTART / "sft.yaml").read_text().replace("name_or_path: tiny-llama",
                                                          "name_or_path: tiny-lama")
     path = tmp_path / "sft.yaml"
@@ -235,3 +234,28 @@ def test_subprocess_alias_bomb_and_yaml_override(write):
                      cwd=path.parent, timeout=60)
     assert result.returncode == 2 and result.stderr.startswith("error: override")
     assert "Traceback" not in result.stderr
+
+
+def test_mistyped_bare_model_name_online(capsys, tmp_path, monkeypatch):
+    """Without HF_HUB_OFFLINE the hub would be asked for `tiny-lama` at train time; a
+    near miss of a model directory next to the file is refused at validate."""
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    shutil.copytree(TINY_MODEL, tmp_path / "tiny-llama")
+    path = tmp_path / "exp.yaml"
+    path.write_text(BASE.replace(str(TINY_MODEL), "tiny-lama"))
+    message = refused(capsys, path)
+    assert f"{path}:3: model.name_or_path: 'tiny-lama' is not a local directory" in message
+    assert "did you mean tiny-llama?" in message
+    # an override that fixes it wins; hub names far from any directory stay hub names
+    assert validate(capsys, path, f"model.name_or_path={tmp_path}/tiny-llama")[0] == 0
+    path.write_text(BASE.replace(str(TINY_MODEL), "gpt2"))
+    assert validate(capsys, path)[0] == 0
+
+
+@pytest.mark.parametrize("text", [
+    BASE + 'name: "abc\\n"\n',
+    BASE.replace(f"{DATA}/sft_train.jsonl", '"org/data\\n"'),
+    BASE.replace(str(TINY_MODEL), '"org/model\\n"'),
+])
+def test_trailing_newline_does_not_pass_a_pattern(capsys, write, text):
+    refused(capsys, write("exp.yaml", text))

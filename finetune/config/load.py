@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from finetune.config import paths, rules, trl_fields, yamltext
+from finetune.config import models, paths, rules, trl_fields, yamltext
 from finetune.config.schema import Experiment
 from finetune.errors import ConfigError
 
@@ -40,6 +40,9 @@ class _Origins:
 
     def __init__(self) -> None:
         self.where: dict[Loc, str] = {}
+        # a bare model name that is a near miss of a directory next to its file:
+        # loc -> (value, problem), reported if no later file or override replaces it
+        self.near_misses: dict[Loc, tuple[str, str]] = {}
 
     def of(self, loc: Loc) -> str | None:
         for end in range(len(loc), 0, -1):
@@ -151,7 +154,14 @@ def _load_file(path: Path, origins: _Origins, problems: list[str],
         raise ConfigError([f"{path}: extends: cycle: {cycle}"])
     if not paths.is_file(path):
         raise ConfigError([f"{where}{path}: no such experiment file"])
-    data = _resolve(_read_yaml(path, origins, problems), (), path.parent)
+    data = _read_yaml(path, origins, problems)
+    for loc in (("model", "name_or_path"), ("tokenizer", "name_or_path")):
+        section = data.get(loc[0])
+        value = section.get(loc[1]) if isinstance(section, dict) else None
+        hint = models.near_miss(value, path.parent) if isinstance(value, str) else None
+        if hint:
+            origins.near_misses[loc] = (value, hint)
+    data = _resolve(data, (), path.parent)
     parents = data.pop("extends", None)
     if parents is None:
         return data
@@ -269,6 +279,10 @@ def _load_experiment(path: Path, overrides: list[str] | tuple[str, ...]) -> Expe
     for override in overrides:
         apply_override(data, override, origins)
     data.setdefault("name", path.stem)
+    for loc, (value, hint) in origins.near_misses.items():
+        section = data.get(loc[0])
+        if isinstance(section, dict) and section.get(loc[1]) == value:
+            problems.append(_problem(origins, loc, hint, str(path)))
     # The training section is checked even when the schema fails, so every problem of
     # the file is reported in one go.
     training = data.get("training")

@@ -3,6 +3,7 @@ its own modelling code, and a hub id that cannot be fetched because the hub is o
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 from pathlib import Path
@@ -49,3 +50,20 @@ def offline(loc: tuple, hub_id: str) -> Iterator[Problem]:
     yield loc, (f"{hub_id!r} is not a local directory, and cannot be fetched from the hub "
                 f"offline (HF_HUB_OFFLINE is set; it is not in {hub_cache()}); "
                 "for a directory next to the YAML file, check the spelling")
+
+
+def near_miss(name: str, base: Path) -> str | None:
+    """A bare name (the quickstart's style) that is not a directory next to the YAML file
+    but is one letter or two from one that holds a model: almost surely a typo, which
+    the hub would answer with a network error at train time."""
+    if "/" in name or paths.problem(name) or paths.exists(base / name):
+        return None
+    try:
+        models = [p.name for p in base.iterdir() if paths.is_file(p / "config.json")]
+    except OSError:
+        return None
+    close = difflib.get_close_matches(name, models, n=1, cutoff=0.8)
+    if not close:
+        return None
+    return (f"{name!r} is not a local directory (none next to {base}); did you mean "
+            f"{close[0]}?")

@@ -45,7 +45,7 @@ def _paths(exp: Experiment) -> Iterator[Problem]:
             elif source.path.lower().endswith(DATA_SUFFIXES):
                 yield loc, f"no such file: {source.path} (relative paths are relative to " \
                            "the YAML file that names them)"
-            elif not HUB_ID.match(source.path):
+            elif not HUB_ID.fullmatch(source.path):
                 yield loc, f"neither a local file nor a hub dataset id: {source.path!r}"
     for loc, value in ((("model", "name_or_path"), exp.model.name_or_path),
                        (("tokenizer", "name_or_path"), exp.tokenizer.name_or_path),
@@ -64,7 +64,7 @@ def _paths(exp: Experiment) -> Iterator[Problem]:
                 yield loc, f"{value} has no config.json"
             elif loc[0] == "model":
                 yield from models.remote_code(loc, value, exp.model.trust_remote_code)
-        elif not HUB_ID.match(value):
+        elif not HUB_ID.fullmatch(value):
             yield loc, f"neither a local directory nor a hub id: {value!r}"
         else:
             yield from models.offline(loc, value)
@@ -149,7 +149,7 @@ def _rewards(exp: Experiment) -> Iterator[Problem]:
         yield ("rewards",), f"method {exp.method} needs a reward: rewards.model and/or " \
                             "rewards.functions"
     for i, name in enumerate(spec.functions):
-        if not FUNCTION_RE.match(name):
+        if not FUNCTION_RE.fullmatch(name):
             yield ("rewards", "functions", i), f"{name!r}: write 'module:function' or " \
                                                 "'file.py:function'"
         elif ".py:" in name and not paths.is_file(name.rpartition(":")[0]):
