@@ -53,7 +53,8 @@ class _Origins:
 
 def _read_yaml(path: Path, origins: _Origins, problems: list[str]) -> dict[str, Any]:
     try:
-        raw = path.read_bytes()
+        with path.open("rb") as file:  # no further than the limit: it may be huge
+            raw = file.read(yamltext.MAX_BYTES + 1)
     except OSError as exc:
         raise ConfigError([f"{path}: cannot read experiment file: {exc.strerror}"]) from None
     node, data = yamltext.compose(yamltext.decode(raw, str(path)), str(path))
