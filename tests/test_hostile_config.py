@@ -260,3 +260,31 @@ def test_mistyped_bare_model_name_online(capsys, tmp_path, monkeypatch):
 ])
 def test_trailing_newline_does_not_pass_a_pattern(capsys, write, text):
     refused(capsys, write("exp.yaml", text))
+
+
+GRPO = BASE.replace("method: sft", "method: grpo").replace(
+    "sft_train", "grpo_train") + "rewards:\n  functions: [finetune.nosuch:f]\n"
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["training.lr_scheduler_type=reduce_lr_on_plateau"], "training.lr_scheduler_type"),
+    (["training.load_best_model_at_end=true", "training.eval_strategy=epoch",
+      "data.eval_fraction=0.1"], "training.load_best_model_at_end"),
+    (["training.dataloader_prefetch_factor=2", "training.dataloader_num_workers=0"],
+     "training.dataloader_prefetch_factor"),
+])
+def test_training_arguments_cross_checks(capsys, write, overrides, expected):
+    assert expected in refused(capsys, write("exp.yaml", BASE), *overrides)
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["training.per_device_train_batch_size=3", "training.num_generations=2"],
+     "training.num_generations: must divide the generation batch of 3"),
+    (["training.num_generations=1"], "training.num_generations: at least 2"),
+    (["training.generation_batch_size=12", "training.per_device_train_batch_size=8"],
+     "training.generation_batch_size: 12 is not a multiple"),
+    (["training.generation_batch_size=16", "training.steps_per_generation=2"], "not both"),
+    (["training.auto_find_batch_size=true"], "training.auto_find_batch_size"),
+])
+def test_grpo_batch_arithmetic(capsys, write, overrides, expected):
+    assert expected in refused(capsys, write("exp.yaml", GRPO), *overrides)

@@ -8,7 +8,7 @@ import math
 from importlib.util import find_spec
 from typing import Any, Iterator
 
-from finetune.config import attention
+from finetune.config import attention, trl_fields
 from finetune.config.schema import Experiment
 
 Problem = tuple[tuple, str]
@@ -89,6 +89,67 @@ def _ranges(training: dict[str, Any]) -> Iterator[Problem]:
             yield ("training", key), f"must be a whole number when above 1, got {value}"
 
 
+def _schedule(exp: Experiment) -> Iterator[Problem]:
+    """Cross-field checks of TrainingArguments.__post_init__ (transformers 5)."""
+    def value(key: str) -> Any:
+        return trl_fields.training_value(exp.method, exp.training, key)
+
+    evaluates = value("eval_strategy") not in ("no", None)
+    if value("lr_scheduler_type") in ("reduce_lr_on_plateau", "greedy") and not evaluates:
+        yield ("training", "lr_scheduler_type"), \
+            f"{value('lr_scheduler_type')} needs evaluation: set training.eval_strategy"
+    if value("load_best_model_at_end") and value("save_strategy") != "best" and \
+            value("eval_strategy") != value("save_strategy"):
+        yield ("training", "load_best_model_at_end"), "needs training.save_strategy equal to " \
+            f"training.eval_strategy ({value('save_strategy')} vs {value('eval_strategy')})"
+    # (on CUDA, finetune's speed defaults give the loader workers when none are set)
+    workers = exp.training.get("dataloader_num_workers")
+    if value("dataloader_prefetch_factor") is not None and \
+            (workers == 0 or (workers is None and exp.distributed.device == "cpu")):
+        yield ("training", "dataloader_prefetch_factor"), "needs dataloader_num_workers > 0"
+
+
+def _grpo(exp: Experiment) -> Iterator[Problem]:
+    """GRPOConfig.__post_init__'s batch arithmetic: a generation batch holds whole groups
+    of num_generations completions of one prompt."""
+    if exp.method != "grpo":
+        return
+    def value(key: str) -> Any:
+        return trl_fields.training_value("grpo", exp.training, key)
+
+    keys = ("per_device_train_batch_size", "gradient_accumulation_steps",
+            "generation_batch_size", "steps_per_generation", "num_generations",
+            "per_device_eval_batch_size", "num_generations_eval")
+    got = {key: value(key) for key in keys}
+    if not all(v is None or (_number(v) and v == int(v) and v >= 1) for v in got.values()):
+        return  # types and ranges are reported on their own
+    world = exp.distributed.world_size
+    step = got["per_device_train_batch_size"] * world
+    generation, steps = got["generation_batch_size"], got["steps_per_generation"]
+    if value("auto_find_batch_size"):
+        yield ("training", "auto_find_batch_size"), "not supported by grpo (a batch holds " \
+                                                    "whole groups of num_generations)"
+    if generation is not None and steps is not None:
+        yield ("training", "generation_batch_size"), "give it or steps_per_generation, not both"
+        return
+    if generation is None:
+        generation = step * (steps or got["gradient_accumulation_steps"])
+    elif generation % step:
+        yield ("training", "generation_batch_size"), f"{generation} is not a multiple of " \
+            f"the global batch ({step} = per_device_train_batch_size x {world} processes)"
+    groups = got["num_generations"]
+    if groups is not None and groups < 2:
+        yield ("training", "num_generations"), "at least 2: advantages compare completions"
+    elif groups is not None and generation % groups:
+        yield ("training", "num_generations"), f"must divide the generation batch of " \
+            f"{generation} completions (per_device_train_batch_size x processes x steps)"
+    eval_groups = got["num_generations_eval"] or groups
+    evaluates = value("eval_strategy") not in ("no", None)
+    if evaluates and eval_groups and (got["per_device_eval_batch_size"] * world) % eval_groups:
+        yield ("training", "per_device_eval_batch_size"), f"x {world} processes must be a " \
+            f"multiple of the {eval_groups} generations per prompt"
+
+
 def _report_to(training: dict[str, Any]) -> Iterator[Problem]:
     value = training.get("report_to")
     names = [value] if isinstance(value, str) else value if isinstance(value, list) else []
@@ -109,4 +170,5 @@ def _attention(exp: Experiment) -> Iterator[Problem]:
 
 
 def check(exp: Experiment) -> list[Problem]:
-    return [*_ranges(exp.training), *_report_to(exp.training), *_attention(exp)]
+    return [*_ranges(exp.training), *_schedule(exp), *_grpo(exp), *_report_to(exp.training),
+            *_attention(exp)]
