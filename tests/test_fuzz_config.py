@@ -31,12 +31,12 @@ VALUES = st.recursive(SCALARS, lambda inner: st.one_of(
                     max_size=3)), max_leaves=6)
 SNIPPETS = ["*undefined", "&a [*a]", "!!python/name:os.system", "\t", "{", "? [a]\n: 1",
             "- x", "x: !!int '1e400'", "x: &x\n  y: *x", "%YAML 1.1", "---\n---", ":",
-            "training:\n  1: 2", "<<: *a"]
+            "training:\n  1: 2", "<<: *a", '"a\\nb": 1', "'x\ty': 2"]
 KEYS = ["training.learning_rate", "training.seed", "training.max_length", "model.name_or_path",
         "data.train", "data.train.0.path", "method", "extends", "distributed.num_processes",
         "training.report_to", "training.hub_token", "peft.r", "classify.labels.0",
         "training.per_device_train_batch_size", "model.attn_implementation", "x.y.z",
-        "training.1", "data.train.²", "name"]
+        "training.1", "data.train.²", "name", "training.a\nb", "model.\x1b[31m"]
 
 
 def _paths(data, prefix=()):

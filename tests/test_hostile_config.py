@@ -288,3 +288,9 @@ def test_training_arguments_cross_checks(capsys, write, overrides, expected):
 ])
 def test_grpo_batch_arithmetic(capsys, write, overrides, expected):
     assert expected in refused(capsys, write("exp.yaml", GRPO), *overrides)
+
+
+def test_keys_and_values_with_newlines_stay_one_line(capsys, write):
+    path = write("exp.yaml", BASE + '"a\\nb": 1\ntraining:\n  "x\\ny": 2\n')
+    message = refused(capsys, path, "training.c\nd=1", "model.name_or_path=e\nf")
+    assert "'a\\nb': unknown key" in message and "training.'x\\ny'" in message

@@ -31,6 +31,8 @@ def parse_scalar(text: str, where: str = "command line") -> Any:
 def dotted(loc: Loc) -> str:
     out = ""
     for part in loc:
+        if isinstance(part, str) and not part.isprintable():
+            part = repr(part)  # a key with a newline must not break the one-line error
         out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
     return out
 
@@ -257,8 +259,13 @@ def _describe(error: dict[str, Any]) -> str:
 _CREDENTIALS = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^\s/@]+@")
 
 
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
 def scrub(text: str) -> str:
-    return _CREDENTIALS.sub(r"\1<redacted>@", text)
+    """Credentials out; control characters escaped, so each problem stays one line."""
+    text = _CREDENTIALS.sub(r"\1<redacted>@", text)
+    return _CONTROL.sub(lambda m: repr(m.group())[1:-1], text)
 
 
 def _problem(origins: _Origins, loc: Loc, message: str, default: str) -> str:
