@@ -294,3 +294,11 @@ def test_keys_and_values_with_newlines_stay_one_line(capsys, write):
     path = write("exp.yaml", BASE + '"a\\nb": 1\ntraining:\n  "x\\ny": 2\n')
     message = refused(capsys, path, "training.c\nd=1", "model.name_or_path=e\nf")
     assert "'a\\nb': unknown key" in message and "training.'x\\ny'" in message
+
+
+def test_unknown_pad_token(capsys, write):
+    path = write("exp.yaml", BASE)
+    message = refused(capsys, path, "tokenizer.pad_token=<pad>")
+    assert "tokenizer.pad_token: '<pad>' is not a token of the tokenizer" in message
+    assert "<|pad|>" in message
+    assert validate(capsys, path, "tokenizer.pad_token=<|pad|>")[0] == 0

@@ -67,3 +67,23 @@ def near_miss(name: str, base: Path) -> str | None:
         return None
     return (f"{name!r} is not a local directory (none next to {base}); did you mean "
             f"{close[0]}?")
+
+
+def pad_token(loc: tuple, directory: str, token: str) -> Iterator[Problem]:
+    """A pad token the local tokenizer does not have gets no id: training stops at the
+    first batch. Checked where a tokenizer.json says what the vocabulary is."""
+    file = Path(directory) / "tokenizer.json"
+    if not paths.is_file(file):
+        return
+    try:
+        spec = json.loads(file.read_text())
+        vocab = spec["model"].get("vocab") or {}
+        known = set(vocab) if isinstance(vocab, dict) else {entry[0] for entry in vocab}
+        known |= {added["content"] for added in spec.get("added_tokens") or []}
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError):
+        return  # a tokenizer.json this check does not understand: transformers decides
+    if token not in known:
+        special = sorted(added["content"] for added in spec.get("added_tokens") or []
+                         if added.get("special"))[:8]
+        yield loc, (f"{token!r} is not a token of the tokenizer in {directory}"
+                    + (f" (its special tokens: {', '.join(special)})" if special else ""))

@@ -68,6 +68,9 @@ def _paths(exp: Experiment) -> Iterator[Problem]:
             yield loc, f"neither a local directory nor a hub id: {value!r}"
         else:
             yield from models.offline(loc, value)
+    tokenizer = exp.tokenizer.name_or_path or exp.model.name_or_path
+    if exp.tokenizer.pad_token and not paths.problem(tokenizer) and paths.is_dir(tokenizer):
+        yield from models.pad_token(("tokenizer", "pad_token"), tokenizer, exp.tokenizer.pad_token)
     template = exp.tokenizer.chat_template
     if template and "{{" not in template and "{%" not in template and \
             not paths.is_file(template):
