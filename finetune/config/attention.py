@@ -72,3 +72,22 @@ def runs_varlen(implementation: str | None) -> bool:
 
 def label(implementation: str | None) -> str:
     return implementation or "sdpa"
+
+
+
+# The module each implementation imports and its pip package; without it, transformers
+# falls back to a hub build when the `kernels` package is installed.
+PACKAGES = {"flash_attention_2": ("flash_attn", "flash-attn"),
+            "flash_attention_3": ("flash_attn_interface", "flash-attn-3"),
+            "flash_attention_4": ("flash_attn", "flash-attn-4")}
+
+
+def missing_package(name: str, installed) -> str | None:
+    """What to install for `name` when it cannot run (installed: module name -> bool)."""
+    if name in PACKAGES and not installed(PACKAGES[name][0]) and not installed("kernels"):
+        module, package = PACKAGES[name]
+        return (f"{name} needs {module}, which is not installed: pip install {package} "
+                "(or pip install kernels, for its hub build)")
+    if name not in PACKAGES and HUB_KERNEL.fullmatch(name) and not installed("kernels"):
+        return "a hub kernel needs the kernels package: pip install kernels"
+    return None

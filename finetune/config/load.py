@@ -16,32 +16,23 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from finetune.config import rules, trl_fields
+from finetune.config import models, paths, rules, trl_fields, yamltext
 from finetune.config.schema import Experiment
 from finetune.errors import ConfigError
 
 Loc = tuple  # a path into the experiment: ("training", "learning_rate") or ("data", "train", 0)
 
 
-class _Loader(yaml.SafeLoader):
-    """SafeLoader that also reads 1e-4 as a float (YAML 1.1 needs a dot: 1.0e-4)."""
-
-
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
-    list("-+0123456789"),
-)
-
-
-def parse_scalar(text: str) -> Any:
+def parse_scalar(text: str, where: str = "command line") -> Any:
     """Type a command-line value the way YAML would."""
-    return yaml.load(text, Loader=_Loader) if text.strip() else None
+    return yamltext.compose(text, where)[1] if text.strip() else None
 
 
 def dotted(loc: Loc) -> str:
     out = ""
     for part in loc:
+        if isinstance(part, str) and not part.isprintable():
+            part = repr(part)  # a key with a newline must not break the one-line error
         out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
     return out
 
@@ -51,6 +42,9 @@ class _Origins:
 
     def __init__(self) -> None:
         self.where: dict[Loc, str] = {}
+        # a bare model name that is a near miss of a directory next to its file:
+        # loc -> (value, problem), reported if no later file or override replaces it
+        self.near_misses: dict[Loc, tuple[str, str]] = {}
 
     def of(self, loc: Loc) -> str | None:
         for end in range(len(loc), 0, -1):
@@ -61,17 +55,11 @@ class _Origins:
 
 def _read_yaml(path: Path, origins: _Origins, problems: list[str]) -> dict[str, Any]:
     try:
-        text = path.read_text()
+        with path.open("rb") as file:  # no further than the limit: it may be huge
+            raw = file.read(yamltext.MAX_BYTES + 1)
     except OSError as exc:
         raise ConfigError([f"{path}: cannot read experiment file: {exc.strerror}"]) from None
-    try:
-        node = yaml.compose(text, Loader=_Loader)
-        data = yaml.load(text, Loader=_Loader)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
-        problem = getattr(exc, "problem", None) or str(exc)
-        raise ConfigError([f"{where}: YAML syntax error: {problem}"]) from None
+    node, data = yamltext.compose(yamltext.decode(raw, str(path)), str(path))
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -104,15 +92,15 @@ def _local(value: Any, base: Path) -> Any:
     ../ is local whether it exists or not (validation reports it missing); anything else
     is left as written (a hub id).
     """
-    if not isinstance(value, str) or not value:
-        return value
+    if not isinstance(value, str) or not value or paths.problem(value):
+        return value  # validation names what is wrong with it
     if value.startswith("~"):
         return str(Path(value).expanduser())
     if Path(value).is_absolute():
         return value
     candidate = base / value
-    if value.startswith(("./", "../")) or candidate.exists():
-        return str(candidate.resolve())
+    if value.startswith(("./", "../")) or paths.exists(candidate):
+        return str(paths.resolve(candidate))
     return value
 
 
@@ -159,14 +147,24 @@ def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
 
 def _load_file(path: Path, origins: _Origins, problems: list[str],
                chain: tuple[Path, ...] = ()) -> dict[str, Any]:
-    path = path.resolve()
+    where = f"{chain[-1]}: extends: " if chain else ""
+    bad = paths.problem(str(path))
+    if bad:
+        raise ConfigError([f"{where}{str(path)!r}: {bad}"])
+    path = paths.resolve(path.expanduser())
     if path in chain:
         cycle = " -> ".join(str(p) for p in chain + (path,))
         raise ConfigError([f"{path}: extends: cycle: {cycle}"])
-    if not path.is_file():
-        where = f"{chain[-1]}: extends: " if chain else ""
+    if not paths.is_file(path):
         raise ConfigError([f"{where}{path}: no such experiment file"])
-    data = _resolve(_read_yaml(path, origins, problems), (), path.parent)
+    data = _read_yaml(path, origins, problems)
+    for loc in (("model", "name_or_path"), ("tokenizer", "name_or_path")):
+        section = data.get(loc[0])
+        value = section.get(loc[1]) if isinstance(section, dict) else None
+        hint = models.near_miss(value, path.parent) if isinstance(value, str) else None
+        if hint:
+            origins.near_misses[loc] = (value, hint)
+    data = _resolve(data, (), path.parent)
     parents = data.pop("extends", None)
     if parents is None:
         return data
@@ -187,11 +185,17 @@ def _load_file(path: Path, origins: _Origins, problems: list[str],
 def apply_override(data: dict[str, Any], override: str, origins: _Origins) -> None:
     if "=" not in override:
         raise ConfigError([f"override {override!r}: expected key.sub=value"])
+    from finetune.rundir import REDACTED, is_secret
+
     key, _, text = override.partition("=")
-    parts: list[Any] = [int(p) if p.isdigit() else p for p in key.strip().split(".")]
+    if is_secret(key.strip().rpartition(".")[2]):
+        override = f"{key}={REDACTED}"  # how it is named in errors
+    # ASCII digits only: str.isdigit() is also true for '²' and '٣', which int() refuses.
+    parts: list[Any] = [int(p) if p.isascii() and p.isdigit() else p
+                        for p in key.strip().split(".")]
     if not all(str(p) for p in parts):
         raise ConfigError([f"override {override!r}: empty key segment"])
-    value = _resolve(parse_scalar(text), tuple(parts), Path.cwd())
+    value = _resolve(parse_scalar(text, f"override {override!r}"), tuple(parts), Path.cwd())
     node: Any = data
     for i, part in enumerate(parts[:-1]):
         if isinstance(node, list) and isinstance(part, int) and part < len(node):
@@ -233,6 +237,8 @@ def _fields_at(loc: Loc) -> list[str]:
 
 
 def _describe(error: dict[str, Any]) -> str:
+    from finetune.rundir import is_secret
+
     kind, loc = error["type"], error["loc"]
     if kind == "extra_forbidden":
         close = difflib.get_close_matches(str(loc[-1]), _fields_at(loc), n=1)
@@ -242,10 +248,24 @@ def _describe(error: dict[str, Any]) -> str:
     message = error["msg"]
     if kind == "value_error":  # our own validators: their message, without pydantic's prefix
         message = str(error["ctx"]["error"])
-    if "input" in error and kind not in ("model_type", "dict_type") and \
+    secret = any(isinstance(part, str) and is_secret(part) for part in loc)
+    if "input" in error and kind not in ("model_type", "dict_type") and not secret and \
             repr(error["input"]) not in message:
         message += f" (got {error['input']!r})"
     return message
+
+
+# user:password@ in a URL (a data source, a model, an index): never repeated in errors.
+_CREDENTIALS = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^\s/@]+@")
+
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def scrub(text: str) -> str:
+    """Credentials out; control characters escaped, so each problem stays one line."""
+    text = _CREDENTIALS.sub(r"\1<redacted>@", text)
+    return _CONTROL.sub(lambda m: repr(m.group())[1:-1], text)
 
 
 def _problem(origins: _Origins, loc: Loc, message: str, default: str) -> str:
@@ -254,18 +274,30 @@ def _problem(origins: _Origins, loc: Loc, message: str, default: str) -> str:
 
 
 def load_experiment(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Experiment:
-    path = Path(path)
+    try:
+        return _load_experiment(Path(path), overrides)
+    except ConfigError as exc:  # an override or a path may carry credentials
+        raise ConfigError([scrub(problem) for problem in exc.problems]) from None
+
+
+def _load_experiment(path: Path, overrides: list[str] | tuple[str, ...]) -> Experiment:
     origins = _Origins()
     problems: list[str] = []
     data = _load_file(path, origins, problems)
     for override in overrides:
         apply_override(data, override, origins)
     data.setdefault("name", path.stem)
+    for loc, (value, hint) in origins.near_misses.items():
+        section = data.get(loc[0])
+        if isinstance(section, dict) and section.get(loc[1]) == value:
+            problems.append(_problem(origins, loc, hint, str(path)))
     # The training section is checked even when the schema fails, so every problem of
     # the file is reported in one go.
     training = data.get("training")
-    if data.get("method") in trl_fields.CONFIG_CLASSES and isinstance(training, dict):
-        data["training"], training_problems = trl_fields.check_training(data["method"], training)
+    method = data.get("method")
+    if isinstance(method, str) and method in trl_fields.CONFIG_CLASSES and \
+            isinstance(training, dict):
+        data["training"], training_problems = trl_fields.check_training(method, training)
         problems += [_problem(origins, ("training", key), msg, str(path))
                      for key, msg in training_problems]
     try:

@@ -8,6 +8,7 @@ import typing
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
+from finetune.config import yamltext
 from finetune.config.schema import Experiment, Section
 
 
@@ -46,6 +47,12 @@ def markdown() -> str:
              "Unknown keys are errors. `extends:` (a file or a list, relative to the file) "
              "merges bases under the file. `training:` takes any field of the method's TRL config "
              "class (trl.SFTConfig, trl.RewardConfig, trl.DPOConfig) except those finetune "
-             "sets from another section.", "",
+             "sets from another section; validate checks the ranges and combinations "
+             "training would refuse (batch sizes, accumulation, finite learning rate, seeds "
+             "in [0, 2**32 - 1], positive lengths and epochs, GRPO's batch arithmetic) and the "
+             "packages `report_to` and `model.attn_implementation` need.", "",
+             f"Files are UTF-8 text of at most {yamltext.MAX_BYTES // 1024} KiB, nested at most "
+             f"{yamltext.MAX_DEPTH} levels, with at most {yamltext.MAX_NODES:,} values "
+             "(an alias counts as often as it is used); keys are text.", "",
              "| key | type | default | description |", "|---|---|---|---|"]
     return "\n".join(lines + _rows(Experiment, "")) + "\n"

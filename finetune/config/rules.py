@@ -9,6 +9,7 @@ from typing import Iterator
 
 from pydantic import BaseModel
 
+from finetune.config import models, paths, values
 from finetune.config.schema import Experiment, PeftSection
 
 Problem = tuple[tuple, str]
@@ -28,20 +29,23 @@ FUNCTION_RE = re.compile(r"^(?:[A-Za-z_][\w.]*|.+\.py):[A-Za-z_]\w*$")
 
 
 def is_local(path: str) -> bool:
-    return path.startswith(("/", "./", "../", "~")) or Path(path).exists()
+    return path.startswith(("/", "./", "../", "~")) or paths.exists(path)
 
 
 def _paths(exp: Experiment) -> Iterator[Problem]:
     for split in ("train", "eval"):
         for i, source in enumerate(getattr(exp.data, split) or []):
             loc = ("data", split, i, "path")
-            if is_local(source.path):
-                if not Path(source.path).exists():
+            bad = paths.problem(source.path)
+            if bad:
+                yield loc, bad
+            elif is_local(source.path):
+                if not paths.exists(source.path):
                     yield loc, f"no such file or directory: {source.path}"
             elif source.path.lower().endswith(DATA_SUFFIXES):
                 yield loc, f"no such file: {source.path} (relative paths are relative to " \
                            "the YAML file that names them)"
-            elif not HUB_ID.match(source.path):
+            elif not HUB_ID.fullmatch(source.path):
                 yield loc, f"neither a local file nor a hub dataset id: {source.path!r}"
     for loc, value in ((("model", "name_or_path"), exp.model.name_or_path),
                        (("tokenizer", "name_or_path"), exp.tokenizer.name_or_path),
@@ -50,15 +54,26 @@ def _paths(exp: Experiment) -> Iterator[Problem]:
                        (("ppo", "value_model_path"), exp.ppo.value_model_path)):
         if value is None:
             continue
-        if is_local(value):
-            if not Path(value).is_dir():
+        bad = paths.problem(value)
+        if bad:
+            yield loc, bad
+        elif is_local(value):
+            if not paths.is_dir(value):
                 yield loc, f"no such model directory: {value}"
-            elif loc[0] == "model" and not (Path(value) / "config.json").is_file():
+            elif loc[0] == "model" and not paths.is_file(Path(value) / "config.json"):
                 yield loc, f"{value} has no config.json"
-        elif not HUB_ID.match(value):
+            elif loc[0] == "model":
+                yield from models.remote_code(loc, value, exp.model.trust_remote_code)
+        elif not HUB_ID.fullmatch(value):
             yield loc, f"neither a local directory nor a hub id: {value!r}"
+        else:
+            yield from models.offline(loc, value)
+    tokenizer = exp.tokenizer.name_or_path or exp.model.name_or_path
+    if exp.tokenizer.pad_token and not paths.problem(tokenizer) and paths.is_dir(tokenizer):
+        yield from models.pad_token(("tokenizer", "pad_token"), tokenizer, exp.tokenizer.pad_token)
     template = exp.tokenizer.chat_template
-    if template and "{{" not in template and "{%" not in template and not Path(template).is_file():
+    if template and "{{" not in template and "{%" not in template and \
+            not paths.is_file(template):
         yield ("tokenizer", "chat_template"), f"neither a Jinja template nor a file: {template!r}"
 
 
@@ -137,10 +152,10 @@ def _rewards(exp: Experiment) -> Iterator[Problem]:
         yield ("rewards",), f"method {exp.method} needs a reward: rewards.model and/or " \
                             "rewards.functions"
     for i, name in enumerate(spec.functions):
-        if not FUNCTION_RE.match(name):
+        if not FUNCTION_RE.fullmatch(name):
             yield ("rewards", "functions", i), f"{name!r}: write 'module:function' or " \
                                                 "'file.py:function'"
-        elif ".py:" in name and not Path(name.rpartition(":")[0]).is_file():
+        elif ".py:" in name and not paths.is_file(name.rpartition(":")[0]):
             yield ("rewards", "functions", i), f"no such file: {name.rpartition(':')[0]}"
     sources = (spec.model is not None) + len(spec.functions)
     if spec.weights is not None and len(spec.weights) != sources:
@@ -199,7 +214,7 @@ def _distributed(exp: Experiment) -> Iterator[Problem]:
         yield ("distributed", "deepspeed", "offload_optimizer"), "needs zero_stage 1, 2 or 3"
     if "nvme" in (ds.offload_optimizer, ds.offload_params) and not ds.nvme_path:
         yield ("distributed", "deepspeed", "nvme_path"), "required for nvme offload"
-    if ds.config_file and not Path(ds.config_file).is_file():
+    if ds.config_file and not paths.is_file(ds.config_file):
         yield ("distributed", "deepspeed", "config_file"), f"no such file: {ds.config_file}"
     elif ds.config_file and dist.strategy == "deepspeed":
         yield from _deepspeed_file(exp, ds.config_file)
@@ -237,7 +252,7 @@ def _deepspeed_file(exp: Experiment, path: str) -> Iterator[Problem]:
 
 
 def _resume(exp: Experiment) -> Iterator[Problem]:
-    if exp.resume not in ("auto", "never") and not Path(exp.resume).is_dir():
+    if exp.resume not in ("auto", "never") and not paths.is_dir(exp.resume):
         yield ("resume",), f"no such checkpoint directory: {exp.resume} (auto, never, or a " \
                            "path relative to the current directory)"
     if exp.training.get("save_only_model") and exp.resume != "never":
@@ -246,7 +261,7 @@ def _resume(exp: Experiment) -> Iterator[Problem]:
 
 
 RULES = (_paths, _peft, _data, _precision, _method_sections, _rewards, _classify,
-         _distributed, _resume)
+         _distributed, _resume, values.check)
 
 
 def check(exp: Experiment) -> list[Problem]:

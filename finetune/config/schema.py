@@ -340,7 +340,7 @@ class Experiment(Section):
     @field_validator("name")
     @classmethod
     def _name(cls, value: str) -> str:
-        if not NAME_RE.match(value):
+        if not NAME_RE.fullmatch(value):  # match() lets "abc\n" through
             raise ValueError("use letters, digits, '.', '_' and '-' only, starting with a "
                              "letter or digit")
         return value

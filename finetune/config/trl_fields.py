@@ -52,6 +52,8 @@ OWNED: dict[str, str] = {
     "chat_template_path": "tokenizer.chat_template",
     "resume_from_checkpoint": "resume",
     "reward_weights": "rewards.weights",
+    # TRL's configs read it only where they load models themselves; finetune loads them.
+    "trust_remote_code": "model.trust_remote_code",
 }
 
 # Values finetune decides itself, accepted on top of the field's own type.
@@ -152,8 +154,9 @@ def load_manifest() -> dict[str, Any]:
     return manifest
 
 
-def _check_value(value: Any, spec: dict[str, Any]) -> tuple[Any, str | None]:
-    """Return (value, problem). Numbers written as strings ('1e-4') are converted."""
+def _check_value(value: Any, spec: dict[str, Any], secret: bool = False) -> tuple[Any, str | None]:
+    """Return (value, problem). Numbers written as strings ('1e-4') are converted.
+    A secret's value is never repeated in the problem."""
     allowed = set(spec["types"])
     if "any" in allowed:
         return value, None
@@ -186,7 +189,8 @@ def _check_value(value: Any, spec: dict[str, Any]) -> tuple[Any, str | None]:
         ok = False
     if not ok:
         wanted = " or ".join(t for t in spec["types"])
-        return value, f"expected {wanted}, got {type(value).__name__} {value!r}"
+        shown = "" if secret else f" {value!r}"
+        return value, f"expected {wanted}, got {type(value).__name__}{shown}"
     choices = spec.get("choices")
     if choices and isinstance(value, str) and value not in choices:
         close = difflib.get_close_matches(value, [str(c) for c in choices], n=1)
@@ -205,8 +209,12 @@ def check_training(method: str, training: dict[str, Any]) -> tuple[dict[str, Any
     fields = load_manifest()["classes"][class_name]["fields"]
     checked: dict[str, Any] = {}
     problems: list[tuple[str, str]] = []
+    from finetune.rundir import is_secret
+
     for key, value in training.items():
-        if key in OWNED:
+        if not isinstance(key, str):
+            problems.append((key, "a key must be text"))
+        elif key in OWNED:
             problems.append((key, f"not set here: finetune sets it from `{OWNED[key]}`"))
         elif key not in fields:
             close = difflib.get_close_matches(key, list(fields), n=1)
@@ -215,7 +223,7 @@ def check_training(method: str, training: dict[str, Any]) -> tuple[dict[str, Any
         elif value in FINETUNE_VALUES.get(key, ()):
             checked[key] = value
         else:
-            value, problem = _check_value(value, fields[key])
+            value, problem = _check_value(value, fields[key], is_secret(key))
             if problem:
                 problems.append((key, f"{problem} ({where}.{key})"))
             checked[key] = value

@@ -1,0 +1,89 @@
+"""What validate can tell about a model without loading it: a local directory that ships
+its own modelling code, and a hub id that cannot be fetched because the hub is off."""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+from pathlib import Path
+from typing import Iterator
+
+from finetune.config import paths
+
+Problem = tuple[tuple, str]
+_TRUE = ("1", "on", "yes", "true")
+
+
+def remote_code(loc: tuple, directory: str, trusted: bool) -> Iterator[Problem]:
+    """A config.json with auto_map names classes in .py files of the model itself;
+    transformers refuses to load them unless trust_remote_code is on."""
+    if trusted:
+        return
+    try:
+        config = json.loads((Path(directory) / "config.json").read_text())
+    except (OSError, ValueError):
+        yield loc, f"{directory}/config.json is not a readable JSON file"
+        return
+    if isinstance(config, dict) and config.get("auto_map"):
+        yield loc, (f"{directory} ships its own modelling code (auto_map in config.json); "
+                    "read it, then set model.trust_remote_code: true to run it")
+
+
+def hub_cache() -> Path:
+    """huggingface_hub's cache directory, by its documented variables."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"])
+    home = os.environ.get("HF_HOME") or str(
+        Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "huggingface")
+    return Path(home) / "hub"
+
+
+def offline(loc: tuple, hub_id: str) -> Iterator[Problem]:
+    """With HF_HUB_OFFLINE set, a bare name (no org/, the way a local directory next to
+    the YAML file is written) must be in the local hub cache, else it is most likely a
+    mistyped directory. Ids with an org are left to the hub: examples validate offline."""
+    if "/" in hub_id or os.environ.get("HF_HUB_OFFLINE", "").lower() not in _TRUE:
+        return
+    if paths.is_dir(hub_cache() / ("models--" + hub_id.replace("/", "--"))):
+        return
+    yield loc, (f"{hub_id!r} is not a local directory, and cannot be fetched from the hub "
+                f"offline (HF_HUB_OFFLINE is set; it is not in {hub_cache()}); "
+                "for a directory next to the YAML file, check the spelling")
+
+
+def near_miss(name: str, base: Path) -> str | None:
+    """A bare name (the quickstart's style) that is not a directory next to the YAML file
+    but is one letter or two from one that holds a model: almost surely a typo, which
+    the hub would answer with a network error at train time."""
+    if "/" in name or paths.problem(name) or paths.exists(base / name):
+        return None
+    try:
+        models = [p.name for p in base.iterdir() if paths.is_file(p / "config.json")]
+    except OSError:
+        return None
+    close = difflib.get_close_matches(name, models, n=1, cutoff=0.8)
+    if not close:
+        return None
+    return (f"{name!r} is not a local directory (none next to {base}); did you mean "
+            f"{close[0]}?")
+
+
+def pad_token(loc: tuple, directory: str, token: str) -> Iterator[Problem]:
+    """A pad token the local tokenizer does not have gets no id: training stops at the
+    first batch. Checked where a tokenizer.json says what the vocabulary is."""
+    file = Path(directory) / "tokenizer.json"
+    if not paths.is_file(file):
+        return
+    try:
+        spec = json.loads(file.read_text())
+        vocab = spec["model"].get("vocab") or {}
+        known = set(vocab) if isinstance(vocab, dict) else {entry[0] for entry in vocab}
+        known |= {added["content"] for added in spec.get("added_tokens") or []}
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError):
+        return  # a tokenizer.json this check does not understand: transformers decides
+    if token not in known:
+        special = sorted(added["content"] for added in spec.get("added_tokens") or []
+                         if added.get("special"))[:8]
+        yield loc, (f"{token!r} is not a token of the tokenizer in {directory}"
+                    + (f" (its special tokens: {', '.join(special)})" if special else ""))

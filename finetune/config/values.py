@@ -1,0 +1,174 @@
+"""Ranges of the training values TRL and transformers would refuse (or silently misuse)
+only when training starts, checked at validate instead; and the packages a run needs
+(report_to integrations, the chosen attention), found without importing them."""
+
+from __future__ import annotations
+
+import math
+from importlib.util import find_spec
+from typing import Any, Iterator
+
+from finetune.config import attention, trl_fields
+from finetune.config.schema import Experiment
+
+Problem = tuple[tuple, str]
+
+# key -> the smallest value allowed (a value of None means "unset" and is accepted).
+AT_LEAST = {
+    "per_device_train_batch_size": 1,  # 0: the dataloader fails at step 1
+    "per_device_eval_batch_size": 1,
+    "gradient_accumulation_steps": 1,  # 0: a division by zero when training starts
+    "eval_accumulation_steps": 1,
+    "max_length": 1,  # negative: Python slicing keeps the last N tokens without a word
+    "max_prompt_length": 1,
+    "max_completion_length": 1,
+    "max_new_tokens": 1,
+    "generation_batch_size": 1,
+    "num_generations": 1,
+    "steps_per_generation": 1,
+    "learning_rate": 0,
+    "weight_decay": 0,
+    "warmup_steps": 0,
+    "max_grad_norm": 0,
+    "dataloader_num_workers": 0,
+    "save_total_limit": 0,
+}
+# Steps between logs, saves and evaluations: 0 stops TrainingArguments at train start.
+POSITIVE = ("logging_steps", "save_steps", "eval_steps")
+SEED_MAX = 2**32 - 1  # numpy's seeds; transformers' set_seed seeds numpy too
+
+# report_to name -> the module transformers imports for it (pip package in brackets).
+INTEGRATIONS = {
+    "wandb": ("wandb", "wandb"),
+    "tensorboard": ("tensorboard", "tensorboard"),
+    "mlflow": ("mlflow", "mlflow"),
+    "comet_ml": ("comet_ml", "comet_ml"),
+    "neptune": ("neptune", "neptune"),
+    "clearml": ("clearml", "clearml"),
+    "dvclive": ("dvclive", "dvclive"),
+    "codecarbon": ("codecarbon", "codecarbon"),
+    "swanlab": ("swanlab", "swanlab"),
+    "trackio": ("trackio", "trackio"),
+    "azure_ml": ("azureml", "azureml-core"),
+    "flyte": ("flytekit", "flytekit"),
+    "dagshub": ("dagshub", "dagshub"),
+}
+
+
+def _installed(module: str) -> bool:
+    try:
+        return find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _ranges(training: dict[str, Any]) -> Iterator[Problem]:
+    for key, value in training.items():
+        if not _number(value):
+            continue
+        loc = ("training", key)
+        if isinstance(value, float) and not math.isfinite(value):
+            yield loc, f"must be a finite number, got {value}"
+        elif key in POSITIVE and value <= 0:
+            yield loc, f"must be more than 0, got {value}"
+        elif key in AT_LEAST and value < AT_LEAST[key]:
+            yield loc, f"must be at least {AT_LEAST[key]}, got {value}"
+        elif key in ("seed", "data_seed") and not 0 <= value <= SEED_MAX:
+            yield loc, f"must be between 0 and 2**32 - 1, got {value}"
+        elif key in ("num_train_epochs",) and value <= 0 and training.get("max_steps", -1) <= 0:
+            yield loc, f"must be more than 0 (or set training.max_steps), got {value}"
+        elif key == "warmup_ratio" and not 0 <= value <= 1:
+            yield loc, f"must be between 0 and 1, got {value}"
+    for key in POSITIVE:
+        value = training.get(key)
+        if _number(value) and value > 1 and value != int(value):
+            yield ("training", key), f"must be a whole number when above 1, got {value}"
+
+
+def _schedule(exp: Experiment) -> Iterator[Problem]:
+    """Cross-field checks of TrainingArguments.__post_init__ (transformers 5)."""
+    def value(key: str) -> Any:
+        return trl_fields.training_value(exp.method, exp.training, key)
+
+    evaluates = value("eval_strategy") not in ("no", None)
+    if value("lr_scheduler_type") in ("reduce_lr_on_plateau", "greedy") and not evaluates:
+        yield ("training", "lr_scheduler_type"), \
+            f"{value('lr_scheduler_type')} needs evaluation: set training.eval_strategy"
+    if value("load_best_model_at_end") and value("save_strategy") != "best" and \
+            value("eval_strategy") != value("save_strategy"):
+        yield ("training", "load_best_model_at_end"), "needs training.save_strategy equal to " \
+            f"training.eval_strategy ({value('save_strategy')} vs {value('eval_strategy')})"
+    # (on CUDA, finetune's speed defaults give the loader workers when none are set)
+    workers = exp.training.get("dataloader_num_workers")
+    if value("dataloader_prefetch_factor") is not None and \
+            (workers == 0 or (workers is None and exp.distributed.device == "cpu")):
+        yield ("training", "dataloader_prefetch_factor"), "needs dataloader_num_workers > 0"
+
+
+def _grpo(exp: Experiment) -> Iterator[Problem]:
+    """GRPOConfig.__post_init__'s batch arithmetic: a generation batch holds whole groups
+    of num_generations completions of one prompt."""
+    if exp.method != "grpo":
+        return
+    def value(key: str) -> Any:
+        return trl_fields.training_value("grpo", exp.training, key)
+
+    keys = ("per_device_train_batch_size", "gradient_accumulation_steps",
+            "generation_batch_size", "steps_per_generation", "num_generations",
+            "per_device_eval_batch_size", "num_generations_eval")
+    got = {key: value(key) for key in keys}
+    if not all(v is None or (_number(v) and v == int(v) and v >= 1) for v in got.values()):
+        return  # types and ranges are reported on their own
+    world = exp.distributed.world_size
+    step = got["per_device_train_batch_size"] * world
+    generation, steps = got["generation_batch_size"], got["steps_per_generation"]
+    if value("auto_find_batch_size"):
+        yield ("training", "auto_find_batch_size"), "not supported by grpo (a batch holds " \
+                                                    "whole groups of num_generations)"
+    if generation is not None and steps is not None:
+        yield ("training", "generation_batch_size"), "give it or steps_per_generation, not both"
+        return
+    if generation is None:
+        generation = step * (steps or got["gradient_accumulation_steps"])
+    elif generation % step:
+        yield ("training", "generation_batch_size"), f"{generation} is not a multiple of " \
+            f"the global batch ({step} = per_device_train_batch_size x {world} processes)"
+    groups = got["num_generations"]
+    if groups is not None and groups < 2:
+        yield ("training", "num_generations"), "at least 2: advantages compare completions"
+    elif groups is not None and generation % groups:
+        yield ("training", "num_generations"), f"must divide the generation batch of " \
+            f"{generation} completions (per_device_train_batch_size x processes x steps)"
+    eval_groups = got["num_generations_eval"] or groups
+    evaluates = value("eval_strategy") not in ("no", None)
+    if evaluates and eval_groups and (got["per_device_eval_batch_size"] * world) % eval_groups:
+        yield ("training", "per_device_eval_batch_size"), f"x {world} processes must be a " \
+            f"multiple of the {eval_groups} generations per prompt"
+
+
+def _report_to(training: dict[str, Any]) -> Iterator[Problem]:
+    value = training.get("report_to")
+    names = [value] if isinstance(value, str) else value if isinstance(value, list) else []
+    for i, name in enumerate(names):
+        loc = ("training", "report_to") + ((i,) if isinstance(value, list) else ())
+        if name == "tensorboard" and _installed("tensorboardX"):
+            continue
+        if isinstance(name, str) and name in INTEGRATIONS:
+            module, package = INTEGRATIONS[name]
+            if not _installed(module):
+                yield loc, f"{name} is not installed: pip install {package}"
+
+
+def _attention(exp: Experiment) -> Iterator[Problem]:
+    missing = attention.missing_package(exp.model.attn_implementation, _installed)
+    if missing:
+        yield ("model", "attn_implementation"), missing
+
+
+def check(exp: Experiment) -> list[Problem]:
+    return [*_ranges(exp.training), *_schedule(exp), *_grpo(exp), *_report_to(exp.training),
+            *_attention(exp)]

@@ -1,0 +1,133 @@
+"""Property test over the experiment loader and overrides (issue 13): the project's own
+configs, mutated (keys deleted, values replaced by hostile or mistyped ones, raw text
+spliced in, hostile overrides), always answer exit 0 or exit 2 with `error:` lines, no
+other exception, in bounded time. A fixed, derandomized budget (1,500 examples) of about 20 s."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import REPO
+from finetune.cli import main
+
+SEEDS = sorted((REPO / "configs").glob("*/*.yaml"))
+HOSTILE_TEXT = ["", " ", "~nosuchuser/x", "a\0b", "x" * 300, "https://u:pw@host/x",
+                "../../../../etc/passwd", "nan", ".inf", "-5", "1e400", "0x10", "{", "[",
+                "*a", "&a [*a]", "!!python/name:os.system", "é", "١٢", "tiny-lama",
+                "hf_token_value", "a\nb", "${HOME}", "'", '"', "%", "@", "`x`", "\t"]
+SCALARS = st.one_of(
+    st.sampled_from(HOSTILE_TEXT), st.text(max_size=20), st.booleans(), st.none(),
+    st.integers(min_value=-2**70, max_value=2**70), st.floats(allow_nan=True),
+    st.sampled_from([0, -1, 1, 2**32, 2**63, -0.0, float("nan"), float("inf")]))
+VALUES = st.recursive(SCALARS, lambda inner: st.one_of(
+    st.lists(inner, max_size=3),
+    st.dictionaries(st.one_of(st.text(max_size=8), st.integers(), st.booleans()), inner,
+                    max_size=3)), max_leaves=6)
+SNIPPETS = ["*undefined", "&a [*a]", "!!python/name:os.system", "\t", "{", "? [a]\n: 1",
+            "- x", "x: !!int '1e400'", "x: &x\n  y: *x", "%YAML 1.1", "---\n---", ":",
+            "training:\n  1: 2", "<<: *a", '"a\\nb": 1', "'x\ty': 2"]
+KEYS = ["training.learning_rate", "training.seed", "training.max_length", "model.name_or_path",
+        "data.train", "data.train.0.path", "method", "extends", "distributed.num_processes",
+        "training.report_to", "training.hub_token", "peft.r", "classify.labels.0",
+        "training.per_device_train_batch_size", "model.attn_implementation", "x.y.z",
+        "training.1", "data.train.²", "name", "training.a\nb", "model.\x1b[31m"]
+
+
+def _paths(data, prefix=()):
+    """Every (path, value) of a loaded config, sections included."""
+    if isinstance(data, dict):
+        for key, value in data.items():
+            yield prefix + (key,), value
+            yield from _paths(value, prefix + (key,))
+    elif isinstance(data, list):
+        for i, value in enumerate(data):
+            yield prefix + (i,), value
+            yield from _paths(value, prefix + (i,))
+
+
+def _set(data, path, value):
+    node = data
+    for part in path[:-1]:
+        node = node[part]
+    if value is _DELETE:
+        del node[path[-1]]
+    else:
+        node[path[-1]] = value
+
+
+_DELETE = object()
+
+
+@st.composite
+def cases(draw):
+    """(file bytes, overrides) from one of the project's configs."""
+    seed = draw(st.sampled_from(SEEDS))
+    text = seed.read_text()
+    data = yaml.safe_load(text)
+    for _ in range(draw(st.integers(0, 3))):
+        paths = [p for p, _ in _paths(data)]
+        if not paths:
+            break
+        path = draw(st.sampled_from(paths))
+        how = draw(st.sampled_from(["delete", "replace", "wrap", "stringify"]))
+        old = dict(_paths(data))[path]
+        new = {"delete": _DELETE, "replace": draw(VALUES), "wrap": [old],
+               "stringify": str(old)}[how]
+        _set(data, path, new)
+    raw = yaml.safe_dump(data, allow_unicode=True, sort_keys=False) if data else ""
+    if draw(st.booleans()):
+        lines = raw.splitlines()
+        at = draw(st.integers(0, len(lines)))
+        lines.insert(at, draw(st.sampled_from(SNIPPETS)))
+        raw = "\n".join(lines) + "\n"
+    body = raw.encode("utf-8", "surrogatepass")
+    if draw(st.integers(0, 9)) == 0:
+        body += draw(st.sampled_from([b"\xff\xfe", b"x: \x00", b"\xe9"]))
+    overrides = draw(st.lists(st.tuples(st.sampled_from(KEYS), st.one_of(
+        st.sampled_from(HOSTILE_TEXT), st.text(max_size=12))), max_size=3))
+    return seed.name, body, [f"{key}={value}" for key, value in overrides]
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    """A copy of configs/ layout, so the relative paths of the configs resolve."""
+    root = tmp_path_factory.mktemp("fuzz")
+    for folder in ("quickstart", "examples"):
+        for item in (REPO / "configs" / folder).iterdir():
+            if item.suffix != ".yaml":
+                (root / item.name).symlink_to(item)
+    return root
+
+
+def outcome(root: Path, case, capsys) -> tuple[int | None, str, float]:
+    """(exit code, stderr, seconds) of `finetune validate` in-process; an exception other
+    than SystemExit propagates."""
+    name, body, overrides = case
+    path = root / name
+    path.write_bytes(body)
+    capsys.readouterr()
+    start = time.monotonic()
+    code = main(["validate", str(path), *overrides])
+    return code, capsys.readouterr().err, time.monotonic() - start
+
+
+@settings(max_examples=1500, deadline=None, derandomize=True, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(case=cases())
+def test_validate_answers_every_mutated_config(workdir, capsys, case):
+    code, err, seconds = outcome(workdir, case, capsys)
+    assert code in (0, 2), err
+    assert seconds < 5, f"{seconds:.1f} s"
+    assert "Traceback" not in err
+    if code == 2:
+        assert err and all(line.startswith("error: ") for line in err.splitlines()), err
+
+
+def test_fuzz_seeds_are_the_project_configs():
+    assert {seed.parent.name for seed in SEEDS} == {"quickstart", "examples"}
