@@ -33,8 +33,8 @@ def _hidden(env: Mapping[str, str]) -> bool:
     return not _VISIBLE_ENTRY.fullmatch(first)
 
 
-def _nvidia_smi() -> int:
-    found = shutil.which("nvidia-smi")
+def _nvidia_smi(env: Mapping[str, str]) -> int:
+    found = shutil.which("nvidia-smi", path=env.get("PATH", os.defpath))
     if not found:
         return 0
     try:
@@ -56,7 +56,7 @@ def probe_device(env: Mapping[str, str] = os.environ) -> tuple[str, str]:
         listed = 0
     if listed:
         return "cuda", f"{listed} NVIDIA GPU(s) in {PROC_GPUS}"
-    listed = _nvidia_smi()
+    listed = _nvidia_smi(env)
     if listed:
         return "cuda", f"nvidia-smi lists {listed} GPU(s)"
     return "cpu", "no NVIDIA GPU: none in /proc/driver/nvidia, none from nvidia-smi"
