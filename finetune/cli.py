@@ -118,11 +118,15 @@ def _record_failure(run_dir: Path, exc: Exception) -> None:
 
 
 def _launch_overrides(args: argparse.Namespace) -> list[str]:
-    """Launch flags are sugar for distributed.* overrides."""
+    """Launch flags are sugar for distributed.* overrides. Strings are written as JSON
+    strings (YAML reads them back as text: a host named `yes` or `1e5` stays one)."""
+    import json
+
     flags = {"num_processes": args.num_processes, "num_machines": args.num_machines,
              "main_process_ip": args.main_process_ip,
              "main_process_port": args.main_process_port, "launcher": args.launcher}
-    return [f"distributed.{key}={value}" for key, value in flags.items() if value is not None]
+    return [f"distributed.{key}={json.dumps(value)}" for key, value in flags.items()
+            if value is not None]
 
 
 def _load_here(config: str, overrides: list[str]):

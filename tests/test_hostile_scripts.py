@@ -8,6 +8,7 @@ import os
 import shlex
 import stat
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -206,6 +207,21 @@ def test_an_impossible_run_directory_is_one_error(tmp_path, capsys, monkeypatch,
         assert code == 2 and message in err and err.count("error:") == 1, err
 
 
+def test_render_out_that_is_a_file_or_holds_a_directory_named_like_a_file(tmp_path, capsys,
+                                                                        monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    config = write_yaml(tmp_path / "e.yaml", base())
+    (tmp_path / "afile").write_text("x")
+    code, err = _main(["render", str(config), "--out", str(tmp_path / "afile")], capsys)
+    assert code == 2 and "is a file, not a directory" in err
+    (tmp_path / "bundle" / "launch.sh").mkdir(parents=True)
+    code, err = _main(["render", str(config), "--out", str(tmp_path / "bundle")], capsys)
+    assert code == 2 and "cannot write" in err and "launch.sh" in err, err
+    (tmp_path / "runs" / "e" / "job.sbatch").mkdir(parents=True)
+    code, err = _main(["slurm", str(config), "--nodes", "1", "--time", "10"], capsys)
+    assert code == 2 and "cannot write" in err and "job.sbatch" in err, err
+
+
 def test_a_run_directory_that_cannot_be_created_is_one_error(tmp_path, capsys, monkeypatch):
     if os.geteuid() == 0:
         pytest.skip("root may write anywhere")
@@ -273,3 +289,49 @@ def _fuzz_experiment(factory):
                                             time="10", partition=None, signal_seconds=60,
                                             python="/p"))
     return _TEMPLATES["exp"]
+
+
+FLAG = st.one_of(st.text(max_size=12),
+                 st.from_regex(r"[0-9]{1,3}(-[0-9]{1,2})?(:[0-9]{1,3}){0,2}", fullmatch=True))
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(time=FLAG, partition=st.one_of(st.none(), st.text(max_size=10)), nodes=FLAG,
+       signal=FLAG, ip=st.text(max_size=12))
+def test_any_slurm_and_launch_flags_exit_0_or_2(tmp_path_factory, time, partition, nodes,
+                                                signal, ip):
+    """cli.main in this process: 0 (and a job.sbatch with the template's lines) or 2 with
+    `error:` lines; nothing else escapes."""
+    import contextlib
+    import io
+
+    if "cfg" not in _TEMPLATES:
+        directory = tmp_path_factory.mktemp("flags")
+        _TEMPLATES["cfg"] = write_yaml(directory / "e.yaml", base(
+            output={"dir": str(directory / "run")}, distributed={"device": "cpu"}))
+    config = _TEMPLATES["cfg"]
+    run = Path(yaml.safe_load(config.read_text())["output"]["dir"])
+    argvs = [["slurm", str(config), "--nodes", nodes, "--time", time, "--signal-seconds", signal,
+              *(["--partition", partition] if partition is not None else [])],
+             ["launch", str(config), "--main-process-ip", ip, "--dry-run"]]
+    for argv in argvs:
+        (run / "job.sbatch").unlink(missing_ok=True)
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            try:
+                code = cli.main(argv)
+            except SystemExit as exc:
+                code = exc.code
+        assert code in (0, 2), (argv, err.getvalue())
+        assert "Traceback" not in err.getvalue()
+        if code == 2:
+            assert "error:" in err.getvalue()
+        elif argv[0] == "slurm":  # the values changed #SBATCH lines, and only those
+            lines = (run / "job.sbatch").read_text().splitlines()
+            safe = sbatch_script(load_experiment(config), run, nodes=1, gpus_per_node=0,
+                                 time="10", partition=partition and "p", signal_seconds=5,
+                                 python=sys.executable).splitlines()
+            assert len(lines) == len(safe)
+            assert [l for l in lines if not l.startswith(("#SBATCH ", "srun "))] == \
+                [l for l in safe if not l.startswith(("#SBATCH ", "srun "))]
+
