@@ -7,6 +7,7 @@ import argparse
 import sys
 
 from finetune import __version__
+from finetune.launch.values import MAX_SIGNAL_SECONDS  # torch-free, no finetune imports
 
 EXIT_USER_ERROR = 2
 
@@ -327,7 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "D-HH:MM or D-HH:MM:SS")
     slurm.add_argument("--partition", type=_checked("partition_problem"),
                        help="SLURM partition (or several, comma-separated)")
-    slurm.add_argument("--signal-seconds", type=_whole(0, 65535), default=120,
+    slurm.add_argument("--signal-seconds", type=_whole(0, MAX_SIGNAL_SECONDS), default=120,
                        help="send USR1 this many seconds before the time limit")
     slurm.add_argument("--submit", action="store_true", help="submit with sbatch")
     slurm.set_defaults(func=_slurm)

@@ -21,10 +21,8 @@ from finetune.checkpoints import STOPPED
 from finetune.config.schema import Experiment
 from finetune.errors import EXIT_PREEMPTED, RunError
 from finetune.launch.command import script_safe
-from finetune.launch.values import partition_problem, slurm_time, time_seconds
-
-# SLURM's own limit on --signal's time (and a sane one on the counts).
-MAX_SIGNAL_SECONDS = 65535
+from finetune.launch.values import (MAX_SIGNAL_SECONDS, partition_problem, slurm_time,
+                                    time_seconds)
 
 
 def _checked(experiment: Experiment, run_dir: Path, *, nodes: int, gpus_per_node: int,

@@ -11,6 +11,8 @@ from __future__ import annotations
 import ipaddress
 import re
 
+# SLURM's limit on --signal's time before the end of the job.
+MAX_SIGNAL_SECONDS = 65535
 CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
 _LABEL = r"[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?"
 HOST_RE = re.compile(rf"{_LABEL}(?:\.{_LABEL})*\.?")
