@@ -20,7 +20,7 @@ def script_safe(value: str, what: str) -> str:
     executable, and keeps any future value from slipping through unchecked."""
     problem = control_problem(value)
     if problem:
-        raise RunError(f"{what} {value!r} {problem}: it cannot be written into a script")
+        raise RunError(f"{what} {value!r} {problem}: not written into a generated file")
     return value
 
 
