@@ -7,8 +7,49 @@ import argparse
 import sys
 
 from finetune import __version__
+from finetune.launch.values import MAX_SIGNAL_SECONDS  # torch-free, no finetune imports
 
 EXIT_USER_ERROR = 2
+
+
+def _whole(low: int, high: int | None = None):
+    """argparse type: a whole number in [low, high], else argparse's one-line error."""
+    def parse(text: str) -> int:
+        import re
+
+        if not re.fullmatch(r"[+-]?[0-9]{1,9}", text.strip()):
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}")
+        value = int(text)
+        if value < low or (high is not None and value > high):
+            span = f"{low}..{high}" if high is not None else f"at least {low}"
+            raise argparse.ArgumentTypeError(f"must be {span}, got {value}")
+        return value
+
+    parse.__name__ = "whole number"
+    return parse
+
+
+def _checked(problem_of):
+    """argparse type from a launch/values check (torch-free, imported when parsing)."""
+    def parse(text: str) -> str:
+        from finetune.launch import values
+
+        problem = getattr(values, problem_of)(text)
+        if problem:
+            raise argparse.ArgumentTypeError(f"{text!r}: {problem}")
+        return text
+
+    return parse
+
+
+def _time_limit(text: str) -> str:
+    from finetune.launch.values import time_seconds
+
+    try:
+        time_seconds(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def _add_experiment_args(parser: argparse.ArgumentParser) -> None:
@@ -78,21 +119,38 @@ def _record_failure(run_dir: Path, exc: Exception) -> None:
 
 
 def _launch_overrides(args: argparse.Namespace) -> list[str]:
-    """Launch flags are sugar for distributed.* overrides."""
+    """Launch flags are sugar for distributed.* overrides. Strings are written as JSON
+    strings (YAML reads them back as text: a host named `yes` or `1e5` stays one)."""
+    import json
+
     flags = {"num_processes": args.num_processes, "num_machines": args.num_machines,
              "main_process_ip": args.main_process_ip,
              "main_process_port": args.main_process_port, "launcher": args.launcher}
-    return [f"distributed.{key}={value}" for key, value in flags.items() if value is not None]
+    return [f"distributed.{key}={json.dumps(value)}" for key, value in flags.items()
+            if value is not None]
+
+
+def _load_here(config: str, overrides: list[str]):
+    """The experiment as this machine runs it: `distributed.device: auto` resolved here
+    (launch/probe.py), said in one line before any error that follows from it."""
+    from finetune.config import load_experiment
+    from finetune.launch.probe import resolved_overrides
+
+    experiment = load_experiment(config, overrides)
+    extra, note = resolved_overrides(experiment.distributed.device)
+    if not extra:
+        return experiment
+    print(note, flush=True)
+    return load_experiment(config, [*overrides, *extra])
 
 
 def _render(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from finetune.config import load_experiment
     from finetune.render.bundle import write_bundle
     from finetune.rundir import run_dir_of
 
-    experiment = load_experiment(args.config, args.overrides)
+    experiment = _load_here(args.config, args.overrides)
     out = Path(args.out) if args.out else run_dir_of(experiment)
     for path in write_bundle(experiment, out.absolute()):
         print(path)
@@ -103,14 +161,21 @@ def _launch(args: argparse.Namespace) -> int:
     import shlex
 
     from finetune import checkpoints
-    from finetune.config import load_experiment
     from finetune.errors import RunError
     from finetune.launch.command import launch_argv, wait_for_main
+    from finetune.launch.environment import parallel_note
     from finetune.launch.forward import run_forwarding
     from finetune.rundir import prepare_run_dir
 
     overrides = [*args.overrides, *_launch_overrides(args)]
-    experiment = load_experiment(args.config, overrides)
+    experiment = _load_here(args.config, overrides)
+    machines = experiment.distributed.num_machines
+    if args.machine_rank >= machines:
+        raise RunError(f"--machine-rank {args.machine_rank}: the experiment has {machines} "
+                       f"machine(s) (distributed.num_machines), so ranks 0..{machines - 1}")
+    note = parallel_note(experiment, experiment.distributed.device)
+    if note:
+        print(f"finetune: {note}", flush=True)
     # Decides (and refuses) a resume before anything starts; rank 0 of the run reports it.
     experiment, run_dir, _ = prepare_run_dir(experiment)
     argv = launch_argv(experiment, run_dir, args.machine_rank)
@@ -133,16 +198,16 @@ def _slurm(args: argparse.Namespace) -> int:
 
     from finetune.config import load_experiment
     from finetune.errors import RunError
-    from finetune.launch.slurm import sbatch_script, seconds
+    from finetune.launch.slurm import sbatch_script
+    from finetune.launch.values import time_seconds
+    from finetune.render.bundle import write_file
     from finetune.rundir import prepare_run_dir
 
-    try:
-        limit = seconds(args.time)
-    except ValueError as exc:
-        raise RunError(str(exc)) from None
-    if args.signal_seconds >= limit:
+    if args.signal_seconds >= time_seconds(args.time):  # both checked by argparse
         raise RunError(f"--signal-seconds {args.signal_seconds} is not before the time limit "
                        f"{args.time}")
+    # distributed.device auto stays auto: this is a login node; `finetune launch` resolves
+    # it on each compute node (launch/probe.py).
     per_node = max(args.gpus_per_node, 1)
     overrides = [*args.overrides, f"distributed.num_machines={args.nodes}",
                  f"distributed.processes_per_machine={per_node}",
@@ -151,9 +216,10 @@ def _slurm(args: argparse.Namespace) -> int:
         overrides.append("distributed.device=cpu")
     experiment, run_dir, _ = prepare_run_dir(load_experiment(args.config, overrides))
     script = run_dir / "job.sbatch"
-    script.write_text(sbatch_script(experiment, run_dir, nodes=args.nodes,
-                                    gpus_per_node=args.gpus_per_node, time=args.time,
-                                    partition=args.partition, signal_seconds=args.signal_seconds))
+    write_file(script, sbatch_script(experiment, run_dir, nodes=args.nodes,
+                                     gpus_per_node=args.gpus_per_node, time=args.time,
+                                     partition=args.partition,
+                                     signal_seconds=args.signal_seconds))
     print(f"finetune: wrote {script}")
     if not args.submit:
         return 0
@@ -231,12 +297,16 @@ def build_parser() -> argparse.ArgumentParser:
                     "accelerate launch (default) or torchrun. Each process runs `finetune "
                     "train` and checks its world size, rank and backend before training.")
     _add_experiment_args(launch)
-    launch.add_argument("--num-processes", type=int,
-                        help="processes in total (distributed.num_processes)")
-    launch.add_argument("--num-machines", type=int, help="distributed.num_machines")
-    launch.add_argument("--machine-rank", type=int, default=0, help="this machine's rank")
-    launch.add_argument("--main-process-ip", help="distributed.main_process_ip")
-    launch.add_argument("--main-process-port", type=int, help="distributed.main_process_port")
+    launch.add_argument("--num-processes", type=_whole(1),
+                        help="processes in total (distributed.num_processes); without a "
+                             "strategy they train as DDP")
+    launch.add_argument("--num-machines", type=_whole(1), help="distributed.num_machines")
+    launch.add_argument("--machine-rank", type=_whole(0), default=0,
+                        help="this machine's rank, 0..num_machines-1")
+    launch.add_argument("--main-process-ip", type=_checked("host_problem"),
+                        help="distributed.main_process_ip")
+    launch.add_argument("--main-process-port", type=_whole(1, 65535),
+                        help="distributed.main_process_port")
     launch.add_argument("--launcher", choices=["accelerate", "torchrun"],
                         help="distributed.launcher")
     launch.add_argument("--dry-run", action="store_true",
@@ -249,13 +319,16 @@ def build_parser() -> argparse.ArgumentParser:
                     "running `finetune launch` with its SLURM_NODEID as machine rank; "
                     "--requeue, and USR1 before the time limit, forwarded to the trainers.")
     _add_experiment_args(slurm)
-    slurm.add_argument("--nodes", type=int, required=True, help="nodes (machines)")
-    slurm.add_argument("--gpus-per-node", type=int, default=0,
+    slurm.add_argument("--nodes", type=_whole(1), required=True, help="nodes (machines)")
+    slurm.add_argument("--gpus-per-node", type=_whole(0), default=0,
                        help="GPUs (and processes) per node; 0 trains one process per node "
                             "on the CPU")
-    slurm.add_argument("--time", required=True, help="time limit, HH:MM:SS or D-HH:MM:SS")
-    slurm.add_argument("--partition", help="SLURM partition")
-    slurm.add_argument("--signal-seconds", type=int, default=120,
+    slurm.add_argument("--time", type=_time_limit, required=True,
+                       help="time limit, as SLURM takes it: MM, MM:SS, HH:MM:SS, D-HH, "
+                            "D-HH:MM or D-HH:MM:SS")
+    slurm.add_argument("--partition", type=_checked("partition_problem"),
+                       help="SLURM partition (or several, comma-separated)")
+    slurm.add_argument("--signal-seconds", type=_whole(0, MAX_SIGNAL_SECONDS), default=120,
                        help="send USR1 this many seconds before the time limit")
     slurm.add_argument("--submit", action="store_true", help="submit with sbatch")
     slurm.set_defaults(func=_slurm)

@@ -20,6 +20,7 @@ runs/<name>/
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,8 @@ import yaml
 
 from finetune import __version__
 from finetune.config.schema import Experiment
+from finetune.errors import RunError
+from finetune.launch.values import control_problem
 from finetune.resume import ResumePlan, plan_resume
 
 REDACTED = "<redacted>"
@@ -57,6 +60,51 @@ def run_dir_of(experiment: Experiment) -> Path:
     return Path(experiment.output.dir or Path("runs") / experiment.name).absolute()
 
 
+def _limit(path: Path, name: str, default: int) -> int:
+    try:
+        return os.pathconf(path, name)
+    except (OSError, ValueError):
+        return default
+
+
+def check_run_dir(run_dir: Path) -> None:
+    """One clear error for a run directory that cannot be one, before anything reads or
+    writes there: a control character, a name too long for the file system, or a file
+    where the directory (or one above it) should be."""
+    text = str(run_dir)
+    problem = control_problem(text)
+    if problem:
+        raise RunError(f"run directory {text!r} {problem} (output.dir)")
+    existing = next(p for p in (run_dir, *run_dir.parents) if os.path.lexists(p))
+    name_max = _limit(existing, "PC_NAME_MAX", 255)
+    long = next((part for part in run_dir.parts if len(os.fsencode(part)) > name_max), None)
+    if long is not None:
+        raise RunError(f"run directory {text[:60]}...: a name in it ({long[:20]}...) is "
+                       f"{len(os.fsencode(long))} bytes, more than the {name_max} the file "
+                       "system allows (output.dir, or name for runs/<name>)")
+    path_max = _limit(existing, "PC_PATH_MAX", 4096)
+    # Room for the longest file written inside (checkpoints/checkpoint-N/...).
+    if len(os.fsencode(text)) + 128 > path_max:
+        raise RunError(f"run directory {text[:60]}... is {len(os.fsencode(text))} bytes long; "
+                       f"with the files inside it, paths would pass the system's {path_max} "
+                       "(output.dir)")
+    if existing.is_dir():
+        return
+    if existing == run_dir:
+        raise RunError(f"run directory {text} is a file, not a directory (output.dir)")
+    raise RunError(f"run directory {text} would be inside {existing}, which is a file, "
+                   "not a directory (output.dir)")
+
+
+def make_run_dir(run_dir: Path) -> None:
+    check_run_dir(run_dir)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # permissions, a read-only or full file system
+        raise RunError(f"cannot create the run directory {run_dir}: {exc.strerror} "
+                       "(output.dir)") from None
+
+
 def prepare_run_dir(experiment: Experiment, rank: int = 0) -> tuple[Experiment, Path, ResumePlan]:
     """Fix the run directory (and a resume path) in the experiment, decide where training
     starts, and on rank 0 write the run bundle. Nothing already in the directory is
@@ -64,6 +112,7 @@ def prepare_run_dir(experiment: Experiment, rank: int = 0) -> tuple[Experiment, 
     from finetune.render.bundle import write_bundle
 
     run_dir = run_dir_of(experiment)
+    check_run_dir(run_dir)
     update: dict[str, Any] = {"output": experiment.output.model_copy(update={"dir": str(run_dir)})}
     if experiment.resume not in ("auto", "never"):
         update["resume"] = str(Path(experiment.resume).absolute())
@@ -71,5 +120,5 @@ def prepare_run_dir(experiment: Experiment, rank: int = 0) -> tuple[Experiment, 
     plan = plan_resume(experiment, run_dir)
     if rank == 0:
         write_bundle(experiment, run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    make_run_dir(run_dir)
     return experiment, run_dir, plan

@@ -198,7 +198,8 @@ def test_distributed_rules(write):
     def found(distributed: str) -> str:
         return "\n".join(problems(write("d.yaml", BASE + f"distributed: {distributed}\n")))
 
-    assert "2 processes need strategy ddp, fsdp or deepspeed" in found("{num_processes: 2}")
+    # strategy none over 2 processes is DDP (launch/environment.parallel_note), not an error.
+    load_experiment(write("n.yaml", BASE + "distributed: {num_processes: 2}\n"))
     assert "3 processes do not divide evenly over 2 machines" in found(
         "{strategy: ddp, num_processes: 3, num_machines: 2}")
     assert "offload_params: needs zero_stage 3" in found(

@@ -4,12 +4,15 @@ ecosystem's own `accelerate launch`, and the launches that would silently train 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
 
 import torch
+import yaml
 from safetensors.torch import load_file
 
 from conftest import DATA, REPO, TINY_MODEL, run_cli
@@ -206,3 +209,27 @@ def test_a_bad_data_row_under_launch_exits_2_and_names_the_row(write, tmp_path):
     assert "bad.jsonl row 2: `messages[0].role` is 'robot'" in result.stderr
     assert result.stderr.strip().splitlines()[-1].startswith(
         "finetune: a training process stopped on the error above")
+
+
+def test_num_processes_without_a_strategy_trains_ddp_on_the_probed_cpu(write, tmp_path):
+    """device auto and precision auto on a machine without a GPU: the probe says cpu, so
+    the Accelerate file says no mixed precision, and 2 processes train as DDP (gloo)."""
+    from finetune.launch.probe import PROC_GPUS
+
+    config = write("auto.yaml", experiment("{main_process_port: 29628}"))
+    env = dict(os.environ)
+    if PROC_GPUS.exists() or shutil.which("nvidia-smi"):
+        env["CUDA_VISIBLE_DEVICES"] = ""  # a GPU machine: hide them, as the probe reads it
+    result = subprocess.run([sys.executable, "-m", "finetune", "launch", str(config),
+                             "--num-processes", "2"], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "finetune: distributed.device auto -> cpu on this machine" in result.stdout
+    assert "2 processes with distributed.strategy none: data parallel (DDP) on cpu" in \
+        result.stdout
+    assert "x 2 process(es)" in result.stdout
+    run = tmp_path / "runs" / "auto"
+    accel = yaml.safe_load((run / "accelerate.yaml").read_text())
+    assert accel["mixed_precision"] == "no" and accel["distributed_type"] == "MULTI_GPU"
+    environment = json.loads((run / "environment.json").read_text())
+    assert environment["device"] == "cpu" and environment["precision"] == "fp32"

@@ -141,3 +141,56 @@ def test_hand_written_offload_that_would_swap_the_optimizer_is_an_error(write, t
     with pytest.raises(ConfigError, match="silently replaces training.optim with "
                                           "DeepSpeedCPUAdam"):
         load_experiment(path)
+
+
+def _fake_nvidia_smi(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-0)'\n")
+    smi.chmod(0o755)
+    return bin_dir
+
+
+def test_device_probe_reads_the_driver_and_cuda_visible_devices(tmp_path):
+    from finetune.launch.probe import PROC_GPUS, probe_device
+
+    smi = str(_fake_nvidia_smi(tmp_path))
+    assert probe_device({"PATH": smi}) == ("cuda", "nvidia-smi lists 1 GPU(s)") or \
+        PROC_GPUS.exists()
+    assert probe_device({"PATH": smi, "CUDA_VISIBLE_DEVICES": "0,1"})[0] == "cuda"
+    assert probe_device({"PATH": smi, "CUDA_VISIBLE_DEVICES": "GPU-5a3b"})[0] == "cuda"
+    for hidden in ("", "-1", "NoDevFiles", " "):
+        assert probe_device({"PATH": smi, "CUDA_VISIBLE_DEVICES": hidden})[0] == "cpu"
+    if not PROC_GPUS.exists():
+        assert probe_device({"PATH": str(tmp_path)})[0] == "cpu"
+
+
+def test_render_resolves_device_auto_here_and_slurm_leaves_it_to_the_node(write, tmp_path):
+    import os
+
+    config = write("exp.yaml", base("distributed: {num_processes: 2}\n"))
+    env = {**os.environ, "PATH": f"{_fake_nvidia_smi(tmp_path)}:{os.environ['PATH']}"}
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    result = subprocess.run([sys.executable, "-m", "finetune", "render", str(config), "--out",
+                             str(tmp_path / "gpu")], cwd=tmp_path, env=env, text=True,
+                            capture_output=True)
+    assert result.returncode == 0, result.stderr
+    assert "distributed.device auto -> cuda on this machine" in result.stdout
+    accel = yaml.safe_load((tmp_path / "gpu" / "accelerate.yaml").read_text())
+    assert accel["mixed_precision"] == "bf16" and accel["distributed_type"] == "MULTI_GPU"
+    assert "device: cuda" in (tmp_path / "gpu" / "experiment.yaml").read_text()
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    result = subprocess.run([sys.executable, "-m", "finetune", "render", str(config), "--out",
+                             str(tmp_path / "cpu")], cwd=tmp_path, env=env, text=True,
+                            capture_output=True)
+    assert "distributed.device auto -> cpu on this machine (CUDA_VISIBLE_DEVICES=''" in \
+        result.stdout
+    assert yaml.safe_load((tmp_path / "cpu" / "accelerate.yaml").read_text())[
+        "mixed_precision"] == "no"
+    # A login node renders the job; each compute node resolves auto when it launches.
+    result = subprocess.run([sys.executable, "-m", "finetune", "slurm", str(config), "--nodes",
+                             "2", "--gpus-per-node", "1", "--time", "10"], cwd=tmp_path,
+                            env=env, text=True, capture_output=True)
+    assert result.returncode == 0, result.stderr
+    assert "device: auto" in (tmp_path / "runs" / "exp" / "experiment.yaml").read_text()

@@ -149,3 +149,25 @@ def test_preemption_by_a_higher_priority_partition_saves_and_resumes(cluster, wr
     assert state(high[0]) == "COMPLETED"
     # preempt_send_user_signal: the job's --signal (USR1) arrives first, at preemption.
     assert "rank 0 received SIGUSR1" in text and "rank 1 received SIGUSR1" in text
+
+
+def test_a_hostile_run_directory_reaches_sbatch_whole(cluster, tmp_path):
+    """sbatch reads #SBATCH lines itself (quotes stripped, % a file name pattern): the
+    job's log lands in the run directory as named, and nothing in the name runs."""
+    run = tmp_path / "x $(touch PWNED) `touch PWNED`; '\"#*%j&|<>" / "run"
+    config = tmp_path / "hostile.yaml"
+    config.write_text(experiment("hostile").replace(f"max_steps: {STEPS}", "max_steps: 2")
+                      .replace("output: {plot: false}",  # JSON is a YAML flow mapping
+                               f"output: {json.dumps({'dir': str(run), 'plot': False})}"))
+    result = run_cli("slurm", str(config), "--nodes", "1", "--time", "5", "--submit",
+                     "--partition", "debug", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    job = re.search(r"submitted job (\d+)", result.stdout).group(1)
+    try:
+        assert wait_for(lambda: state(job) in ("COMPLETED", "FAILED", "CANCELLED"), 240)
+    finally:
+        subprocess.run(["scancel", job])
+    log = run / f"slurm-{job}.out"
+    assert state(job) == "COMPLETED" and log.is_file(), sorted(p.name for p in run.iterdir())
+    assert "finetune: done" in log.read_text()
+    assert not list(tmp_path.rglob("PWNED"))

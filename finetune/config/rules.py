@@ -194,8 +194,7 @@ def _distributed(exp: Experiment) -> Iterator[Problem]:
     dist = exp.distributed
     given = changed(dist)
     world = dist.world_size
-    if dist.strategy == "none" and world > 1:
-        yield ("distributed", "strategy"), f"{world} processes need strategy ddp, fsdp or deepspeed"
+    # strategy none over N > 1 processes is DDP (launch/environment.parallel_note).
     if world % dist.num_machines:
         yield ("distributed", "num_processes"), f"{world} processes do not divide evenly over " \
                                                 f"{dist.num_machines} machines"

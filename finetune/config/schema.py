@@ -12,6 +12,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from finetune.config import attention
+from finetune.launch.values import control_problem, host_problem
 
 Method = Literal["sft", "reward", "dpo", "classify", "grpo", "ppo"]
 
@@ -269,6 +270,14 @@ class DistributedSection(Section):
     deepspeed: DeepSpeedSection = Field(default_factory=DeepSpeedSection)
     fsdp: FSDPSection = Field(default_factory=FSDPSection)
 
+    @field_validator("main_process_ip")
+    @classmethod
+    def _host(cls, value: str) -> str:
+        problem = host_problem(value)  # it is written into launch.sh
+        if problem:
+            raise ValueError(problem)
+        return value
+
     @property
     def world_size(self) -> int:
         if self.num_processes is not None:
@@ -285,6 +294,14 @@ class OutputSection(Section):
         None, description="Run directory; default runs/<name> under the current directory.")
     save_final: bool = Field(True, description="Save the final model or adapter to <dir>/final.")
     plot: bool = Field(True, description="Write the loss curve to <dir>/loss.png.")
+
+    @field_validator("dir")
+    @classmethod
+    def _dir(cls, value: str | None) -> str | None:
+        problem = value and control_problem(value)  # named in launch.sh and job.sbatch
+        if problem:
+            raise ValueError(problem)
+        return value
 
 
 class PreemptionSection(Section):

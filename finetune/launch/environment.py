@@ -20,6 +20,16 @@ def rank_of(env: Mapping[str, str]) -> int:
     return int(env.get("RANK", "0"))
 
 
+def parallel_note(experiment: Experiment, device: str) -> str | None:
+    """Said at the start of a run whose processes train as DDP although no strategy was
+    asked for: `--num-processes N` (or num_processes) with strategy none."""
+    dist = experiment.distributed
+    if dist.strategy != "none" or dist.world_size == 1:
+        return None
+    return (f"{dist.world_size} processes with distributed.strategy none: data parallel "
+            f"(DDP) on {device}")
+
+
 def launch_problems(experiment: Experiment, env: Mapping[str, str], precision: str) -> list[str]:
     """What in the launch environment disagrees with the experiment (torch-free)."""
     dist = experiment.distributed

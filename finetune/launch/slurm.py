@@ -6,11 +6,12 @@
 - the machine rank is $SLURM_NODEID, expanded inside each task, never in the batch shell;
 - training stopped by a signal exits 75 after saving, and the job requeues itself (with
   --requeue; a requeue or preemption by SLURM requeues it anyway), resuming on restart.
+Every value is checked (launch/values.py) before it is written: sbatch reads `#SBATCH`
+lines itself (quotes stripped, a backslash escapes, `%` is a file name pattern).
 """
 
 from __future__ import annotations
 
-import re
 import shlex
 import sys
 from pathlib import Path
@@ -18,17 +19,36 @@ from pathlib import Path
 from finetune import __version__
 from finetune.checkpoints import STOPPED
 from finetune.config.schema import Experiment
-from finetune.errors import EXIT_PREEMPTED
+from finetune.errors import EXIT_PREEMPTED, RunError
+from finetune.launch.command import script_safe
+from finetune.launch.values import (MAX_SIGNAL_SECONDS, partition_problem, slurm_time,
+                                    time_seconds)
 
-TIME = re.compile(r"^(?:(\d+)-)?(\d+):(\d{2}):(\d{2})$")
 
-
-def seconds(limit: str) -> int:
-    match = TIME.match(limit)
-    if not match:
-        raise ValueError(f"time limit {limit!r}: use HH:MM:SS or D-HH:MM:SS")
-    days, hours, minutes, secs = (int(g or 0) for g in match.groups())
-    return ((days * 24 + hours) * 60 + minutes) * 60 + secs
+def _checked(experiment: Experiment, run_dir: Path, *, nodes: int, gpus_per_node: int,
+             time: str, partition: str | None, signal_seconds: int, python: str) -> int:
+    """The time limit in seconds, once every value is known to be safe to write."""
+    try:
+        limit = time_seconds(time)
+    except ValueError as exc:
+        raise RunError(f"--time: {exc}") from None
+    if partition is not None and partition_problem(partition):
+        raise RunError(f"--partition {partition!r}: {partition_problem(partition)}")
+    if nodes < 1 or gpus_per_node < 0:
+        raise RunError(f"--nodes {nodes} --gpus-per-node {gpus_per_node}: need nodes >= 1 "
+                       "and gpus per node >= 0")
+    if not 0 <= signal_seconds <= MAX_SIGNAL_SECONDS:
+        raise RunError(f"--signal-seconds {signal_seconds}: must be 0..{MAX_SIGNAL_SECONDS}")
+    if signal_seconds >= limit:
+        raise RunError(f"--signal-seconds {signal_seconds} is not before the time limit "
+                       f"{time} ({limit} s)")
+    for value, what in ((experiment.name, "name"), (str(run_dir), "the run directory"),
+                        (python, "the python executable")):
+        script_safe(value, what)
+    if "\\" in str(run_dir):
+        raise RunError(f"the run directory {str(run_dir)!r} contains a backslash, which sbatch "
+                       "reads as an escape in #SBATCH lines; choose another output.dir")
+    return limit
 
 
 # Runs inside each task: $0 is python, $1 the experiment; rank and address come from SLURM.
@@ -39,15 +59,18 @@ TASK = ('exec "$0" -m finetune launch "$1" --machine-rank "$SLURM_NODEID" '
 def sbatch_script(experiment: Experiment, run_dir: Path, *, nodes: int, gpus_per_node: int,
                   time: str, partition: str | None, signal_seconds: int,
                   python: str = sys.executable) -> str:
+    limit = _checked(experiment, run_dir, nodes=nodes, gpus_per_node=gpus_per_node, time=time,
+                     partition=partition, signal_seconds=signal_seconds, python=python)
     q = shlex.quote
+    log_dir = str(run_dir).replace("%", "%%")  # %j is SLURM's; a % of the path is not
     directives = [
         f"--job-name={experiment.name}",
         f"--nodes={nodes}",
         "--ntasks-per-node=1",
-        f"--time={time}",
+        f"--time={slurm_time(limit)}",
         "--requeue",
         f"--signal=USR1@{signal_seconds}",
-        f"--output={run_dir}/slurm-%j.out",
+        f"--output={log_dir}/slurm-%j.out",
         "--open-mode=append",
     ]
     if gpus_per_node:

@@ -48,9 +48,10 @@ def _fsdp(experiment: Experiment) -> dict[str, Any]:
 def accelerate_config(experiment: Experiment, deepspeed_file: str | None) -> dict[str, Any]:
     dist = experiment.distributed
     kind = {"none": "NO", "ddp": "MULTI_GPU", "fsdp": "FSDP", "deepspeed": "DEEPSPEED"}
+    strategy = "ddp" if dist.strategy == "none" and dist.world_size > 1 else dist.strategy
     config: dict[str, Any] = {
         "compute_environment": "LOCAL_MACHINE",
-        "distributed_type": kind[dist.strategy],
+        "distributed_type": kind[strategy],  # strategy none over N processes: DDP
         "mixed_precision": MIXED_PRECISION[static_precision(experiment)],
         "num_machines": dist.num_machines,
         "num_processes": dist.world_size,
