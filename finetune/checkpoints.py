@@ -39,7 +39,7 @@ def step_of(path: Path) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def _sha256(path: Path) -> str:
+def sha256_of(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as handle:
         for block in iter(lambda: handle.read(2**20), b""):
@@ -79,7 +79,7 @@ def write_manifest(checkpoint: Path, step: int, extra: dict[str, Any]) -> dict[s
         size = path.stat().st_size
         entry: dict[str, Any] = {"size": size}
         if size <= HASHED_BELOW:
-            entry["sha256"] = _sha256(path)
+            entry["sha256"] = sha256_of(path)
         files[str(path.relative_to(checkpoint))] = entry
     manifest = {"finetune": __version__, "step": step, "time": round(time.time(), 3),
                 **extra, "files": files}
@@ -107,7 +107,7 @@ def problem(checkpoint: Path) -> str | None:
             return f"{name} is missing"
         if size != entry["size"]:
             return f"{name} has {size} bytes, the manifest says {entry['size']}"
-        if "sha256" in entry and _sha256(path) != entry["sha256"]:
+        if "sha256" in entry and sha256_of(path) != entry["sha256"]:
             return f"{name} does not match its SHA-256 in the manifest"
     return None
 
