@@ -5,6 +5,7 @@ of it."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -191,3 +192,44 @@ def test_same_global_batch_on_another_layout_resumes_with_a_warning(write, tmp_p
     smaller = make_experiment(write)  # 1 x 4 x 1: global batch 4, not 8
     with pytest.raises(RunError, match="global batch: 8 -> 4"):
         plan_resume(smaller, run)
+
+
+def test_data_replaced_at_the_same_path_is_refused_with_a_diff(write, tmp_path):
+    data = tmp_path / "train.jsonl"
+    data.write_bytes((DATA / "sft_train.jsonl").read_bytes())
+    config = write("run.yaml", f"name: run\nmethod: sft\nmodel: {{name_or_path: {TINY_MODEL}}}\n"
+                               f"data: {{train: {data}}}\n")
+    run = tmp_path / "r"
+    fake_checkpoint(run, 4, load_experiment(config))
+    os.utime(data, (1, 1))  # touched or copied: the same content resumes
+    assert plan_resume(load_experiment(config), run).checkpoint.name == "checkpoint-4"
+    before = fingerprint(load_experiment(config))[f"data content {data}"]
+    lines = data.read_text().splitlines(keepends=True)
+    data.write_text("".join(reversed(lines)))  # same size, other order
+    with pytest.raises(RunError) as refused:
+        plan_resume(load_experiment(config), run)
+    after = fingerprint(load_experiment(config))[f"data content {data}"]
+    assert before.split(",")[0] == after.split(",")[0] and before != after
+    assert f"data content {data}: {before!r} -> {after!r}" in str(refused.value)
+    forced = load_experiment(config, ["force_resume=true"])
+    assert plan_resume(forced, run).checkpoint.name == "checkpoint-4"
+
+
+def test_a_checkpoint_from_before_data_content_was_recorded_still_resumes(write, tmp_path):
+    exp = make_experiment(write)
+    old = {k: v for k, v in fingerprint(exp).items() if not k.startswith("data content")}
+    assert len(old) < len(fingerprint(exp))
+    assert differences(old, fingerprint(exp)) == []
+
+
+def test_a_large_data_file_is_hashed_from_samples(tmp_path):
+    from finetune.fingerprint import HASHED_WHOLE, content_digest
+
+    big = tmp_path / "big.jsonl"
+    big.write_bytes(b"x" * (HASHED_WHOLE + 1))
+    digest = content_digest(big)
+    assert digest.startswith(f"{HASHED_WHOLE + 1} bytes, sampled sha256 ")
+    with big.open("r+b") as handle:
+        handle.seek(HASHED_WHOLE)  # the last bytes are always sampled
+        handle.write(b"y")
+    assert content_digest(big) != digest
