@@ -239,6 +239,15 @@ def test_changed_data_content_is_refused_on_resume_unless_forced(write, tmp_path
     checkpoint = tmp_path / "runs" / "data" / "checkpoints" / "checkpoint-2"
     assert checkpoints.problem(checkpoint) is None
 
+    # A requeued job of the finished run (killed after summary.json, say): done, exit 0,
+    # nothing rewritten; the launcher's path says the same.
+    bundle = {p: p.read_bytes() for p in checkpoint.parent.parent.glob("*") if p.is_file()}
+    for command in ("train", "launch"):
+        again = run_cli(command, str(config), cwd=tmp_path)
+        assert again.returncode == 0, again.stderr[-3000:]
+        assert "holds this run, finished (summary.json, step 2); nothing to do" in again.stdout
+        assert {p: p.read_bytes() for p in bundle} == bundle
+
     rows = data.read_text().splitlines(keepends=True)
     data.write_text("".join(rows[1:] + rows[:1]))  # a reordered copy, same size
     go_on = [f"resume={checkpoint}", "training.max_steps=3"]
