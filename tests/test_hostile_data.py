@@ -123,6 +123,15 @@ def test_cli_classify_csv_with_label_names_trains_and_says_the_mapping(write, tm
     assert "  labels     0 neg, 1 neutral, 2 pos (classify.labels)" in result.stdout
 
 
+def test_a_column_name_with_a_line_break_stays_in_one_error_line(write, tmp_path):
+    # Found by the fuzz test below: a name from the data could start an error line.
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps([{"\nerror: injected": "x"}]))
+    message = refused(write, path, "classify", "classify: {labels: [neg, pos]}\n")
+    assert message == (f"{path}: method classify needs columns text/label; found "
+                       "'\\nerror: injected' (rename with data.<split>[i].columns)")
+
+
 def test_cli_train_on_a_non_utf8_file_is_one_error_line(write, tmp_path):
     data = tmp_path / "latin1.jsonl"
     data.write_bytes(b'{"text": "caf\xe9"}\n')
@@ -132,3 +141,119 @@ def test_cli_train_on_a_non_utf8_file_is_one_error_line(write, tmp_path):
     assert result.returncode == 2, result.stderr[-2000:]
     assert "Traceback" not in result.stderr
     assert f"error: {data} line 1: byte 0xe9 is not UTF-8" in result.stderr
+
+
+# --- Fuzzing the readers: generated rows, then generated damage to their bytes ----------
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+FIELDS = ("messages", "prompt", "completion", "text", "weight", "label", "chosen", "rejected",
+          "role", "content", "x")
+SCALARS = (st.none() | st.booleans() | st.integers(-2**70, 2**70)
+           | st.floats(allow_nan=True, allow_infinity=True)
+           | st.text(max_size=20) | st.sampled_from(["user", "assistant", "robot", "neg", "pos"])
+           | st.integers(1, 40_000).map(lambda n: "long " * n))  # up to 200 KB
+VALUES = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=4)
+                      | st.dictionaries(st.sampled_from(FIELDS), inner, max_size=4),
+                      max_leaves=12)
+TURN = st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system", "x"]),
+                              "content": st.text(max_size=10) | VALUES},
+                             optional={"weight": SCALARS})
+VALID = st.sampled_from([CHAT, {"prompt": "2+2=", "completion": "4"}, {"text": "plain"},
+                         {"prompt": "p", "chosen": "a", "rejected": "b"},
+                         {"text": "good", "label": "pos"}, {"text": "bad", "label": 0},
+                         {**CHAT, "weight": 0.5}, {"text": "w", "weight": 2}])
+ROW = (VALID | VALID | st.dictionaries(st.sampled_from(FIELDS), VALUES, max_size=5)
+       | st.fixed_dictionaries({"messages": st.lists(TURN, max_size=4)},
+                               optional={"weight": SCALARS})
+       | st.fixed_dictionaries({"text": SCALARS, "label": SCALARS}))
+DAMAGE = st.one_of(
+    st.just(("none",)), st.just(("none",)),
+    st.tuples(st.just("insert"), st.integers(0, 10**6), st.binary(min_size=1, max_size=8)),
+    st.tuples(st.just("truncate"), st.integers(0, 10**6)),
+    st.tuples(st.just("encode"), st.sampled_from(["utf-16", "utf-16-le", "latin-1", "utf-32"])),
+    st.tuples(st.just("nest"), st.integers(1, 6000)),
+    st.tuples(st.just("replace"), st.binary(max_size=300)),
+)
+ROWS = st.lists(ROW, min_size=1, max_size=4) | st.builds(lambda row, n: [row] * n, VALID,
+                                                         st.integers(1, 4))
+# method -> extra YAML; sft covers messages/prompt_completion/text, dpo preference.
+METHODS = {"sft": "", "dpo": "", "classify": "classify: {labels: [neg, pos]}\n",
+           "sft weighted": "  weight_column: weight\n"}
+
+
+def _serialized(rows: list[dict], suffix: str) -> bytes:
+    if suffix == ".csv":
+        import csv
+        import io
+
+        out = io.StringIO()
+        columns = sorted({key for row in rows for key in row}) or ["text"]
+        writer = csv.DictWriter(out, columns)
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: json.dumps(v) if isinstance(v, (list, dict)) else v
+                             for k, v in row.items()})
+        return out.getvalue().encode("utf-8", "surrogatepass")
+    if suffix == ".json":
+        return json.dumps(rows).encode()
+    return "".join(json.dumps(row) + "\n" for row in rows).encode()
+
+
+def _damaged(data: bytes, damage: tuple) -> bytes:
+    kind = damage[0]
+    if kind == "insert":
+        at = damage[1] % (len(data) + 1)
+        return data[:at] + damage[2] + data[at:]
+    if kind == "truncate":
+        return data[:damage[1] % (len(data) + 1)]
+    if kind == "encode":
+        return data.decode("utf-8", "surrogatepass").encode(damage[1], "surrogatepass")
+    if kind == "replace":
+        return damage[1]
+    if kind == "nest":
+        return data + b'{"text": ' + b"[" * damage[1] + b"]" * damage[1] + b"}\n"
+    return data
+
+
+def test_fuzz_the_data_readers_give_rows_or_one_data_error(write, tmp_path):
+    """Generated rows (wrong types, missing fields, NaN/inf weights, long strings) written
+    as JSON Lines, a JSON array or CSV, then damaged (bytes inserted, cut short, another
+    encoding, nested thousands deep): load_data returns rows or raises one DataError that
+    names the file; nothing else escapes."""
+    experiments = {}
+    for name, extra in METHODS.items():
+        method = name.split()[0]
+        for suffix in (".jsonl", ".json", ".csv"):
+            path = tmp_path / f"{name.replace(' ', '_')}{suffix}"
+            path.write_text('{"text": "x"}\n')
+            extra_data = extra if extra.startswith("  ") else ""
+            experiments[name, suffix] = (path, load_experiment(write(
+                f"{name.replace(' ', '_')}{suffix}.yaml",
+                f"method: {method}\nmodel: {{name_or_path: {TINY_MODEL}}}\ndata:\n"
+                f"  train: {path}\n{extra_data}{'' if extra_data else extra}")))
+    counts = {"tried": 0, "rows": 0, "data errors": 0}
+
+    @settings(max_examples=400, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(st.sampled_from(sorted(experiments)), ROWS, DAMAGE)
+    def one(key, rows, damage):
+        path, exp = experiments[key]
+        try:
+            data = _damaged(_serialized(rows, path.suffix), damage)
+        except (UnicodeEncodeError, ValueError):
+            return  # a lone surrogate has no encoding there: no file to write
+        path.write_bytes(data)
+        counts["tried"] += 1
+        try:
+            load_data(exp)
+            counts["rows"] += 1
+        except DataError as exc:
+            counts["data errors"] += 1
+            assert str(path) in str(exc), str(exc)
+            assert str(exc).isprintable(), str(exc)  # one line, nothing injected
+
+    one()
+    print(f"fuzzed the data readers: {counts}")
+    assert counts["tried"] >= 300 and counts["rows"] >= 15 and counts["data errors"] >= 100

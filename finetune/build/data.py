@@ -15,7 +15,7 @@ from datasets import Dataset, Value, concatenate_datasets, load_dataset
 
 from finetune.config.rules import DATA_SUFFIXES, is_local
 from finetune.config.schema import DataSource, Experiment
-from finetune.build.data_files import check_file, diagnose_json
+from finetune.build.data_files import check_file, diagnose_json, one_line
 from finetune.config.trl_fields import training_value
 from finetune.errors import DataError
 
@@ -76,7 +76,12 @@ def _root_cause(exc: BaseException) -> str:
     text = str(exc).removeprefix("Error tokenizing data. C error: ").strip()
     # pandas counts this one's rows from 0, header included: the file's line is one more.
     text = re.sub(r"starting at row (\d+)", lambda m: f"starting at line {int(m[1]) + 1}", text)
-    return text or type(exc).__name__
+    return one_line(text) or type(exc).__name__
+
+
+def _names(columns: Iterable[str]) -> str:
+    """Column names as the data spells them; quoted where a name would break the line."""
+    return ", ".join(c if c.isprintable() else repr(c) for c in columns)
 
 
 def _read_file(path: Path) -> Dataset:
@@ -113,13 +118,14 @@ def _read_source(source: DataSource, where: str) -> list[tuple[str, Dataset]]:
             parts = [(source.path, load_dataset(source.path, source.subset, split=source.split,
                                                 revision=source.revision))]
         except Exception as exc:
-            raise DataError(f"{where}: cannot load hub dataset {source.path!r}: {exc}") from None
+            raise DataError(f"{where}: cannot load hub dataset {source.path!r}: "
+                            f"{one_line(str(exc))}") from None
     out = []
     for label, ds in parts:
         for target, original in source.columns.items():
             if original not in ds.column_names:
                 raise DataError(f"{where}.columns.{target}: {label} has no column {original!r} "
-                                f"(columns: {', '.join(ds.column_names)})")
+                                f"(columns: {_names(ds.column_names)})")
             ds = _renamed(ds, original, target)
         out.append((label, ds))
     return out
@@ -133,7 +139,7 @@ def detect_format(columns: Iterable[str], method: str, label: str) -> str:
             return name
     wanted = " or ".join("/".join(FORMATS[c][0]) for c in candidates)
     raise DataError(f"{label}: method {method} needs columns {wanted}; found "
-                    f"{', '.join(sorted(columns)) or 'none'} (rename with data.<split>[i].columns)")
+                    f"{_names(sorted(columns)) or 'none'} (rename with data.<split>[i].columns)")
 
 
 def _check_messages(value: Any, field: str) -> str | None:
@@ -230,7 +236,7 @@ def _weighted(label: str, ds: Dataset, column: str | None) -> Dataset:
         return ds.remove_columns([WEIGHT]) if WEIGHT in ds.column_names else ds
     if column not in ds.column_names:
         raise DataError(f"{label}: no weight column {column!r} (data.weight_column); "
-                        f"columns: {', '.join(ds.column_names)}")
+                        f"columns: {_names(ds.column_names)}")
     return _renamed(ds, column, WEIGHT)
 
 
@@ -239,7 +245,7 @@ def _validated(label: str, ds: Dataset, fmt: str, experiment: Experiment) -> Dat
     missing = [c for c in required if c not in ds.column_names]
     if missing:
         raise DataError(f"{label}: format {fmt} needs column(s) {', '.join(missing)}; "
-                        f"found {', '.join(ds.column_names)}")
+                        f"found {_names(ds.column_names)}")
     if fmt != "prompt":
         ds = _weighted(label, ds, experiment.data.weight_column)
         keep = [c for c in required + optional + (WEIGHT,) if c in ds.column_names]
@@ -255,7 +261,7 @@ def _validated(label: str, ds: Dataset, fmt: str, experiment: Experiment) -> Dat
         # Bytes the file's reader let through (a parquet string that is not UTF-8, say)
         # and that fail when the rows become Python values, a batch at a time.
         raise DataError(f"{label} row {number + 1} or a few after: cannot be read: "
-                        f"{type(exc).__name__}: {exc}") from None
+                        f"{type(exc).__name__}: {one_line(str(exc))}") from None
     if len(ds) == 0:
         raise DataError(f"{label}: no rows")
     if fmt == "classification":
@@ -288,7 +294,8 @@ def _load_split(sources: list[DataSource], split: str, experiment: Experiment,
     try:
         return (parts[0] if len(parts) == 1 else concatenate_datasets(parts)), fmt
     except ValueError as exc:
-        raise DataError(f"data.{split}: the sources do not share one schema: {exc}") from None
+        raise DataError(f"data.{split}: the sources do not share one schema: "
+                        f"{one_line(str(exc))}") from None
 
 
 def load_data(experiment: Experiment) -> Splits:

@@ -23,6 +23,12 @@ MAX_DEPTH = 64
 NON_FINITE_TOKENS = (b"NaN", b"Inf")
 
 
+def one_line(text: str) -> str:
+    """Foreign text (a reader's error, a name from the data) in one error line: line
+    breaks and other control characters escaped, so none can start a line of its own."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)
+
+
 def _convert_hint(name: str) -> str:
     return f"data files must be UTF-8: convert it (e.g. iconv -f {name} -t UTF-8 IN > OUT)"
 
@@ -84,9 +90,9 @@ def value_problem(row: Any) -> str | None:
     """Non-finite numbers and nesting beyond MAX_DEPTH in one parsed row."""
     for path, item, depth in _walk(row):
         if depth > MAX_DEPTH:
-            return f"nested more than {MAX_DEPTH} levels deep (at `{path}`)"
+            return f"nested more than {MAX_DEPTH} levels deep (at `{one_line(path)}`)"
         if isinstance(item, float) and not math.isfinite(item):
-            return f"`{path or 'row'}` is {_SPELLED[repr(item)]}: JSON has no NaN or Infinity (a NaN weight " \
+            return f"`{one_line(path) or 'row'}` is {_SPELLED[repr(item)]}: JSON has no NaN or Infinity (a NaN weight " \
                    "is an error, and datasets would read it as null)"
     return None
 
@@ -95,7 +101,8 @@ def _parse(text: str | bytes) -> tuple[Any, str | None]:
     try:
         return json.loads(text), None
     except json.JSONDecodeError as exc:
-        return None, f"invalid JSON: {exc.msg} (column {exc.colno})"
+        where = f"line {exc.lineno} column {exc.colno}" if exc.lineno > 1 else f"column {exc.colno}"
+        return None, f"invalid JSON: {exc.msg} ({where})"
     except RecursionError:
         return None, "nested too deeply to read (thousands of levels)"
 
@@ -126,10 +133,15 @@ def _lines(path: Path, wanted: tuple[bytes, ...] = ()) -> Iterator[tuple[int, by
 
 
 def _lines_problem(path: Path, wanted: tuple[bytes, ...] = ()) -> str | None:
+    """The first line that is not a JSON row, or holds a bad value. With `wanted`, only
+    lines holding those tokens, and only their values: a line that is not JSON alone may
+    be part of a document datasets reads otherwise (it reports what it cannot read)."""
     for number, line in _lines(path, wanted):
         if not line.strip():
             continue
         row, problem = _parse(line.removeprefix(codecs.BOM_UTF8) if number == 1 else line)
+        if problem and wanted:
+            continue
         problem = problem or value_problem(row)
         if problem:
             return f"{path} line {number}: {problem}"
