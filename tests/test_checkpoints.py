@@ -117,7 +117,8 @@ def test_a_finished_run_is_done_for_auto_and_more_steps_are_an_error(write, tmp_
     with pytest.raises(RunFinished, match="holds this run, finished .*step 10.*nothing to do"):
         plan_resume(exp, run)
     more = exp.model_copy(update={"training": {**exp.training, "max_steps": 20}})
-    with pytest.raises(RunError, match=r"holds a finished run \(summary.json, step 10\) and training.max_steps is 20"):
+    with pytest.raises(RunError, match=r"holds a finished run \(summary.json, step 10\) and "
+                                       "training.max_steps is 20"):
         plan_resume(more, run)
 
 

@@ -146,7 +146,8 @@ def test_a_waiting_rank_stops_when_the_main_process_fails(config, tmp_path, wait
 
 
 @pytest.mark.parametrize("damage,why", [
-    (lambda e: next(e.glob("train/*.arrow")).unlink(), "train/data-00000-of-00001.arrow is missing"),
+    (lambda e: next(e.glob("train/*.arrow")).unlink(),
+     "train/data-00000-of-00001.arrow is missing"),
     (lambda e: (e / "train" / "state.json").write_bytes(
         (e / "train" / "state.json").read_bytes()[:40]), "train/state.json has 40 bytes"),
     (lambda e: (e / META).write_text("{"), f"{META} is unreadable"),

@@ -29,8 +29,8 @@ def one_line(text: str) -> str:
     return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)
 
 
-def _convert_hint(name: str) -> str:
-    return f"data files must be UTF-8: convert it (e.g. iconv -f {name} -t UTF-8 IN > OUT)"
+def _convert_hint(name: str, text: str = "") -> str:
+    return f"data files must be UTF-8: convert it ({text}iconv -f {name} -t UTF-8 IN > OUT)"
 
 
 def _utf8_problem(path: Path) -> str | None:
@@ -56,8 +56,9 @@ def _utf8_problem(path: Path) -> str | None:
                 split = exc.reason == "unexpected end of data" and block and nul < 0
                 if not split:  # not a character cut in two by the block boundary
                     line += data.count(b"\n", 0, exc.start)
+                    hint = _convert_hint("CP1252", "Windows or Latin-1 text: ")
                     return f"{path} line {line}: byte 0x{data[exc.start]:02x} is not UTF-8 " \
-                           f"({exc.reason}); {_convert_hint('CP1252')} if it is Windows or Latin-1 text"
+                           f"({exc.reason}); {hint}"
                 line += data.count(b"\n", 0, exc.start)
                 carry = data[exc.start:]
                 continue
@@ -92,8 +93,8 @@ def value_problem(row: Any) -> str | None:
         if depth > MAX_DEPTH:
             return f"nested more than {MAX_DEPTH} levels deep (at `{one_line(path)}`)"
         if isinstance(item, float) and not math.isfinite(item):
-            return f"`{one_line(path) or 'row'}` is {_SPELLED[repr(item)]}: JSON has no NaN or Infinity (a NaN weight " \
-                   "is an error, and datasets would read it as null)"
+            return f"`{one_line(path) or 'row'}` is {_SPELLED[repr(item)]}: JSON has no NaN " \
+                   "or Infinity (a NaN weight is an error, and datasets would read it as null)"
     return None
 
 
