@@ -78,9 +78,12 @@ def test_a_nan_turn_weight_is_an_error_naming_file_line_and_turn(write, tmp_path
         f"{path} line 2: `messages[1].weight` is NaN: JSON has no NaN or Infinity (a NaN "
         "weight is an error, and datasets would read it as null)")
     infinite = tmp_path / "inf.json"  # a JSON array document, and a row weight
-    infinite.write_text(json.dumps([CHAT, {**CHAT, "weight": -math.inf}], indent=1))
-    assert refused(write, infinite, extra="  weight_column: weight\n").startswith(
-        f"{infinite} row 2: `weight` is -Infinity")
+    infinite.write_text(json.dumps([{**CHAT, "weight": 1.0}, {**CHAT, "weight": -math.inf}]))
+    assert refused(write, infinite, extra="  weight_column: weight\n") == (
+        f"{infinite} row 2: `weight` is missing (null, empty or NaN)")  # datasets: null
+    nested = tmp_path / "nested.json"  # inside a turn, in a JSON array
+    nested.write_text(json.dumps([CHAT, bad]))
+    assert refused(write, nested).startswith(f"{nested} row 2: `messages[1].weight` is NaN")
     # "NaN" and "Infinity" in text are text.
     words = tmp_path / "words.jsonl"
     words.write_text(json.dumps({"text": "NaN and Infinity are words; Info too"}) + "\n")

@@ -88,11 +88,13 @@ _SPELLED = {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}
 
 
 def value_problem(row: Any) -> str | None:
-    """Non-finite numbers and nesting beyond MAX_DEPTH in one parsed row."""
+    """Nesting beyond MAX_DEPTH, and non-finite numbers inside a column's value (a turn's
+    weight), in one parsed row. A column's own NaN reaches the row checks as NaN or
+    null, and they name it (build/data.py)."""
     for path, item, depth in _walk(row):
         if depth > MAX_DEPTH:
             return f"nested more than {MAX_DEPTH} levels deep (at `{one_line(path)}`)"
-        if isinstance(item, float) and not math.isfinite(item):
+        if depth > 2 and isinstance(item, float) and not math.isfinite(item):
             return f"`{one_line(path) or 'row'}` is {_SPELLED[repr(item)]}: JSON has no NaN " \
                    "or Infinity (a NaN weight is an error, and datasets would read it as null)"
     return None
