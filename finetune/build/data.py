@@ -13,9 +13,9 @@ from typing import Any, Callable, Iterable
 import pyarrow as pa
 from datasets import Dataset, Value, concatenate_datasets, load_dataset
 
+from finetune.build.data_files import check_file, diagnose_json, one_line
 from finetune.config.rules import DATA_SUFFIXES, is_local
 from finetune.config.schema import DataSource, Experiment
-from finetune.build.data_files import check_file, diagnose_json, one_line
 from finetune.config.trl_fields import training_value
 from finetune.errors import DataError
 
