@@ -39,7 +39,7 @@ def step_of(path: Path) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def _sha256(path: Path) -> str:
+def sha256_of(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as handle:
         for block in iter(lambda: handle.read(2**20), b""):
@@ -79,7 +79,7 @@ def write_manifest(checkpoint: Path, step: int, extra: dict[str, Any]) -> dict[s
         size = path.stat().st_size
         entry: dict[str, Any] = {"size": size}
         if size <= HASHED_BELOW:
-            entry["sha256"] = _sha256(path)
+            entry["sha256"] = sha256_of(path)
         files[str(path.relative_to(checkpoint))] = entry
     manifest = {"finetune": __version__, "step": step, "time": round(time.time(), 3),
                 **extra, "files": files}
@@ -87,8 +87,44 @@ def write_manifest(checkpoint: Path, step: int, extra: dict[str, Any]) -> dict[s
     return manifest
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _shape_problem(manifest: Any) -> str | None:
+    """What in a manifest (edited by hand, say) is not what write_manifest writes."""
+    if not isinstance(manifest, dict):
+        return f"a JSON object expected, got {type(manifest).__name__}"
+    if not _is_int(manifest.get("step")):
+        return f"`step` is {manifest.get('step')!r}, not a step number"
+    files = manifest.get("files")
+    if not isinstance(files, dict):
+        return "`files` is not an object"
+    for name, entry in files.items():
+        if not isinstance(entry, dict) or not _is_int(entry.get("size")) or \
+                not isinstance(entry.get("sha256", ""), str):
+            return f"`files.{name}` is not {{size, sha256}}"
+    if not isinstance(manifest.get("fingerprint", {}), dict):
+        return "`fingerprint` is not an object"
+    layout = manifest.get("layout", {})
+    if not isinstance(layout, dict) or (layout and not all(_is_int(layout.get(key)) for key in (
+            "processes", "per_device_train_batch_size", "gradient_accumulation_steps",
+            "global_batch"))):
+        return "`layout` is not the processes, batch and accumulation of a run"
+    return None
+
+
 def read_manifest(checkpoint: Path) -> dict[str, Any]:
-    return json.loads((checkpoint / MANIFEST).read_text())
+    """The manifest, checked for the shape write_manifest gives it (ValueError if not)."""
+    path = checkpoint / MANIFEST
+    try:
+        manifest = json.loads(path.read_text())
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+    shape = _shape_problem(manifest)
+    if shape:
+        raise ValueError(shape)
+    return manifest
 
 
 def problem(checkpoint: Path) -> str | None:
@@ -98,7 +134,7 @@ def problem(checkpoint: Path) -> str | None:
     except FileNotFoundError:
         return "no manifest: its writing did not finish"
     except (OSError, ValueError) as exc:
-        return f"unreadable manifest ({exc})"
+        return f"unreadable manifest {checkpoint / MANIFEST} ({exc})"
     for name, entry in manifest.get("files", {}).items():
         path = checkpoint / name
         try:
@@ -107,7 +143,7 @@ def problem(checkpoint: Path) -> str | None:
             return f"{name} is missing"
         if size != entry["size"]:
             return f"{name} has {size} bytes, the manifest says {entry['size']}"
-        if "sha256" in entry and _sha256(path) != entry["sha256"]:
+        if "sha256" in entry and sha256_of(path) != entry["sha256"]:
             return f"{name} does not match its SHA-256 in the manifest"
     return None
 

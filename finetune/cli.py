@@ -359,11 +359,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from finetune.errors import ConfigError, DataError, RunError
+    from finetune.errors import ConfigError, DataError, RunError, RunFinished
 
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
+    except RunFinished as done:  # a requeued job of a finished run succeeds
+        print(f"finetune: {done}", flush=True)
+        return 0
     except ConfigError as exc:
         for problem in exc.problems:
             print(f"error: {problem}", file=sys.stderr)

@@ -19,6 +19,11 @@ class RunError(Exception):
     """A run cannot start or continue (run directory, device, checkpoint)."""
 
 
+class RunFinished(Exception):
+    """Nothing to do: the run finished before (a requeued job runs the same command
+    again). The CLI prints it and exits 0."""
+
+
 # Exit codes beyond the CLI's 2 (a user error). EX_TEMPFAIL, "try again later": training
 # stopped on a signal after sealing a checkpoint, and continues when run again.
 EXIT_PREEMPTED = 75

@@ -1,7 +1,9 @@
 """What a checkpoint's training depended on, and what changed since. Torch-free.
 
 A checkpoint is only worth resuming from with the experiment that wrote it: another model,
-data, method, seed or global batch would silently make a different run. The fingerprint
+data, method, seed or global batch would silently make a different run. Data is its
+settings and the content of every local training file (see content_digest): a file
+replaced at the same path is a change. The fingerprint
 holds those settings; the layout (processes, per-device batch, accumulation) is kept apart,
 since the same global batch over another layout continues the same data order. Everything
 else (logging, saving, evaluation, total steps, output) may change between attempts.
@@ -9,9 +11,13 @@ else (logging, saving, evaluation, total steps, output) may change between attem
 
 from __future__ import annotations
 
+import functools
+import hashlib
+from pathlib import Path
 from typing import Any
 
 from finetune.config import trl_fields
+from finetune.config.rules import DATA_SUFFIXES, is_local
 from finetune.config.schema import Experiment
 
 SECTIONS = ("method", "model", "tokenizer", "peft", "precision", "dpo")
@@ -19,6 +25,9 @@ SECTIONS = ("method", "model", "tokenizer", "peft", "precision", "dpo")
 METHOD_SECTIONS = {"classify": ("classify",), "grpo": ("rewards",), "ppo": ("rewards", "ppo")}
 DATA_KEYS = ("train", "eval_fraction", "format", "weight_column")
 LAYOUT_KEYS = ("per_device_train_batch_size", "gradient_accumulation_steps")
+CONTENT = "data content "  # + a training file's path
+HASHED_WHOLE = 16 * 2**20  # bytes; a larger file is hashed from SAMPLES spread samples
+SAMPLES, SAMPLE_BYTES = 64, 64 * 2**10
 # Training keys that do not change which samples are seen or what a step computes.
 HARMLESS_PREFIXES = ("logging_", "save_", "eval_", "hub_", "push_to_hub", "log_level",
                      "dataloader_num_workers", "dataloader_pin_memory",
@@ -56,6 +65,45 @@ def layout(experiment: Experiment) -> dict[str, int]:
     return result
 
 
+@functools.lru_cache(maxsize=4096)
+def _digest(path: str, size: int, mtime_ns: int, inode: int) -> str:
+    digest = hashlib.sha256(str(size).encode())
+    with open(path, "rb") as handle:
+        if size <= HASHED_WHOLE:
+            for block in iter(lambda: handle.read(2**20), b""):
+                digest.update(block)
+            return f"{size} bytes, sha256 {digest.hexdigest()[:16]}"
+        for i in range(SAMPLES):  # the first and the last bytes included
+            handle.seek((size - SAMPLE_BYTES) * i // (SAMPLES - 1))
+            digest.update(handle.read(SAMPLE_BYTES))
+    return f"{size} bytes, sampled sha256 {digest.hexdigest()[:16]}"
+
+
+def content_digest(path: Path) -> str:
+    """What a data file holds, independent of its modification time (a copy or a touch is
+    no change). Files up to HASHED_WHOLE: SHA-256 of every byte. Larger ones: of their
+    size and SAMPLES blocks spread from the first byte to the last, so at most 4 MiB are
+    read per file on every rank at every start; an edit that keeps the size and misses
+    every sample goes unnoticed, any edit that adds or removes a byte does not."""
+    try:
+        stat = path.stat()
+        return _digest(str(path), stat.st_size, stat.st_mtime_ns, stat.st_ino)
+    except OSError as exc:
+        return f"unreadable ({exc.strerror or exc})"
+
+
+def _training_files(experiment: Experiment) -> list[Path]:
+    """The local files training reads (a directory: its data files, as build/data.py)."""
+    files = []
+    for source in experiment.data.train:
+        if not is_local(source.path):
+            continue  # a hub dataset: its id and revision are in data.train
+        root = Path(source.path)
+        files += sorted(p for p in root.iterdir() if p.suffix.lower() in DATA_SUFFIXES) \
+            if root.is_dir() else [root]
+    return files
+
+
 def fingerprint(experiment: Experiment) -> dict[str, Any]:
     dumped = experiment.model_dump(mode="json")
     flat: dict[str, Any] = {}
@@ -63,6 +111,8 @@ def fingerprint(experiment: Experiment) -> dict[str, Any]:
         flat.update(_flatten(dumped[section], section))
     for key in DATA_KEYS:
         flat.update(_flatten(dumped["data"][key], f"data.{key}"))
+    for path in _training_files(experiment):
+        flat[f"{CONTENT}{path}"] = content_digest(path)
     # One process and DDP write the same checkpoints; sharded strategies their own.
     strategy = experiment.distributed.strategy
     flat["checkpoint format"] = "plain" if strategy in ("none", "ddp") else strategy
@@ -88,7 +138,11 @@ def _default(method: str, key: str) -> Any:
 def differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     """One readable line per setting that differs: `key: old -> new`."""
     lines = []
+    # A checkpoint written before finetune recorded data content has none to compare.
+    recorded = any(key.startswith(CONTENT) for key in old)
     for key in sorted(set(old) | set(new)):
+        if key.startswith(CONTENT) and not recorded:
+            continue
         before = old.get(key, _default(str(old.get("method")), key))
         after = new.get(key, _default(str(new.get("method")), key))
         if before != after:

@@ -70,8 +70,18 @@ def start_summary(job, trainable: int, total: int) -> str:
         f"= {effective} effective; {length}, learning rate {args.learning_rate:g}",
         f"  speed      {_speed(job)}",
     ]
+    if exp.method == "classify":
+        lines.insert(6, f"  labels     {label_ids(exp.classify.labels)}")
     lines += [f"             {note}" for note in job.notes]
     return "\n".join(lines)
+
+
+def label_ids(labels: list[str], shown: int = 12) -> str:
+    """Which id each class name trains as (data rows give a name or its id; the saved
+    model's id2label is the same list)."""
+    pairs = ", ".join(f"{i} {name}" for i, name in enumerate(labels[:shown]))
+    return pairs + (f", ... ({len(labels)} classes, classify.labels)" if len(labels) > shown
+                    else " (classify.labels)")
 
 
 def _speed(job) -> str:

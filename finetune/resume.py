@@ -9,8 +9,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from finetune import checkpoints
+from finetune.config import trl_fields
 from finetune.config.schema import Experiment
-from finetune.errors import RunError
+from finetune.errors import RunError, RunFinished
 from finetune.fingerprint import differences, fingerprint, layout, layout_note
 
 
@@ -36,10 +37,40 @@ def holds_a_run(run_dir: Path) -> list[str]:
 
 
 def _finished_step(run_dir: Path) -> int | None:
+    """The last step of a finished run (its summary.json), None if it has not finished."""
+    path = run_dir / "summary.json"
     try:
-        return int(json.loads((run_dir / "summary.json").read_text()).get("global_step", 0))
-    except (OSError, ValueError):
+        summary = json.loads(path.read_text())
+    except FileNotFoundError:
         return None
+    except OSError as exc:
+        cause = exc.strerror or str(exc)
+    except ValueError as exc:  # not JSON, not UTF-8
+        cause = str(exc)
+    except RecursionError:
+        cause = "nested too deeply"
+    else:
+        step = summary.get("global_step") if isinstance(summary, dict) else None
+        if isinstance(step, int) and not isinstance(step, bool) and step >= 0:
+            return step
+        cause = "no global_step number in it"
+    raise RunError(f"{path}: damaged ({cause}); it marks the run finished but is not what "
+                   "finetune wrote. Nothing was changed. Restore it; or move it away to run "
+                   "again from the newest complete checkpoint.")
+
+
+def _finished(experiment: Experiment, run_dir: Path, step: int) -> Exception:
+    """Done when it ran what is asked; an error when more steps are asked for."""
+    asked = trl_fields.training_value(experiment.method, experiment.training, "max_steps")
+    if isinstance(asked, int) and asked > step:
+        return RunError(f"{run_dir} holds a finished run (summary.json, step {step}) and "
+                        f"training.max_steps is {asked}; nothing was changed. To train it "
+                        "further, set resume to one of its checkpoints; to start over, choose "
+                        "another name or output.dir.")
+    return RunFinished(f"{run_dir} holds this run, finished (summary.json, step {step}); "
+                       "nothing to do, nothing was changed. To train it further, raise "
+                       "max_steps and set resume to one of its checkpoints; to start over, "
+                       "choose another name or output.dir.")
 
 
 def _check_compatible(experiment: Experiment, checkpoint: Path, manifest: dict,
@@ -75,10 +106,7 @@ def plan_resume(experiment: Experiment, run_dir: Path) -> ResumePlan:
     if mode == "auto":
         finished = _finished_step(run_dir)
         if finished is not None:
-            raise RunError(f"{run_dir} holds a finished run (summary.json, step {finished}); "
-                           "nothing was changed. To train it further, raise max_steps and "
-                           "set resume to one of its checkpoints; to start over, choose "
-                           "another name or output.dir.")
+            raise _finished(experiment, run_dir, finished)
         checkpoint = found.newest
         if checkpoint is None:
             return ResumePlan(None, notes=notes, incomplete=incomplete)

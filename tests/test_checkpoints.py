@@ -5,14 +5,15 @@ of it."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 
-from conftest import DATA, TINY_MODEL
+from conftest import DATA, TINY_MODEL, run_cli
 from finetune import checkpoints
 from finetune.config import load_experiment
-from finetune.errors import RunError
+from finetune.errors import RunError, RunFinished
 from finetune.config.schema import Experiment
 from finetune.fingerprint import differences, fingerprint, layout
 from finetune.resume import plan_resume
@@ -108,13 +109,62 @@ def test_resume_never_refuses_a_directory_with_checkpoints(write, tmp_path):
         plan_resume(exp, tmp_path / "r")
 
 
-def test_a_finished_run_is_not_resumed_by_auto(write, tmp_path):
+def test_a_finished_run_is_done_for_auto_and_more_steps_are_an_error(write, tmp_path):
     exp = make_experiment(write)
     run = tmp_path / "r"
     fake_checkpoint(run, 10, exp)
     (run / "summary.json").write_text(json.dumps({"global_step": 10}))
-    with pytest.raises(RunError, match="holds a finished run .*step 10"):
+    with pytest.raises(RunFinished, match="holds this run, finished .*step 10.*nothing to do"):
         plan_resume(exp, run)
+    more = exp.model_copy(update={"training": {**exp.training, "max_steps": 20}})
+    with pytest.raises(RunError, match=r"holds a finished run \(summary.json, step 10\) and "
+                                       "training.max_steps is 20"):
+        plan_resume(more, run)
+
+
+@pytest.mark.parametrize("text,cause", [
+    ('{"global_step": 1', "Expecting ',' delimiter"),
+    ("[]", "no global_step number in it"),
+    ('{"global_step": "ten"}', "no global_step number in it"),
+    ('{"global_step": null}', "no global_step number in it"),
+    ("[" * 100000, "nested too deeply"),
+    (b"\xff\xfe{", "'utf-8' codec can't decode byte 0xff"),
+])
+def test_a_damaged_summary_is_an_error_naming_the_file(write, tmp_path, text, cause):
+    run = tmp_path / "r"
+    run.mkdir()
+    summary = run / "summary.json"
+    summary.write_bytes(text if isinstance(text, bytes) else text.encode())
+    with pytest.raises(RunError) as info:
+        plan_resume(make_experiment(write), run)
+    assert str(info.value).startswith(f"{summary}: damaged ({cause}"), str(info.value)
+
+
+@pytest.mark.parametrize("manifest,why", [
+    ("[]", "a JSON object expected, got list"),
+    ('{"step": "4", "files": {}}', "`step` is '4', not a step number"),
+    ('{"step": 4}', "`files` is not an object"),
+    ('{"step": 4, "files": {"model.safetensors": 5}}', "`files.model.safetensors` is not"),
+    ('{"step": 4, "files": {}, "fingerprint": []}', "`fingerprint` is not an object"),
+    ('{"step": 4, "files": {}, "layout": {"processes": 1}}', "`layout` is not the processes"),
+    ("[" * 100000, "nested too deeply"),
+])
+def test_a_hand_damaged_manifest_is_an_incomplete_checkpoint_named(write, tmp_path, manifest,
+                                                                   why):
+    exp = make_experiment(write)
+    run = tmp_path / "r"
+    fake_checkpoint(run, 2, exp)
+    damaged = fake_checkpoint(run, 4, exp)
+    (damaged / checkpoints.MANIFEST).write_text(manifest)
+    plan = plan_resume(exp, run)
+    assert plan.checkpoint.name == "checkpoint-2" and plan.incomplete == [damaged]
+    assert any(n.startswith(f"ignoring incomplete checkpoint-4 (unreadable manifest "
+                            f"{damaged / checkpoints.MANIFEST} ({why}") for n in plan.notes), \
+        plan.notes
+    named = make_experiment(write, f"resume: {damaged}\n", name="n")
+    with pytest.raises(RunError, match=f"cannot be resumed from: unreadable manifest "
+                                       f"{damaged / checkpoints.MANIFEST}"):
+        plan_resume(named, tmp_path / "n")
 
 
 def test_resume_path_is_verified_and_superseded_by_newer_own_checkpoints(write, tmp_path):
@@ -191,3 +241,56 @@ def test_same_global_batch_on_another_layout_resumes_with_a_warning(write, tmp_p
     smaller = make_experiment(write)  # 1 x 4 x 1: global batch 4, not 8
     with pytest.raises(RunError, match="global batch: 8 -> 4"):
         plan_resume(smaller, run)
+
+
+def test_data_replaced_at_the_same_path_is_refused_with_a_diff(write, tmp_path):
+    data = tmp_path / "train.jsonl"
+    data.write_bytes((DATA / "sft_train.jsonl").read_bytes())
+    config = write("run.yaml", f"name: run\nmethod: sft\nmodel: {{name_or_path: {TINY_MODEL}}}\n"
+                               f"data: {{train: {data}}}\n")
+    run = tmp_path / "r"
+    fake_checkpoint(run, 4, load_experiment(config))
+    os.utime(data, (1, 1))  # touched or copied: the same content resumes
+    assert plan_resume(load_experiment(config), run).checkpoint.name == "checkpoint-4"
+    before = fingerprint(load_experiment(config))[f"data content {data}"]
+    lines = data.read_text().splitlines(keepends=True)
+    data.write_text("".join(reversed(lines)))  # same size, other order
+    with pytest.raises(RunError) as refused:
+        plan_resume(load_experiment(config), run)
+    after = fingerprint(load_experiment(config))[f"data content {data}"]
+    assert before.split(",")[0] == after.split(",")[0] and before != after
+    assert f"data content {data}: {before!r} -> {after!r}" in str(refused.value)
+    forced = load_experiment(config, ["force_resume=true"])
+    assert plan_resume(forced, run).checkpoint.name == "checkpoint-4"
+
+
+def test_a_checkpoint_from_before_data_content_was_recorded_still_resumes(write, tmp_path):
+    exp = make_experiment(write)
+    old = {k: v for k, v in fingerprint(exp).items() if not k.startswith("data content")}
+    assert len(old) < len(fingerprint(exp))
+    assert differences(old, fingerprint(exp)) == []
+
+
+def test_a_large_data_file_is_hashed_from_samples(tmp_path):
+    from finetune.fingerprint import HASHED_WHOLE, content_digest
+
+    big = tmp_path / "big.jsonl"
+    big.write_bytes(b"x" * (HASHED_WHOLE + 1))
+    digest = content_digest(big)
+    assert digest.startswith(f"{HASHED_WHOLE + 1} bytes, sampled sha256 ")
+    with big.open("r+b") as handle:
+        handle.seek(HASHED_WHOLE)  # the last bytes are always sampled
+        handle.write(b"y")
+    assert content_digest(big) != digest
+
+
+def test_cli_a_damaged_summary_is_one_error_line(write, tmp_path):
+    config = write("run.yaml", f"name: run\nmethod: sft\nmodel: {{name_or_path: {TINY_MODEL}}}\n"
+                               f"data: {{train: {DATA}/sft_train.jsonl}}\n")
+    summary = tmp_path / "runs" / "run" / "summary.json"
+    summary.parent.mkdir(parents=True)
+    summary.write_text('{"global_step": ')
+    result = run_cli("train", str(config), cwd=tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert result.stderr.startswith(f"error: {summary}: damaged (Expecting value")
+    assert sorted(p.name for p in summary.parent.iterdir()) == ["summary.json"]

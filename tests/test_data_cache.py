@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 import time
@@ -15,7 +17,7 @@ import time
 import pytest
 
 from conftest import REPO, TINY_MODEL
-from finetune.build.prepare import META, cache_root, prepared_data
+from finetune.build.prepare import META, cache_key, cache_root, prepared_data
 from finetune.build.tokenizer import load_tokenizer
 from finetune.config import load_experiment
 
@@ -141,3 +143,76 @@ def test_a_waiting_rank_stops_when_the_main_process_fails(config, tmp_path, wait
     out, err = waiter.communicate(timeout=60)
     assert waiter.returncode != 0
     assert "the data could not be prepared" in err and "failed-0.json" in err
+
+
+@pytest.mark.parametrize("damage,why", [
+    (lambda e: next(e.glob("train/*.arrow")).unlink(),
+     "train/data-00000-of-00001.arrow is missing"),
+    (lambda e: (e / "train" / "state.json").write_bytes(
+        (e / "train" / "state.json").read_bytes()[:40]), "train/state.json has 40 bytes"),
+    (lambda e: (e / META).write_text("{"), f"{META} is unreadable"),
+    (lambda e: (e / META).unlink(), f"no {META}"),
+])
+def test_a_damaged_entry_is_prepared_again_with_a_line(config, tmp_path, capsys, damage, why):
+    run_dir = tmp_path / "runs" / "a"
+    run_dir.mkdir(parents=True)
+    experiment = load_experiment(config)
+    tokenizer = load_tokenizer(experiment)
+    first = prepared_data(experiment, tokenizer, run_dir, time.time(), {})
+    entry = cache_root(experiment, run_dir) / _entries(experiment, run_dir)[0]
+    damage(entry)
+    capsys.readouterr()
+    again = prepared_data(experiment, tokenizer, run_dir, time.time(), {})
+    out = capsys.readouterr().out
+    assert f"the data cache entry {entry} is damaged ({why}" in out, out
+    assert "preparing it again" in out and "data prepared and cached" in out
+    assert again.train["input_ids"] == first.train["input_ids"]
+    prepared_data(experiment, tokenizer, run_dir, time.time(), {})
+    assert "data loaded from the cache" in capsys.readouterr().out
+    leftovers = [p.name for p in entry.parent.iterdir() if p.name != entry.name]
+    assert leftovers == []
+
+
+KILLED_WRITER = """
+import os
+import signal
+import sys
+from pathlib import Path
+from datasets import Dataset
+from finetune.build.data import Splits
+from finetune.build.prepare import _save
+
+class KilledWhileSaving:  # the second part's save is where the writer dies
+    def save_to_disk(self, path):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+rows = Dataset.from_dict({"input_ids": [list(range(512))] * 2000})
+_save(Splits(train=rows, eval=KilledWhileSaving(), format="text"), Path(sys.argv[1]))
+"""
+
+
+def test_a_writer_killed_mid_write_leaves_nothing_after_the_next_run(config, tmp_path, capsys,
+                                                                     waiters):
+    run_dir = tmp_path / "runs" / "a"
+    run_dir.mkdir(parents=True)
+    experiment = load_experiment(config)
+    tokenizer = load_tokenizer(experiment)
+    root = cache_root(experiment, run_dir)
+    entry = root / cache_key(experiment, tokenizer)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    killed = subprocess.run([sys.executable, "-c", KILLED_WRITER, str(entry)], env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    [left] = list(root.iterdir())
+    size = sum(f.stat().st_size for f in left.rglob("*") if f.is_file())
+    assert left.name.startswith(f".{entry.name}.") and "@" in left.name and size > 2**20
+    # A live writer's staging directory (another run preparing the same data) stays.
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    waiters.append(live)
+    working = root / f".{entry.name}.{live.pid}@{socket.gethostname()}.abc123"
+    working.mkdir()
+    prepared_data(experiment, tokenizer, run_dir, time.time(), {})
+    out = capsys.readouterr().out
+    assert f"removed {left}, left by a data preparation that did not finish" in out
+    assert not left.exists() and working.exists()
+    assert sorted(p.name for p in root.iterdir()) == sorted([entry.name, working.name])

@@ -222,3 +222,42 @@ def test_weighted_classify_sigterm_then_resume_is_bitwise_identical(write, tmp_p
     assert second.wait() == 0, second.text()[-3000:]
     assert "resuming from" in second.text()
     assert_identical(run_dir, tmp_path / "runs" / "wref", "weighted classify x2")
+
+
+def test_changed_data_content_is_refused_on_resume_unless_forced(write, tmp_path):
+    """The same path, other rows: the checkpoint's fingerprint holds the data's content."""
+    data = tmp_path / "train.jsonl"
+    data.write_bytes((DATA / "sft_train.jsonl").read_bytes())
+    config = write("data.yaml", (
+        f"name: data\nmethod: sft\nmodel: {{name_or_path: {TINY_MODEL}, init: random}}\n"
+        f"data: {{train: {{path: {data}, max_samples: 8}}}}\n"
+        "evaluation: {before_training: false}\noutput: {plot: false, save_final: false}\n"
+        "training: {max_steps: 2, save_steps: 2, per_device_train_batch_size: 2, "
+        "max_length: 32, logging_steps: 1}\n"))
+    first = run_cli("train", str(config), cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    checkpoint = tmp_path / "runs" / "data" / "checkpoints" / "checkpoint-2"
+    assert checkpoints.problem(checkpoint) is None
+
+    # A requeued job of the finished run (killed after summary.json, say): done, exit 0,
+    # nothing rewritten; the launcher's path says the same.
+    bundle = {p: p.read_bytes() for p in checkpoint.parent.parent.glob("*") if p.is_file()}
+    for command in ("train", "launch"):
+        again = run_cli(command, str(config), cwd=tmp_path)
+        assert again.returncode == 0, again.stderr[-3000:]
+        assert "holds this run, finished (summary.json, step 2); nothing to do" in again.stdout
+        assert {p: p.read_bytes() for p in bundle} == bundle
+
+    rows = data.read_text().splitlines(keepends=True)
+    data.write_text("".join(rows[1:] + rows[:1]))  # a reordered copy, same size
+    go_on = [f"resume={checkpoint}", "training.max_steps=3"]
+    refused = run_cli("train", str(config), *go_on, cwd=tmp_path)
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    assert "Traceback" not in refused.stderr
+    assert f"cannot resume from {checkpoint}" in refused.stderr
+    assert f"  data content {data}: '" in refused.stderr and "force_resume: true" in refused.stderr
+
+    forced = run_cli("train", str(config), *go_on, "force_resume=true", cwd=tmp_path)
+    assert forced.returncode == 0, forced.stderr[-3000:]
+    assert f"force_resume: continuing although these changed:\n  data content {data}" in \
+        forced.stdout + forced.stderr

@@ -81,9 +81,9 @@ def test_an_existing_run_is_never_overwritten(write, tmp_path):
     assert run_cli("train", str(config), cwd=tmp_path).returncode == 0
     weights = tmp_path / "runs" / "again" / "final" / "model.safetensors"
     before = weights.read_bytes()
-    result = run_cli("train", str(config), cwd=tmp_path)  # resume: auto
-    assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert "holds a finished run (summary.json, step 1); nothing was changed" in result.stderr
+    result = run_cli("train", str(config), cwd=tmp_path)  # resume: auto: done, exit 0
+    assert result.returncode == 0 and "Traceback" not in result.stderr
+    assert "holds this run, finished (summary.json, step 1); nothing to do" in result.stdout
     result = run_cli("train", str(config), "resume=never", cwd=tmp_path)
     assert result.returncode == 2 and "already holds a final model (final/)" in result.stderr
     assert weights.read_bytes() == before

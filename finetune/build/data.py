@@ -4,14 +4,16 @@ split off eval rows. Tokenizing is the method's (see build/prepare.py)."""
 
 from __future__ import annotations
 
-import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from datasets import Dataset, concatenate_datasets, load_dataset
+import pyarrow as pa
+from datasets import Dataset, Value, concatenate_datasets, load_dataset
 
+from finetune.build.data_files import check_file, diagnose_json, one_line
 from finetune.config.rules import DATA_SUFFIXES, is_local
 from finetune.config.schema import DataSource, Experiment
 from finetune.config.trl_fields import training_value
@@ -65,25 +67,37 @@ def _files(path: Path) -> list[Path]:
     return [path]
 
 
-def _json_syntax_error(path: Path) -> str | None:
-    """Locate the first malformed line of a JSON Lines file (datasets' message does not)."""
-    with path.open() as handle:
-        for number, line in enumerate(handle, 1):
-            if line.strip():
-                try:
-                    json.loads(line)
-                except json.JSONDecodeError as exc:
-                    return f"{path} line {number}: invalid JSON: {exc.msg}"
-    return None
+def _root_cause(exc: BaseException) -> str:
+    """datasets wraps the reader's error ("An error occurred while generating the
+    dataset"); the user needs the reader's own words (pandas names the CSV line)."""
+    while exc.__cause__ is not None or (exc.__context__ is not None
+                                        and not exc.__suppress_context__):
+        exc = exc.__cause__ or exc.__context__
+    text = str(exc).removeprefix("Error tokenizing data. C error: ").strip()
+    # pandas counts this one's rows from 0, header included: the file's line is one more.
+    text = re.sub(r"starting at row (\d+)", lambda m: f"starting at line {int(m[1]) + 1}", text)
+    return one_line(text) or type(exc).__name__
+
+
+def _names(columns: Iterable[str]) -> str:
+    """Column names as the data spells them; quoted where a name would break the line."""
+    return ", ".join(c if c.isprintable() else repr(c) for c in columns)
 
 
 def _read_file(path: Path) -> Dataset:
     builder = BUILDERS[path.suffix.lower()]
     try:
+        problem = check_file(path, builder)
+    except OSError as exc:
+        raise DataError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    if problem:
+        raise DataError(problem)
+    try:
         return load_dataset(builder, data_files=str(path), split="train")
     except Exception as exc:  # datasets raises many types; the user needs file and cause
-        located = _json_syntax_error(path) if path.suffix.lower() == ".jsonl" else None
-        raise DataError(located or f"{path}: cannot read as {builder}: {exc}") from None
+        located = diagnose_json(path) if builder == "json" else None
+        raise DataError(located or f"{path}: cannot read as {builder}: {_root_cause(exc)}") \
+            from None
 
 
 def _renamed(ds: Dataset, original: str, target: str) -> Dataset:
@@ -104,13 +118,14 @@ def _read_source(source: DataSource, where: str) -> list[tuple[str, Dataset]]:
             parts = [(source.path, load_dataset(source.path, source.subset, split=source.split,
                                                 revision=source.revision))]
         except Exception as exc:
-            raise DataError(f"{where}: cannot load hub dataset {source.path!r}: {exc}") from None
+            raise DataError(f"{where}: cannot load hub dataset {source.path!r}: "
+                            f"{one_line(str(exc))}") from None
     out = []
     for label, ds in parts:
         for target, original in source.columns.items():
             if original not in ds.column_names:
                 raise DataError(f"{where}.columns.{target}: {label} has no column {original!r} "
-                                f"(columns: {', '.join(ds.column_names)})")
+                                f"(columns: {_names(ds.column_names)})")
             ds = _renamed(ds, original, target)
         out.append((label, ds))
     return out
@@ -124,7 +139,7 @@ def detect_format(columns: Iterable[str], method: str, label: str) -> str:
             return name
     wanted = " or ".join("/".join(FORMATS[c][0]) for c in candidates)
     raise DataError(f"{label}: method {method} needs columns {wanted}; found "
-                    f"{', '.join(sorted(columns)) or 'none'} (rename with data.<split>[i].columns)")
+                    f"{_names(sorted(columns)) or 'none'} (rename with data.<split>[i].columns)")
 
 
 def _check_messages(value: Any, field: str) -> str | None:
@@ -221,7 +236,7 @@ def _weighted(label: str, ds: Dataset, column: str | None) -> Dataset:
         return ds.remove_columns([WEIGHT]) if WEIGHT in ds.column_names else ds
     if column not in ds.column_names:
         raise DataError(f"{label}: no weight column {column!r} (data.weight_column); "
-                        f"columns: {', '.join(ds.column_names)}")
+                        f"columns: {_names(ds.column_names)}")
     return _renamed(ds, column, WEIGHT)
 
 
@@ -230,22 +245,39 @@ def _validated(label: str, ds: Dataset, fmt: str, experiment: Experiment) -> Dat
     missing = [c for c in required if c not in ds.column_names]
     if missing:
         raise DataError(f"{label}: format {fmt} needs column(s) {', '.join(missing)}; "
-                        f"found {', '.join(ds.column_names)}")
+                        f"found {_names(ds.column_names)}")
     if fmt != "prompt":
         ds = _weighted(label, ds, experiment.data.weight_column)
         keep = [c for c in required + optional + (WEIGHT,) if c in ds.column_names]
         ds = ds.select_columns(keep)
     labels = experiment.classify.labels if experiment.classify else None
-    for number, row in enumerate(ds, 1):
-        problem = check_row(row, fmt, labels)
-        if problem:
-            raise DataError(f"{label} row {number}: {problem}")
+    number = 0
+    try:
+        for number, row in enumerate(ds, 1):
+            problem = check_row(row, fmt, labels)
+            if problem:
+                raise DataError(f"{label} row {number}: {problem}")
+    except (UnicodeDecodeError, RecursionError, pa.ArrowException) as exc:
+        # Bytes the file's reader let through (a parquet string that is not UTF-8, say)
+        # and that fail when the rows become Python values, a batch at a time.
+        raise DataError(f"{label} row {number + 1} or a few after: cannot be read: "
+                        f"{type(exc).__name__}: {one_line(str(exc))}") from None
     if len(ds) == 0:
         raise DataError(f"{label}: no rows")
-    if fmt == "classification":  # class names become indices
-        ds = ds.map(lambda row: {"label": labels.index(row["label"])
-                                 if isinstance(row["label"], str) else row["label"]})
+    if fmt == "classification":
+        ds = _label_ids(ds, labels)
     return ds
+
+
+def _label_ids(ds: Dataset, labels: list[str]) -> Dataset:
+    """Class names become their index in classify.labels (the model's id2label is that
+    list too). The column is typed int64 explicitly: map() keeps a column's old type, and
+    a CSV's label column is text, so "1" would reach the collator as a string."""
+    features = ds.features.copy()
+    features["label"] = Value("int64")
+    return ds.map(lambda row: {"label": labels.index(row["label"])
+                               if isinstance(row["label"], str) else row["label"]},
+                  features=features)
 
 
 def _load_split(sources: list[DataSource], split: str, experiment: Experiment,
@@ -262,7 +294,8 @@ def _load_split(sources: list[DataSource], split: str, experiment: Experiment,
     try:
         return (parts[0] if len(parts) == 1 else concatenate_datasets(parts)), fmt
     except ValueError as exc:
-        raise DataError(f"data.{split}: the sources do not share one schema: {exc}") from None
+        raise DataError(f"data.{split}: the sources do not share one schema: "
+                        f"{one_line(str(exc))}") from None
 
 
 def load_data(experiment: Experiment) -> Splits:

@@ -13,6 +13,12 @@ before the process group exists, so no NCCL/gloo timeout can fire however long t
 tokenization takes (the pain of LLaMA-Factory#2424, alignment-handbook#190). Entries are
 written to a private directory and renamed into place whole, so a crash leaves none
 half-written and two machines preparing into one shared cache cannot collide.
+
+An entry lists its files (sizes; SHA-256 of the small ones) and is verified before use: a
+damaged one (a file deleted or truncated by hand, a full disk) is prepared again, with a
+line saying so. A private directory is named by its writer's pid and host, so the next
+run on that host removes those of dead writers (a SIGKILL mid-write) at once; another
+host's are removed after a day.
 """
 
 from __future__ import annotations
@@ -21,22 +27,25 @@ import hashlib
 import importlib
 import json
 import os
+import re
 import shutil
+import socket
 import tempfile
 import time
 from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable
 
+import pyarrow as pa
 from datasets import load_from_disk
 
-from finetune import __version__
+from finetune import __version__, checkpoints
 from finetune.build.data import Splits, load_data
 from finetune.config.rules import is_local
 from finetune.config.schema import Experiment
 from finetune.errors import FAILED_MARKER, DataError
 
-VERSION = 1  # bump when what is stored changes
+VERSION = 2  # bump when what is stored changes
 META = "meta.json"  # written last: its presence marks a complete entry
 # Training settings that change what preparation produces.
 SETTINGS = ("max_length", "truncation_mode", "assistant_only_loss", "completion_only_loss",
@@ -45,6 +54,8 @@ SETTINGS = ("max_length", "truncation_mode", "assistant_only_loss", "completion_
 PACKAGES = ("transformers", "tokenizers", "datasets", "trl")
 POLL_SECONDS = 0.2
 STAGING_MAX_AGE = 24 * 3600  # seconds
+HASHED_BELOW = 2**20  # entry files hashed when verified (state, features); sized above
+_STAGING = re.compile(r"^\.[0-9a-f]+\.(?P<pid>\d+)@(?P<host>.+)\.[^.]+$")
 
 
 def cache_root(experiment: Experiment, run_dir: Path) -> Path:
@@ -110,19 +121,93 @@ def prepare(experiment: Experiment, tokenizer) -> Splits:
     return method_prepare(splits, tokenizer, experiment) if method_prepare else splits
 
 
+def _staging_prefix(entry: Path) -> str:
+    # The writer's pid and host in the name: a later run can tell a dead writer's leftovers
+    # from a live writer's work (another rank, machine or run preparing the same data).
+    return f".{entry.name}.{os.getpid()}@{socket.gethostname()}."
+
+
+def _writer_is_dead(staging: Path) -> bool:
+    """A staging directory named by a process of this host that no longer runs."""
+    match = _STAGING.match(staging.name)
+    if match is None or match["host"] != socket.gethostname():
+        return False  # another machine's: only its age can tell (see _remove_abandoned)
+    try:
+        os.kill(int(match["pid"]), 0)
+    except ProcessLookupError:
+        return True
+    except (PermissionError, OverflowError, ValueError):
+        return False  # another user's live process (or no such pid on this system)
+    return False
+
+
 def _remove_abandoned(entry: Path) -> None:
-    """Staging directories of this key untouched for a day: left by a crash (a live
-    writer, even one tokenizing for hours, is not that old)."""
-    for staging in entry.parent.glob(f".{entry.name}.*"):
-        if time.time() - staging.stat().st_mtime > STAGING_MAX_AGE:
+    """Staging directories left by writers killed mid-write (SIGKILL, OOM, node loss):
+    any key's whose writer on this host is dead, and this key's untouched for a day (a
+    live writer, even one tokenizing for hours, is not that old)."""
+    for staging in entry.parent.glob(".*"):
+        try:
+            stale = _writer_is_dead(staging) or (
+                staging.name.startswith(f".{entry.name}.")
+                and time.time() - staging.stat().st_mtime > STAGING_MAX_AGE)
+        except FileNotFoundError:
+            continue  # renamed into place or removed meanwhile
+        if stale and staging.is_dir():
             shutil.rmtree(staging, ignore_errors=True)
+            print(f"finetune: removed {staging}, left by a data preparation that did not "
+                  "finish", flush=True)
+
+
+def _listing(folder: Path) -> dict[str, dict[str, Any]]:
+    """Size of every file of an entry, SHA-256 of the small ones (state, features)."""
+    files = {}
+    for path in sorted(p for p in folder.rglob("*") if p.is_file() and p.name != META):
+        size = path.stat().st_size
+        files[str(path.relative_to(folder))] = {"size": size, **(
+            {"sha256": checkpoints.sha256_of(path)} if size <= HASHED_BELOW else {})}
+    return files
+
+
+def entry_problem(entry: Path) -> str | None:
+    """Why a cache entry cannot be used (a file deleted, truncated or edited), or None."""
+    try:
+        meta = json.loads((entry / META).read_text())
+    except FileNotFoundError:
+        return f"no {META}"
+    except (OSError, ValueError) as exc:
+        return f"{META} is unreadable ({exc})"
+    files = meta.get("files") if isinstance(meta, dict) else None
+    if not isinstance(files, dict) or not isinstance(meta.get("parts"), list) \
+            or not all(isinstance(e, dict) for e in files.values()):
+        return f"{META} is not one this version of finetune wrote"
+    for name, expected in files.items():
+        path = entry / name
+        try:
+            size = path.stat().st_size
+        except OSError:
+            return f"{name} is missing"
+        if size != expected.get("size"):
+            return f"{name} has {size} bytes, {META} says {expected.get('size')}"
+        if "sha256" in expected and checkpoints.sha256_of(path) != expected["sha256"]:
+            return f"{name} does not match its SHA-256 in {META}"
+    return None
+
+
+def _discard(entry: Path) -> None:
+    """Move a damaged entry aside (atomically: no rank loads half of it), then delete it.
+    Named as this process's staging, so a kill mid-delete is cleaned up next time."""
+    aside = entry.parent / f"{_staging_prefix(entry)}damaged"
+    try:
+        entry.rename(aside)
+    except FileNotFoundError:
+        return  # another machine's main process moved it first
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def _save(splits: Splits, entry: Path) -> None:
     """Write aside, then rename into place; a concurrent writer's entry wins if first."""
     entry.parent.mkdir(parents=True, exist_ok=True)
-    _remove_abandoned(entry)
-    staging = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", dir=entry.parent))
+    staging = Path(tempfile.mkdtemp(prefix=_staging_prefix(entry), dir=entry.parent))
     try:
         parts = {"train": splits.train, "eval": splits.eval, "eval_rows": splits.eval_rows}
         for name, dataset in parts.items():
@@ -130,7 +215,7 @@ def _save(splits: Splits, entry: Path) -> None:
                 dataset.save_to_disk(str(staging / name))
         meta = {"format": splits.format, "parts": [n for n, d in parts.items() if d is not None],
                 "rows": {n: len(d) for n, d in parts.items() if d is not None},
-                "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
+                "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "files": _listing(staging)}
         (staging / META).write_text(json.dumps(meta, indent=1))
         try:
             staging.rename(entry)
@@ -144,8 +229,13 @@ def _save(splits: Splits, entry: Path) -> None:
 def _load(entry: Path) -> Splits:
     meta = json.loads((entry / META).read_text())
     part = lambda name: load_from_disk(str(entry / name)) if name in meta["parts"] else None
-    return Splits(train=part("train"), eval=part("eval"), format=meta["format"],
-                  eval_rows=part("eval_rows"))
+    try:
+        return Splits(train=part("train"), eval=part("eval"), format=meta["format"],
+                      eval_rows=part("eval_rows"))
+    except (OSError, ValueError, KeyError, pa.ArrowException) as exc:
+        # Damage the listing cannot see (bytes changed in a large file, size kept).
+        raise DataError(f"the data cache entry {entry} cannot be loaded ({exc}); delete it "
+                        "(it is prepared again on the next run)") from None
 
 
 def _wait(entry: Path, run_dir: Path, launched: float, rank: int) -> None:
@@ -154,7 +244,7 @@ def _wait(entry: Path, run_dir: Path, launched: float, rank: int) -> None:
     start together, and none can fail before its own imports are done)."""
     waiting = time.time()
     told = False
-    while not (entry / META).exists():
+    while not (entry / META).exists() or entry_problem(entry) is not None:
         failed = [p for p in run_dir.glob(FAILED_MARKER.replace(".json", "-*.json"))
                   if p.stat().st_mtime >= launched]
         if failed:
@@ -175,8 +265,16 @@ def prepared_data(experiment: Experiment, tokenizer, run_dir: Path, launched: fl
     if not experiment.data.cache:
         return prepare(experiment, tokenizer)
     entry = cache_root(experiment, run_dir) / cache_key(experiment, tokenizer)
-    if not (entry / META).exists():
-        if int(env.get("LOCAL_RANK", "0")) == 0:
+    local_main = int(env.get("LOCAL_RANK", "0")) == 0
+    if local_main and entry.parent.is_dir():
+        _remove_abandoned(entry)
+    damage = entry_problem(entry) if entry.exists() else None
+    if damage is not None or not entry.exists():
+        if local_main:
+            if damage is not None:
+                print(f"finetune: the data cache entry {entry} is damaged ({damage}); "
+                      "preparing it again", flush=True)
+                _discard(entry)
             _save(prepare(experiment, tokenizer), entry)
             print(f"finetune: data prepared and cached in {entry}", flush=True)
         else:

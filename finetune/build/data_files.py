@@ -1,0 +1,171 @@
+"""The bytes of a local data file, checked before `datasets` reads it, and the diagnosis
+when it could not. datasets reports a bad encoding or deep nesting as a traceback that
+names no line, and turns NaN in a JSON row into null (a NaN turn weight would train as
+1). Every problem here names the file and its line."""
+
+from __future__ import annotations
+
+import codecs
+import json
+import math
+from pathlib import Path
+from typing import Any, Iterator
+
+BLOCK = 16 * 2**20  # read in blocks: data files can be larger than memory
+# Longest first: the UTF-32 LE mark starts with the UTF-16 LE one.
+BOMS = ((codecs.BOM_UTF32_LE, "UTF-32"), (codecs.BOM_UTF32_BE, "UTF-32"),
+        (codecs.BOM_UTF16_LE, "UTF-16"), (codecs.BOM_UTF16_BE, "UTF-16"))
+# Deeper than any conversation, preference or prompt row; datasets' type handling recurses
+# per level and fails (RecursionError) a few hundred levels down.
+MAX_DEPTH = 64
+# The non-standard numbers Python's json, pyarrow and ujson write or read. "Inf" finds
+# "Infinity" too; a line that only mentions them in text parses cleanly and passes.
+NON_FINITE_TOKENS = (b"NaN", b"Inf")
+
+
+def one_line(text: str) -> str:
+    """Foreign text (a reader's error, a name from the data) in one error line: line
+    breaks and other control characters escaped, so none can start a line of its own."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)
+
+
+def _convert_hint(name: str, text: str = "") -> str:
+    return f"data files must be UTF-8: convert it ({text}iconv -f {name} -t UTF-8 IN > OUT)"
+
+
+def _utf8_problem(path: Path) -> str | None:
+    """The first byte that is not UTF-8 (or a NUL), with its line; read block by block."""
+    with path.open("rb") as handle:
+        head = handle.read(4)
+        for bom, name in BOMS:
+            if head.startswith(bom):
+                return f"{path}: the file is {name} (it starts with a {name} byte-order " \
+                       f"mark); {_convert_hint(name)}"
+        handle.seek(0)
+        line, carry = 1, b""
+        while True:
+            block = handle.read(BLOCK)
+            data = carry + block
+            if not data:
+                return None
+            nul = data.find(b"\x00")
+            end = len(data) if nul < 0 else nul
+            try:
+                data[:end].decode("utf-8")
+            except UnicodeDecodeError as exc:
+                split = exc.reason == "unexpected end of data" and block and nul < 0
+                if not split:  # not a character cut in two by the block boundary
+                    line += data.count(b"\n", 0, exc.start)
+                    hint = _convert_hint("CP1252", "Windows or Latin-1 text: ")
+                    return f"{path} line {line}: byte 0x{data[exc.start]:02x} is not UTF-8 " \
+                           f"({exc.reason}); {hint}"
+                line += data.count(b"\n", 0, exc.start)
+                carry = data[exc.start:]
+                continue
+            if nul >= 0:
+                line += data.count(b"\n", 0, nul)
+                return f"{path} line {line}: a NUL byte: not a text file, or UTF-16 without " \
+                       f"a byte-order mark; {_convert_hint('UTF-16')}"
+            line += data.count(b"\n")
+            carry = b""
+
+
+def _walk(value: Any) -> Iterator[tuple[str, Any, int]]:
+    """(path, value, depth) of every value in a parsed row, without recursion."""
+    stack = [("", value, 1)]
+    while stack:
+        path, item, depth = stack.pop()
+        yield path, item, depth
+        if isinstance(item, dict):
+            stack.extend((f"{path}.{k}" if path else str(k), v, depth + 1)
+                         for k, v in reversed(list(item.items())))
+        elif isinstance(item, list):
+            stack.extend((f"{path}[{i}]", v, depth + 1)
+                         for i, v in reversed(list(enumerate(item))))
+
+
+_SPELLED = {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}
+
+
+def value_problem(row: Any) -> str | None:
+    """Nesting beyond MAX_DEPTH, and non-finite numbers inside a column's value (a turn's
+    weight), in one parsed row. A column's own NaN reaches the row checks as NaN or
+    null, and they name it (build/data.py)."""
+    for path, item, depth in _walk(row):
+        if depth > MAX_DEPTH:
+            return f"nested more than {MAX_DEPTH} levels deep (at `{one_line(path)}`)"
+        if depth > 2 and isinstance(item, float) and not math.isfinite(item):
+            return f"`{one_line(path) or 'row'}` is {_SPELLED[repr(item)]}: JSON has no NaN " \
+                   "or Infinity (a NaN weight is an error, and datasets would read it as null)"
+    return None
+
+
+def _parse(text: str | bytes) -> tuple[Any, str | None]:
+    try:
+        return json.loads(text), None
+    except json.JSONDecodeError as exc:
+        where = f"line {exc.lineno} column {exc.colno}" if exc.lineno > 1 else f"column {exc.colno}"
+        return None, f"invalid JSON: {exc.msg} ({where})"
+    except RecursionError:
+        return None, "nested too deeply to read (thousands of levels)"
+
+
+def _is_document(path: Path) -> bool:
+    """A JSON array (read whole by datasets), not JSON Lines."""
+    with path.open("rb") as handle:
+        return handle.read(4096).lstrip(codecs.BOM_UTF8 + b" \t\r\n").startswith(b"[")
+
+
+def _document_problem(path: Path) -> str | None:
+    rows, problem = _parse(path.read_bytes().removeprefix(codecs.BOM_UTF8))
+    if problem:
+        return f"{path}: {problem}"
+    for number, row in enumerate(rows if isinstance(rows, list) else [rows], 1):
+        problem = value_problem(row)
+        if problem:
+            return f"{path} row {number}: {problem}"
+    return None
+
+
+def _lines(path: Path, wanted: tuple[bytes, ...] = ()) -> Iterator[tuple[int, bytes]]:
+    """(number, line) of every line, or only of those holding one of `wanted`."""
+    with path.open("rb") as handle:
+        for number, line in enumerate(handle, 1):
+            if not wanted or any(token in line for token in wanted):
+                yield number, line
+
+
+def _lines_problem(path: Path, wanted: tuple[bytes, ...] = ()) -> str | None:
+    """The first line that is not a JSON row, or holds a bad value. With `wanted`, only
+    lines holding those tokens, and only their values: a line that is not JSON alone may
+    be part of a document datasets reads otherwise (it reports what it cannot read)."""
+    for number, line in _lines(path, wanted):
+        if not line.strip():
+            continue
+        row, problem = _parse(line.removeprefix(codecs.BOM_UTF8) if number == 1 else line)
+        if problem and wanted:
+            continue
+        problem = problem or value_problem(row)
+        if problem:
+            return f"{path} line {number}: {problem}"
+    return None
+
+
+def check_file(path: Path, builder: str) -> str | None:
+    """What is wrong with a local text data file before datasets reads it, or None.
+    Cheap: one streaming UTF-8 pass; JSON rows are parsed only where NaN/Inf appears."""
+    if builder not in ("json", "csv"):
+        return None
+    problem = _utf8_problem(path)
+    if problem or builder != "json":
+        return problem
+    if _is_document(path):
+        with path.open("rb") as handle:
+            text = handle.read()
+        return _document_problem(path) if any(t in text for t in NON_FINITE_TOKENS) else None
+    return _lines_problem(path, NON_FINITE_TOKENS)
+
+
+def diagnose_json(path: Path) -> str | None:
+    """The first line (or array row) datasets could not read: syntax, nesting, numbers."""
+    return _document_problem(path) if _is_document(path) else _lines_problem(path)
