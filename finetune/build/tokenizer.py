@@ -6,12 +6,15 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from finetune.build.model import refuse_remote_code
 from finetune.config.schema import Experiment
-from finetune.errors import RunError
+from finetune.errors import DataError, RunError
 
 
 def load_tokenizer(experiment: Experiment) -> PreTrainedTokenizerBase:
     source = experiment.tokenizer.name_or_path or experiment.model.name_or_path
+    refuse_remote_code(experiment, source, "tokenizer.name_or_path"
+                       if experiment.tokenizer.name_or_path else "model.name_or_path")
     try:
         tokenizer = AutoTokenizer.from_pretrained(
             source,
@@ -29,3 +32,36 @@ def load_tokenizer(experiment: Experiment) -> PreTrainedTokenizerBase:
     elif tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def end_marker(tokenizer: PreTrainedTokenizerBase) -> str:
+    """What ends a plain text scored by a sequence-classification head. A decoder's head
+    reads the last token, so TRL appends the EOS: every score then comes from one token
+    that has seen the whole text. An encoder's tokenizer frames each text itself
+    ([CLS] ... [SEP]) and its head reads [CLS]: nothing is appended (an EOS there would
+    double the [SEP], or fail: BERT has none). "" when nothing is appended."""
+    probe = tokenizer("a")["input_ids"]
+    if probe and probe[-1] in tokenizer.all_special_ids:
+        return ""  # the tokenizer ends every text with its own special token
+    return tokenizer.eos_token or ""
+
+
+def require_chat_template(splits, tokenizer: PreTrainedTokenizerBase,
+                          experiment: Experiment) -> None:
+    """Message-list rows are rendered by the tokenizer's chat template: without one, say
+    so before any row is tokenized, naming the data and the setting that gives one."""
+    from trl.data_utils import is_conversational
+
+    if tokenizer.chat_template:
+        return
+    for split, rows in (("train", splits.train), ("eval", splits.eval)):
+        if rows is None or len(rows) == 0 or not is_conversational(rows[0]):
+            continue
+        sources = getattr(experiment.data, split) or experiment.data.train  # eval_fraction
+        files = ", ".join(s.path for s in sources)
+        source = experiment.tokenizer.name_or_path or experiment.model.name_or_path
+        raise DataError(
+            f"data.{split} ({files}): the rows are message lists (chat format), and the "
+            f"tokenizer of {source!r} has no chat template to render them: set "
+            "tokenizer.chat_template (a Jinja template inline, or the path of a .jinja "
+            "file), or give the data as plain text")
