@@ -70,14 +70,22 @@ def test_an_encoder_trains_a_classifier_on_plain_text(bert, write, tmp_path):
     assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
 
 
-def test_chat_rows_without_a_chat_template_are_one_error(bert, write, tmp_path):
+def _in_process(config: Path, tmp_path: Path, capsys, monkeypatch) -> list[str]:
+    """`finetune train CONFIG` through the CLI's own main: exit 2 and its error lines."""
+    from finetune.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", str(config)]) == 2
+    return [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+
+
+def test_chat_rows_without_a_chat_template_are_one_error(bert, write, tmp_path, capsys,
+                                                        monkeypatch):
     data = _jsonl(tmp_path / "chat.jsonl",
                   [{"chosen": [{"role": "user", "content": "cat"}],
                     "rejected": [{"role": "user", "content": "dog"}]}] * 2)
-    result = run_cli("train", str(_experiment(write, "reward", bert, data)), cwd=tmp_path)
-    assert result.returncode == 2, result.stderr[-3000:]
-    assert "Traceback" not in result.stderr
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    errors = _in_process(_experiment(write, "reward", bert, data), tmp_path, capsys,
+                         monkeypatch)
     assert len(errors) == 1 and str(data) in errors[0]
     assert "no chat template" in errors[0] and "tokenizer.chat_template" in errors[0]
 
@@ -92,13 +100,12 @@ def _custom(bert: Path, folder: Path, file: str) -> Path:
     return folder
 
 
-def test_custom_code_without_trust_remote_code_is_one_line(bert, write, tmp_path):
+def test_custom_code_without_trust_remote_code_is_one_line(bert, write, tmp_path, capsys,
+                                                           monkeypatch):
     model = _custom(bert, tmp_path / "custom", "config.json")
     data = _jsonl(tmp_path / "texts.jsonl", [{"text": "cat", "label": "good"}] * 2)
     config = _experiment(write, "classify", model, data, "classify:\n  labels: [good, bad]\n")
-    result = run_cli("train", str(config), cwd=tmp_path)
-    assert result.returncode == 2 and "Traceback" not in result.stderr
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    errors = _in_process(config, tmp_path, capsys, monkeypatch)
     assert len(errors) == 1 and "model.name_or_path" in errors[0] and str(model) in errors[0]
     assert "model.trust_remote_code" in errors[0]
 
