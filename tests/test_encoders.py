@@ -121,3 +121,27 @@ def test_a_custom_tokenizer_is_refused_before_loading(bert, tmp_path):
          "data": {"train": "x.jsonl"}, "classify": {"labels": ["a", "b"]}})
     with pytest.raises(RunError, match="model.trust_remote_code is false"):
         load_tokenizer(experiment)
+
+
+def test_encoder_pairs_are_framed_once_whatever_the_text(bert):
+    """Any plain text, prompt or none: one [CLS] first and one [SEP] last, no EOS added."""
+    from datasets import Dataset
+    from hypothesis import given, settings, strategies as st
+    from transformers import AutoTokenizer
+
+    from finetune.methods.reward import _tokenized
+
+    tokenizer = AutoTokenizer.from_pretrained(bert)
+    cls, sep = tokenizer.cls_token_id, tokenizer.sep_token_id
+    text = st.text(max_size=40) | st.lists(st.sampled_from(WORDS), max_size=8).map(" ".join)
+
+    @settings(max_examples=60, deadline=None, derandomize=True)
+    @given(prompt=text, chosen=text, rejected=text)
+    def check(prompt, chosen, rejected):
+        rows = Dataset.from_list([{"prompt": prompt, "chosen": chosen, "rejected": rejected}])
+        row = _tokenized(rows, tokenizer, None)[0]
+        for ids in (row["chosen_ids"], row["rejected_ids"]):
+            assert ids[0] == cls and ids[-1] == sep
+            assert ids.count(sep) == 1 and ids.count(cls) == 1
+
+    check()
