@@ -57,6 +57,14 @@ def _remote_code_message(source: str, key: str) -> str:
             "trust that code, or use a model transformers implements itself")
 
 
+def remote_code_error(exc: ValueError, source: str, key: str) -> RunError:
+    """transformers' ValueError for custom code it was told not to run (a hub model:
+    nothing local to read first) as our one line; any other ValueError as it is."""
+    if "trust_remote_code" not in str(exc):
+        raise exc
+    return RunError(_remote_code_message(source, key))
+
+
 def refuse_remote_code(experiment: Experiment, source: str, key: str) -> None:
     """A local model or tokenizer with custom code (auto_map) while trust_remote_code is
     off: one line naming the setting, before transformers would raise (or prompt)."""
@@ -84,10 +92,8 @@ def _config(experiment: Experiment, tokenizer: PreTrainedTokenizerBase):
                                             trust_remote_code=spec.trust_remote_code, **extra)
     except OSError as exc:  # missing files, no network, unknown hub id
         raise RunError(f"cannot load the model config from {spec.name_or_path!r}: {exc}") from None
-    except ValueError as exc:  # a hub model with custom code: nothing local to read first
-        if "trust_remote_code" not in str(exc):
-            raise
-        raise RunError(_remote_code_message(spec.name_or_path, "model.name_or_path")) from None
+    except ValueError as exc:
+        raise remote_code_error(exc, spec.name_or_path, "model.name_or_path") from None
     config.pad_token_id = tokenizer.pad_token_id
     return config
 

@@ -6,15 +6,15 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from finetune.build.model import refuse_remote_code
+from finetune.build.model import refuse_remote_code, remote_code_error
 from finetune.config.schema import Experiment
 from finetune.errors import DataError, RunError
 
 
 def load_tokenizer(experiment: Experiment) -> PreTrainedTokenizerBase:
     source = experiment.tokenizer.name_or_path or experiment.model.name_or_path
-    refuse_remote_code(experiment, source, "tokenizer.name_or_path"
-                       if experiment.tokenizer.name_or_path else "model.name_or_path")
+    key = "tokenizer.name_or_path" if experiment.tokenizer.name_or_path else "model.name_or_path"
+    refuse_remote_code(experiment, source, key)
     try:
         tokenizer = AutoTokenizer.from_pretrained(
             source,
@@ -23,6 +23,8 @@ def load_tokenizer(experiment: Experiment) -> PreTrainedTokenizerBase:
         )
     except OSError as exc:  # missing files, no network, unknown hub id
         raise RunError(f"cannot load the tokenizer from {source!r}: {exc}") from None
+    except ValueError as exc:
+        raise remote_code_error(exc, source, key) from None
     template = experiment.tokenizer.chat_template
     if template:
         is_inline = "{{" in template or "{%" in template
