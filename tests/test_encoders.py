@@ -90,6 +90,19 @@ def test_chat_rows_without_a_chat_template_are_one_error(bert, write, tmp_path, 
     assert "no chat template" in errors[0] and "tokenizer.chat_template" in errors[0]
 
 
+def test_a_template_that_cannot_render_the_rows_is_one_error(bert, write, tmp_path, capsys,
+                                                             monkeypatch):
+    data = _jsonl(tmp_path / "chat.jsonl",
+                  [{"chosen": [{"role": "user", "content": "cat"}],
+                    "rejected": [{"role": "user", "content": "dog"}]}] * 2)
+    broken = "{% for m in messages %}{{ m.content }{% endfor %}"  # a Jinja syntax error
+    config = _experiment(write, "reward", bert, data,
+                         f"tokenizer:\n  chat_template: {json.dumps(broken)}\n")
+    errors = _in_process(config, tmp_path, capsys, monkeypatch)
+    assert len(errors) == 1 and f"data.train ({data}) row 1" in errors[0]
+    assert "chat template cannot render" in errors[0] and "TemplateSyntaxError" in errors[0]
+
+
 def _custom(bert: Path, folder: Path, file: str) -> Path:
     folder.mkdir()
     for part in bert.iterdir():
