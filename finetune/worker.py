@@ -33,7 +33,7 @@ from finetune.render.training_args import training_kwargs
 from finetune.report import (attention_name, end_summary, environment, plot_loss,
                              start_summary, write_json)
 from finetune.resume import ResumePlan
-from finetune.rundir import REDACTED
+from finetune.rundir import REDACTED, is_secret
 
 
 def make_training_args(experiment: Experiment, run_dir: Path, hw: Hardware,
@@ -49,15 +49,27 @@ def make_training_args(experiment: Experiment, run_dir: Path, hw: Hardware,
         deepspeed.init_distributed(dist_backend="gloo")
     module, name = trl_fields.CONFIG_CLASSES[experiment.method]
     cls = getattr(importlib.import_module(module), name)
+    kwargs = training_kwargs(experiment, run_dir, hw.device, hw.precision, checkpointing)
+    _hand_secrets_to_hub(kwargs)
     try:
-        args = cls(**training_kwargs(experiment, run_dir, hw.device, hw.precision,
-                                     checkpointing))
+        args = cls(**kwargs)
     except (ValueError, TypeError) as exc:
         raise ConfigError([f"training: {module}.{name} rejected these settings: {exc}"]) from None
     problems = process_group_problems(experiment, args, hw.device)
     if problems:
         raise RunError("; ".join(problems))
     return args
+
+
+def _hand_secrets_to_hub(kwargs: dict[str, Any]) -> None:
+    """The Trainer pickles its arguments into every checkpoint and final/
+    (training_args.bin), so no secret may be one of them. training.hub_token goes where
+    huggingface_hub reads a token itself whenever it needs one (HF_TOKEN, this process
+    and its children only; TrainingArguments' hub_token None means exactly that)."""
+    for key in [k for k in kwargs if is_secret(k)]:
+        value = kwargs.pop(key)
+        if key == "hub_token" and value:
+            os.environ["HF_TOKEN"] = str(value)
 
 
 def _without_redacted(experiment: Experiment) -> Experiment:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -47,8 +48,40 @@ def _load_dtype(experiment: Experiment, hw: Hardware) -> torch.dtype:
     return torch.float32 if experiment.peft.type == "none" else hw.dtype
 
 
+REMOTE_CODE_FILES = ("config.json", "tokenizer_config.json")
+
+
+def _remote_code_message(source: str, key: str) -> str:
+    return (f"{key} {source!r} ships its own modelling code (auto_map), and "
+            "model.trust_remote_code is false: set model.trust_remote_code: true if you "
+            "trust that code, or use a model transformers implements itself")
+
+
+def remote_code_error(exc: ValueError, source: str, key: str) -> RunError:
+    """transformers' ValueError for custom code it was told not to run (a hub model:
+    nothing local to read first) as our one line; any other ValueError as it is."""
+    if "trust_remote_code" not in str(exc):
+        raise exc
+    return RunError(_remote_code_message(source, key))
+
+
+def refuse_remote_code(experiment: Experiment, source: str, key: str) -> None:
+    """A local model or tokenizer with custom code (auto_map) while trust_remote_code is
+    off: one line naming the setting, before transformers would raise (or prompt)."""
+    if experiment.model.trust_remote_code or not Path(source).is_dir():
+        return
+    for name in REMOTE_CODE_FILES:
+        try:
+            content = json.loads((Path(source) / name).read_text())
+        except (OSError, ValueError):
+            continue  # absent or unreadable: transformers reports that itself
+        if isinstance(content, dict) and content.get("auto_map"):
+            raise RunError(_remote_code_message(source, key))
+
+
 def _config(experiment: Experiment, tokenizer: PreTrainedTokenizerBase):
     spec = experiment.model
+    refuse_remote_code(experiment, spec.name_or_path, "model.name_or_path")
     extra = {"num_labels": 1} if experiment.method == "reward" else {}
     if experiment.method == "classify":
         labels = experiment.classify.labels
@@ -59,6 +92,8 @@ def _config(experiment: Experiment, tokenizer: PreTrainedTokenizerBase):
                                             trust_remote_code=spec.trust_remote_code, **extra)
     except OSError as exc:  # missing files, no network, unknown hub id
         raise RunError(f"cannot load the model config from {spec.name_or_path!r}: {exc}") from None
+    except ValueError as exc:
+        raise remote_code_error(exc, spec.name_or_path, "model.name_or_path") from None
     config.pad_token_id = tokenizer.pad_token_id
     return config
 

@@ -41,6 +41,7 @@ from datasets import load_from_disk
 
 from finetune import __version__, checkpoints
 from finetune.build.data import Splits, load_data
+from finetune.build.tokenizer import require_chat_template
 from finetune.config.rules import is_local
 from finetune.config.schema import Experiment
 from finetune.errors import FAILED_MARKER, DataError
@@ -117,6 +118,7 @@ def _method_prepare(experiment: Experiment) -> Callable | None:
 def prepare(experiment: Experiment, tokenizer) -> Splits:
     """Read and validate the rows, then let the method tokenize them if it does."""
     splits = load_data(experiment)
+    require_chat_template(splits, tokenizer, experiment)
     method_prepare = _method_prepare(experiment)
     return method_prepare(splits, tokenizer, experiment) if method_prepare else splits
 

@@ -3,7 +3,8 @@ pairs; its eval reports pairwise accuracy. With data.weight_column each pair's l
 weighted (WeightedRewardTrainer).
 
 The pairs are tokenized here, as RewardTrainer would (prompt + answer, an EOS after plain
-text; the chat template for messages), once per machine and cached (build/prepare.py):
+text; the chat template for messages) except for encoders, whose tokenizer frames each
+text itself ([CLS] ... [SEP]) and gets no EOS (build/tokenizer.py end_marker), once per machine and cached (build/prepare.py):
 RewardTrainer recognises tokenized rows and only filters them by max_length."""
 
 from __future__ import annotations
@@ -13,25 +14,32 @@ from typing import Any
 from trl import RewardTrainer
 
 from finetune.build.data import Splits
+from finetune.build.tokenizer import end_marker
 from finetune.config.schema import Experiment
 from finetune.config.trl_fields import training_value
 from finetune.methods import Job
 
 
-def _ids(tokenizer, value: str | list) -> list[int]:
+def _ids(tokenizer, value: str | list, end: str) -> list[int]:
     if isinstance(value, list):
         return list(tokenizer.apply_chat_template(value, tokenize=True,
                                                   return_dict=True)["input_ids"])
-    if not value.endswith(tokenizer.eos_token):
-        value += tokenizer.eos_token
+    if end and not value.endswith(end):
+        value += end
     return tokenizer(value)["input_ids"]
 
 
+END_NOTE = ("reward: no EOS appended to plain texts: the tokenizer frames each text with "
+            "its own special tokens (an encoder's [CLS] ... [SEP]) and the head reads those")
+
+
 def _tokenized(dataset, tokenizer, max_length: int | None):
+    end = end_marker(tokenizer)
+
     def one(row: dict[str, Any]) -> dict[str, Any]:
         prompt = row.get("prompt") or ([] if isinstance(row["chosen"], list) else "")
-        return {"chosen_ids": _ids(tokenizer, prompt + row["chosen"]),
-                "rejected_ids": _ids(tokenizer, prompt + row["rejected"])}
+        return {"chosen_ids": _ids(tokenizer, prompt + row["chosen"], end),
+                "rejected_ids": _ids(tokenizer, prompt + row["rejected"], end)}
 
     dataset = dataset.map(one, remove_columns=[c for c in ("prompt", "chosen", "rejected")
                                                if c in dataset.column_names], desc="tokenizing")
@@ -47,6 +55,8 @@ def prepare(splits: Splits, tokenizer, experiment: Experiment) -> Splits:
 
 
 def build_trainer(job: Job) -> RewardTrainer:
+    if not end_marker(job.tokenizer):  # the encoder's choice, said in the start summary
+        job.notes.append(END_NOTE)
     kwargs = dict(model=job.model, args=job.args, train_dataset=job.data.train,
                   eval_dataset=job.data.eval, processing_class=job.tokenizer,
                   callbacks=job.callbacks)
