@@ -26,7 +26,8 @@ from finetune.config.schema import Experiment
 from finetune.errors import ConfigError, RunError
 from finetune.evaluation import exact_match
 from finetune.fingerprint import fingerprint, layout
-from finetune.launch.environment import launch_problems, process_group_problems, rank_of
+from finetune.launch.environment import (launch_problems, parallel_note,
+                                         process_group_problems, rank_of)
 from finetune.methods import Job, build_trainer
 from finetune.preemption import Preempted, StopOnSignal
 from finetune.render.training_args import training_kwargs
@@ -202,7 +203,7 @@ def train(experiment: Experiment, run_dir: Path, plan: ResumePlan,
     window = LossWindow(plan.checkpoint)
     job = Job(experiment=experiment, run_dir=run_dir, hardware=hw, tokenizer=tokenizer,
               model=model, data=data, args=args, callbacks=[metrics, stop, window, seal],
-              notes=[checkpointing_note] if checkpointing_note else [])
+              notes=[n for n in (parallel_note(experiment, hw.device), checkpointing_note) if n])
     trainer = build_trainer(job)
     if experiment.distributed.strategy == "fsdp" and not trainer.is_fsdp_enabled:
         raise RunError("distributed.strategy is fsdp, but the Trainer runs without FSDP: start "

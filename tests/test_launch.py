@@ -228,6 +228,8 @@ def test_num_processes_without_a_strategy_trains_ddp_on_the_probed_cpu(write, tm
     assert "2 processes with distributed.strategy none: data parallel (DDP) on cpu" in \
         result.stdout
     assert "x 2 process(es)" in result.stdout
+    summary = result.stdout.split("finetune: run auto")[-1]  # the start summary says it too
+    assert "data parallel (DDP) on cpu" in summary
     run = tmp_path / "runs" / "auto"
     accel = yaml.safe_load((run / "accelerate.yaml").read_text())
     assert accel["mixed_precision"] == "no" and accel["distributed_type"] == "MULTI_GPU"
