@@ -92,14 +92,20 @@ def test_rendered_config_is_what_accelerate_reads(version, port, write, tmp_path
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_fsdp_without_cuda_stops_with_one_line(write, tmp_path):
-    """device auto passes the config rules; the run finds no CUDA and says so."""
+    """device auto: launch resolves it on this machine (cpu) and the config rule refuses
+    fsdp there; a training process that finds no CUDA itself says so in one line."""
     config = write("auto.yaml", experiment("{}", "auto", 29692))
     result = run_cli("launch", str(config), cwd=tmp_path)
     assert result.returncode == 2, result.stderr[-3000:]
+    assert [line for line in result.stderr.splitlines() if line.startswith("error:")] == \
+        [line for line in result.stderr.splitlines() if line.strip()]
+    assert "distributed.strategy: fsdp needs CUDA devices" in result.stderr
+    assert not (tmp_path / "runs" / "auto" / "final").exists()
+
+    process = run_cli("train", str(config), cwd=tmp_path)  # the worker's own check
+    assert process.returncode == 2, process.stderr[-3000:]
     assert "distributed.strategy fsdp needs CUDA devices and this run is on the CPU" \
-           in result.stderr
-    assert result.stderr.strip().splitlines()[-1].startswith(
-        "finetune: a training process stopped on the error above")
+           in process.stderr
     assert not (tmp_path / "runs" / "auto" / "final").exists()
 
 
