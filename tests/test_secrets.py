@@ -53,9 +53,9 @@ training:
 
 
 def test_a_failing_run_does_not_echo_the_token(write, tmp_path):
-    # Validate accepts this; TrainingArguments refuses it at train time (eval and save
-    # strategies differ): the error says so, and the token stays out of the message and
-    # of every file written so far.
+    # TrainingArguments would refuse this (eval and save strategies differ); the config
+    # rules now catch it first: either way one error, and the token stays out of the
+    # message and of every file written so far.
     config = write("refused.yaml", f"""\
 method: sft
 model: {{name_or_path: {TINY_MODEL}, init: random}}
@@ -68,5 +68,5 @@ training:
 """)
     result = _train(config, tmp_path)
     assert result.returncode == 2, result.stderr[-3000:]
-    assert "rejected these settings" in result.stderr and "Traceback" not in result.stderr
+    assert "load_best_model_at_end" in result.stderr and "Traceback" not in result.stderr
     assert _leaks(tmp_path / "runs", result.stdout, result.stderr) == []
