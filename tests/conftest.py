@@ -17,6 +17,15 @@ REPO = Path(__file__).resolve().parent.parent
 QUICKSTART = REPO / "configs" / "quickstart"
 TINY_MODEL = QUICKSTART / "tiny-llama"
 DATA = QUICKSTART / "data"
+# The smallest valid experiment: sft on the tiny model and the quickstart data.
+MINIMAL_SFT = f"""\
+method: sft
+model:
+  name_or_path: {TINY_MODEL}
+  init: random
+data:
+  train: {DATA}/sft_train.jsonl
+"""
 
 
 def run_cli(*args: str, cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:

@@ -7,19 +7,11 @@ import textwrap
 import pytest
 import yaml
 
-from conftest import DATA, TINY_MODEL
+from conftest import MINIMAL_SFT as BASE, DATA, TINY_MODEL
 from finetune.config import load_experiment
 from finetune.errors import ConfigError
 from finetune.rundir import resolved_yaml
 
-BASE = f"""\
-method: sft
-model:
-  name_or_path: {TINY_MODEL}
-  init: random
-data:
-  train: {DATA}/sft_train.jsonl
-"""
 
 
 def problems(path, *overrides):

@@ -12,17 +12,9 @@ from importlib.util import find_spec
 
 import pytest
 
-from conftest import DATA, QUICKSTART, TINY_MODEL, run_cli
+from conftest import MINIMAL_SFT as BASE, DATA, QUICKSTART, TINY_MODEL, run_cli
 from finetune.cli import main
 
-BASE = f"""\
-method: sft
-model:
-  name_or_path: {TINY_MODEL}
-  init: random
-data:
-  train: {DATA}/sft_train.jsonl
-"""
 
 
 def validate(capsys, path, *overrides, seconds=5.0):
