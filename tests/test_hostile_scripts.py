@@ -92,8 +92,10 @@ def test_job_sbatch_with_hostile_paths_runs_only_the_stub(tmp_path):
     bin_dir = tmp_path / f"bin {HOSTILE}"
     record = tmp_path / "argv"
     python = stub(bin_dir, "python", record)
+    # hostnames: a long list, so a reader that stops after the first line (head) would
+    # end scontrol with SIGPIPE, which pipefail turns into a failed job.
     stub(bin_dir, "scontrol", tmp_path / "scontrol", 'case "$2" in\n'
-         "  hostnames) echo n1; echo n2 ;;\n"
+         "  hostnames) echo n1; echo n2; seq 200000 ;;\n"
          "  node) echo 'NodeName=n1 Arch=x86_64 NodeAddr=10.0.0.7 NodeHostName=n1' ;;\n"
          "esac\n")
     # srun: each node runs the task (the words from `bash` on) with its SLURM_NODEID.

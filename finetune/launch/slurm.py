@@ -82,7 +82,9 @@ def sbatch_script(experiment: Experiment, run_dir: Path, *, nodes: int, gpus_per
     lines += [
         "set -euo pipefail",
         "# The first node of the job hosts the rendezvous; NodeAddr is how SLURM reaches it.",
-        'first=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+        "# (sed reads every line: head would exit early, and scontrol's SIGPIPE under",
+        "# pipefail would end the job.)",
+        'first=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)',
         'FINETUNE_MAIN_ADDR=$(scontrol show node "$first" | '
         "sed -n 's/.*NodeAddr=\\([^ ]*\\).*/\\1/p')",
         "# A port derived from the job id, so jobs sharing a node do not collide.",
