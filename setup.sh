@@ -1,15 +1,27 @@
 #!/usr/bin/env bash
 # Create .venv and install finetune into it, CPU torch first (a bare `torch` requirement
-# would pull several GB of CUDA packages). Idempotent: re-runs only when pyproject changes.
+# would pull several GB of CUDA packages), at the versions the suite passed with
+# (constraints.txt). Idempotent: re-runs only when pyproject.toml or constraints.txt change.
+#   bash setup.sh           .venv, the tested versions (what CI runs)
+#   bash setup.sh --latest  .venv-latest, the newest versions pyproject.toml allows, to
+#                           check upcoming releases (README, "Dependencies")
 set -euo pipefail
 cd "$(dirname "$0")"
 python=${PYTHON:-python3}
-[ -x .venv/bin/python ] || "$python" -m venv .venv
-stamp=.venv/.finetune-install
-want=$(sha256sum pyproject.toml | cut -c1-16)
+venv=.venv
+pins=(-c constraints.txt)
+case "${1:-}" in
+  "") ;;
+  --latest) venv=.venv-latest; pins=(--upgrade --upgrade-strategy eager) ;;
+  *) echo "usage: bash setup.sh [--latest]" >&2; exit 2 ;;
+esac
+[ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
+stamp=$venv/.finetune-install
+want=$(cat pyproject.toml constraints.txt | sha256sum | cut -c1-16)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  echo "setup: installing into .venv (torch==2.13.0, then finetune and its test tools)"
-  .venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0
-  .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[test]"
+  echo "setup: installing into $venv (torch==2.13.0, then finetune and its test tools)"
+  pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check "${pins[@]}")
+  "${pip[@]}" torch==2.13.0
+  "${pip[@]}" -e ".[test]"
   echo "$want" > "$stamp"
 fi
