@@ -7,7 +7,9 @@ import argparse
 import sys
 
 from finetune import __version__
-from finetune.launch.values import MAX_SIGNAL_SECONDS  # torch-free, no finetune imports
+# torch-free, no finetune imports
+from finetune.launch.values import (MAX_LENGTH, MAX_MACHINES, MAX_PROCESSES,
+                                    MAX_PROCESSES_PER_MACHINE, MAX_SIGNAL_SECONDS)
 
 EXIT_USER_ERROR = 2
 
@@ -241,9 +243,6 @@ def _estimate(args: argparse.Namespace) -> int:
         memory = parse_memory(args.gpu_memory)
     except ValueError as exc:
         raise ConfigError([f"--gpu-memory: {exc}"]) from None
-    for flag, value in (("--gpus", args.gpus), ("--seq-len", args.seq_len)):
-        if value is not None and value < 1:
-            raise ConfigError([f"{flag}: must be at least 1, got {value}"])
     experiment = load_experiment(args.config, args.overrides)
     result = estimate(experiment, gpus=args.gpus, gpu_memory=memory, seq_len=args.seq_len)
     if args.json:
@@ -260,12 +259,22 @@ def _reference(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad flag is one `error:` line like every other user error (its
+    own error() prints the whole usage first)."""
+
+    def error(self, message: str):
+        print(f"error: {self.prog}: {message} (see {self.prog} --help)", file=sys.stderr)
+        raise SystemExit(EXIT_USER_ERROR)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="finetune",
         description="Fine-tune language models from a declarative YAML experiment.")
     parser.add_argument("--version", action="version", version=f"finetune {__version__}")
-    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True,
+                                     parser_class=_Parser)
 
     validate = commands.add_parser(
         "validate", help="check an experiment without loading anything heavy",
@@ -297,11 +306,12 @@ def build_parser() -> argparse.ArgumentParser:
                     "accelerate launch (default) or torchrun. Each process runs `finetune "
                     "train` and checks its world size, rank and backend before training.")
     _add_experiment_args(launch)
-    launch.add_argument("--num-processes", type=_whole(1),
+    launch.add_argument("--num-processes", type=_whole(1, MAX_PROCESSES),
                         help="processes in total (distributed.num_processes); without a "
                              "strategy they train as DDP")
-    launch.add_argument("--num-machines", type=_whole(1), help="distributed.num_machines")
-    launch.add_argument("--machine-rank", type=_whole(0), default=0,
+    launch.add_argument("--num-machines", type=_whole(1, MAX_MACHINES),
+                        help="distributed.num_machines")
+    launch.add_argument("--machine-rank", type=_whole(0, MAX_MACHINES - 1), default=0,
                         help="this machine's rank, 0..num_machines-1")
     launch.add_argument("--main-process-ip", type=_checked("host_problem"),
                         help="distributed.main_process_ip")
@@ -319,8 +329,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "running `finetune launch` with its SLURM_NODEID as machine rank; "
                     "--requeue, and USR1 before the time limit, forwarded to the trainers.")
     _add_experiment_args(slurm)
-    slurm.add_argument("--nodes", type=_whole(1), required=True, help="nodes (machines)")
-    slurm.add_argument("--gpus-per-node", type=_whole(0), default=0,
+    slurm.add_argument("--nodes", type=_whole(1, MAX_MACHINES), required=True,
+                       help="nodes (machines)")
+    slurm.add_argument("--gpus-per-node", type=_whole(0, MAX_PROCESSES_PER_MACHINE), default=0,
                        help="GPUs (and processes) per node; 0 trains one process per node "
                             "on the CPU")
     slurm.add_argument("--time", type=_time_limit, required=True,
@@ -340,12 +351,12 @@ def build_parser() -> argparse.ArgumentParser:
                     "recommend the cheapest layout (data parallel, ZeRO-1/2/3, offload) and "
                     "the largest micro batch that fit. See docs/estimate.md.")
     _add_experiment_args(estimate)
-    estimate.add_argument("--gpus", type=int,
+    estimate.add_argument("--gpus", type=_whole(1, MAX_PROCESSES),
                           help="number of GPUs (default: the experiment's world size)")
     estimate.add_argument("--gpu-memory", default="80GB",
                           help="memory per GPU: 80GB, 80GiB, 24G or a number of GB "
                                "(GB = 2^30 bytes; default 80GB)")
-    estimate.add_argument("--seq-len", type=int,
+    estimate.add_argument("--seq-len", type=_whole(1, MAX_LENGTH),
                           help="tokens per sequence (default: training.max_length, "
                                "classify.max_length, or 512 prompt + completion tokens)")
     estimate.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -361,7 +372,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from finetune.errors import ConfigError, DataError, RunError, RunFinished
 
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # Overrides may follow the flags too: `finetune launch exp.yaml --dry-run a.b=1`.
+    if extra and hasattr(args, "overrides") and not any(arg.startswith("-") for arg in extra):
+        args.overrides = [*args.overrides, *extra]
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return args.func(args)
     except RunFinished as done:  # a requeued job of a finished run succeeds
@@ -372,7 +389,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {problem}", file=sys.stderr)
         return EXIT_USER_ERROR
     except (DataError, RunError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        for line in str(exc).splitlines() or [""]:  # every line says it is an error
+            print(f"error: {line}", file=sys.stderr)
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
