@@ -29,26 +29,10 @@ import yaml
 
 from finetune import __version__
 from finetune.config.schema import Experiment
+from finetune.config.secrets import CREDENTIALS, redact
 from finetune.errors import RunError
 from finetune.launch.values import control_problem
 from finetune.resume import ResumePlan, plan_resume
-
-REDACTED = "<redacted>"
-_SECRET = re.compile(r"(^|_)(token|api_key|apikey|password|secret|access_key)$")
-_NOT_SECRET = re.compile(r"^(pad|eos|bos|unk|sep|cls|mask)_token$")
-
-
-def is_secret(key: str) -> bool:
-    return bool(_SECRET.search(key)) and not _NOT_SECRET.match(key)
-
-
-def redact(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: (REDACTED if is_secret(str(k)) and v else redact(v)) for k, v in value.items()}
-    if isinstance(value, list):
-        return [redact(v) for v in value]
-    return value
-
 
 def resolved_yaml(experiment: Experiment) -> str:
     body = redact(experiment.model_dump(mode="json"))
@@ -75,6 +59,15 @@ def check_run_dir(run_dir: Path) -> None:
     problem = control_problem(text)
     if problem:
         raise RunError(f"run directory {text!r} {problem} (output.dir)")
+    try:
+        text.encode("utf-8")  # it is written into launch.sh, job.sbatch, accelerate.yaml
+    except UnicodeEncodeError:
+        raise RunError(f"run directory {text!r} is not UTF-8 text (a byte the file system "
+                       "name has that no character is); choose another output.dir or "
+                       "working directory") from None
+    if CREDENTIALS.search(text):
+        raise RunError("the run directory holds credentials in a URL (user:password@), which "
+                       "would be written into its files and logs; choose another output.dir")
     existing = next(p for p in (run_dir, *run_dir.parents) if os.path.lexists(p))
     name_max = _limit(existing, "PC_NAME_MAX", 255)
     long = next((part for part in run_dir.parts if len(os.fsencode(part)) > name_max), None)

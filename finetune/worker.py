@@ -34,7 +34,7 @@ from finetune.render.training_args import training_kwargs
 from finetune.report import (attention_name, end_summary, environment, plot_loss,
                              start_summary, write_json)
 from finetune.resume import ResumePlan
-from finetune.rundir import REDACTED, is_secret
+from finetune.config.secrets import REDACTED, is_secret
 
 
 def make_training_args(experiment: Experiment, run_dir: Path, hw: Hardware,

@@ -21,6 +21,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from finetune.config.secrets import is_secret
+
 MANIFEST = Path(__file__).with_name("trl_fields.json")
 
 # method -> (module, class)
@@ -167,7 +169,10 @@ def _check_value(value: Any, spec: dict[str, Any], secret: bool = False) -> tupl
     elif isinstance(value, int):
         ok = bool(allowed & {"int", "float"})
         if ok and "int" not in allowed:
-            value = float(value)
+            try:
+                value = float(value)
+            except OverflowError:  # 10**400: past what a float holds
+                return value, f"a number of {len(str(value)[:5000])} digits is too large"
     elif isinstance(value, float):
         ok = "float" in allowed or ("int" in allowed and value.is_integer() and "str" not in allowed)
         if ok and "float" not in allowed:
@@ -209,8 +214,6 @@ def check_training(method: str, training: dict[str, Any]) -> tuple[dict[str, Any
     fields = load_manifest()["classes"][class_name]["fields"]
     checked: dict[str, Any] = {}
     problems: list[tuple[str, str]] = []
-    from finetune.rundir import is_secret
-
     for key, value in training.items():
         if not isinstance(key, str):
             problems.append((key, "a key must be text"))
