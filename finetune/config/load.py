@@ -18,14 +18,17 @@ from pydantic import BaseModel, ValidationError
 
 from finetune.config import models, paths, rules, trl_fields, yamltext
 from finetune.config.schema import Experiment
+from finetune.config.secrets import REDACTED, is_secret, scrub
 from finetune.errors import ConfigError
 
 Loc = tuple  # a path into the experiment: ("training", "learning_rate") or ("data", "train", 0)
+MAX_FILES = 64  # files one experiment reads, itself and its bases, counted each time read
 
 
-def parse_scalar(text: str, where: str = "command line") -> Any:
+def parse_scalar(text: str, where: str = "command line",
+                 budget: yamltext.Budget | None = None) -> Any:
     """Type a command-line value the way YAML would."""
-    return yamltext.compose(text, where)[1] if text.strip() else None
+    return yamltext.compose(text, where, budget)[1] if text.strip() else None
 
 
 def dotted(loc: Loc) -> str:
@@ -42,6 +45,10 @@ class _Origins:
 
     def __init__(self) -> None:
         self.where: dict[Loc, str] = {}
+        # One experiment's files, bases and overrides share one bound on values and files,
+        # so fanned-out `extends:` or many overrides cannot multiply the work.
+        self.budget = yamltext.Budget()
+        self.files_read = 0
         # a bare model name that is a near miss of a directory next to its file:
         # loc -> (value, problem), reported if no later file or override replaces it
         self.near_misses: dict[Loc, tuple[str, str]] = {}
@@ -59,7 +66,7 @@ def _read_yaml(path: Path, origins: _Origins, problems: list[str]) -> dict[str, 
             raw = file.read(yamltext.MAX_BYTES + 1)
     except OSError as exc:
         raise ConfigError([f"{path}: cannot read experiment file: {exc.strerror}"]) from None
-    node, data = yamltext.compose(yamltext.decode(raw, str(path)), str(path))
+    node, data = yamltext.compose(yamltext.decode(raw, str(path)), str(path), origins.budget)
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -157,6 +164,10 @@ def _load_file(path: Path, origins: _Origins, problems: list[str],
         raise ConfigError([f"{path}: extends: cycle: {cycle}"])
     if not paths.is_file(path):
         raise ConfigError([f"{where}{path}: no such experiment file"])
+    origins.files_read += 1
+    if origins.files_read > MAX_FILES:
+        raise ConfigError([f"{where}{path}: more than {MAX_FILES} experiment files read "
+                           "through extends: (a base named many times is read each time)"])
     data = _read_yaml(path, origins, problems)
     for loc in (("model", "name_or_path"), ("tokenizer", "name_or_path")):
         section = data.get(loc[0])
@@ -182,20 +193,30 @@ def _load_file(path: Path, origins: _Origins, problems: list[str],
     return _merge(merged, data)
 
 
-def apply_override(data: dict[str, Any], override: str, origins: _Origins) -> None:
-    if "=" not in override:
-        raise ConfigError([f"override {override!r}: expected key.sub=value"])
-    from finetune.rundir import REDACTED, is_secret
+def _named(override: str) -> str:
+    """How an override is named in errors: never a secret's value (also when the `=` was
+    mistyped: `training.hub_token:hf_...`), never more than a line."""
+    key, equals, _ = override.partition("=")
+    if not equals:
+        key = re.split(r"[^\w.]", override, maxsplit=1)[0]
+    if any(is_secret(word) for word in re.split(r"[^\w]+", key if equals else override)):
+        override = f"{key}={REDACTED}" if equals else f"{key}...{REDACTED}"
+    return override if len(override) <= 80 else f"{override[:60]}... ({len(override):,} characters)"
 
+
+def apply_override(data: dict[str, Any], override: str, origins: _Origins) -> None:
+    shown = _named(override)
+    if "=" not in override:
+        raise ConfigError([f"override {shown!r}: expected key.sub=value"])
     key, _, text = override.partition("=")
-    if is_secret(key.strip().rpartition(".")[2]):
-        override = f"{key}={REDACTED}"  # how it is named in errors
+    override = shown  # how it is named in errors
     # ASCII digits only: str.isdigit() is also true for '²' and '٣', which int() refuses.
     parts: list[Any] = [int(p) if p.isascii() and p.isdigit() else p
                         for p in key.strip().split(".")]
     if not all(str(p) for p in parts):
         raise ConfigError([f"override {override!r}: empty key segment"])
-    value = _resolve(parse_scalar(text, f"override {override!r}"), tuple(parts), Path.cwd())
+    value = _resolve(parse_scalar(text, f"override {override!r}", origins.budget), tuple(parts),
+                     Path.cwd())
     node: Any = data
     for i, part in enumerate(parts[:-1]):
         if isinstance(node, list) and isinstance(part, int) and part < len(node):
@@ -237,8 +258,6 @@ def _fields_at(loc: Loc) -> list[str]:
 
 
 def _describe(error: dict[str, Any]) -> str:
-    from finetune.rundir import is_secret
-
     kind, loc = error["type"], error["loc"]
     if kind == "extra_forbidden":
         close = difflib.get_close_matches(str(loc[-1]), _fields_at(loc), n=1)
@@ -249,23 +268,11 @@ def _describe(error: dict[str, Any]) -> str:
     if kind == "value_error":  # our own validators: their message, without pydantic's prefix
         message = str(error["ctx"]["error"])
     secret = any(isinstance(part, str) and is_secret(part) for part in loc)
+    shown = repr(error.get("input"))
     if "input" in error and kind not in ("model_type", "dict_type") and not secret and \
-            repr(error["input"]) not in message:
-        message += f" (got {error['input']!r})"
+            shown not in message:
+        message += f" (got {shown if len(shown) <= 60 else shown[:50] + '...'})"
     return message
-
-
-# user:password@ in a URL (a data source, a model, an index): never repeated in errors.
-_CREDENTIALS = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^\s/@]+@")
-
-
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
-
-
-def scrub(text: str) -> str:
-    """Credentials out; control characters escaped, so each problem stays one line."""
-    text = _CREDENTIALS.sub(r"\1<redacted>@", text)
-    return _CONTROL.sub(lambda m: repr(m.group())[1:-1], text)
 
 
 def _problem(origins: _Origins, loc: Loc, message: str, default: str) -> str:

@@ -24,18 +24,34 @@ MAX_DEPTH = 64  # nesting of mappings and lists
 MAX_NODES = 20_000  # scalars, mappings and lists, each alias counted where it is used
 
 
+class Budget:
+    """Values left to one experiment: its file, its bases and its overrides together."""
+
+    def __init__(self, values: int = MAX_NODES):
+        self.left = values
+
+    def spend(self, values: int, where: str) -> None:
+        self.left -= values
+        if self.left < 0:
+            raise ConfigError([f"{where}: the experiment (its files, their bases and the "
+                               f"overrides together) holds more than {MAX_NODES:,} values"])
+
+
 class Loader(yaml.SafeLoader):
     """SafeLoader that also reads 1e-4 as a float (YAML 1.1 needs a dot: 1.0e-4), and
-    stops composing past MAX_NODES nodes (the scanner is slow: ~10 us a token)."""
+    stops composing past `limit` nodes (the scanner is slow: ~10 us a token)."""
 
     composed = 0
+    limit = MAX_NODES
     where = "<text>"
 
     def compose_node(self, parent, index):
         self.composed += 1
-        if self.composed > MAX_NODES:
+        if self.composed > self.limit:
             line = self.peek_event().start_mark.line + 1
-            raise ConfigError([f"{self.where}:{line}: more than {MAX_NODES:,} values"])
+            raise ConfigError([f"{self.where}:{line}: more than {self.limit:,} values"
+                               + ("" if self.limit == MAX_NODES else
+                                  f" left of the experiment's {MAX_NODES:,}")])
         return super().compose_node(parent, index)
 
 
@@ -85,7 +101,7 @@ def decode(raw: bytes, where: str) -> str:
     return text
 
 
-def _measure(root: yaml.Node, where: str) -> None:
+def _measure(root: yaml.Node, where: str) -> int:
     """Refuse cycles (a recursive alias), deep nesting, too many expanded nodes and
     keys that are not text. Sizes are memoised per node, so this is linear in the
     document even when its expansion is exponential."""
@@ -119,22 +135,27 @@ def _measure(root: yaml.Node, where: str) -> None:
         sizes[key] = total
         return total
 
-    size(root, 0)
+    return size(root, 0)
 
 
-def compose(text: str, where: str) -> tuple[yaml.Node | None, Any]:
-    """The node graph (for line numbers) and the data of one YAML document."""
+def compose(text: str, where: str, budget: Budget | None = None) -> tuple[yaml.Node | None, Any]:
+    """The node graph (for line numbers) and the data of one YAML document; its values
+    (aliases expanded) are taken from `budget`."""
     loader = None
     try:
         loader = Loader(text)  # checks the characters: a ReaderError for control codes
         loader.where = where
+        if budget is not None:
+            loader.limit = max(min(MAX_NODES, budget.left), 0)
         try:
             node = loader.get_single_node()
         except RecursionError:
             raise ConfigError([f"{where}: nested too deeply to read"]) from None
         if node is None:
             return None, None
-        _measure(node, where)
+        values = _measure(node, where)
+        if budget is not None:
+            budget.spend(values, where)
         return node, loader.construct_document(node)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
