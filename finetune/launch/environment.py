@@ -4,14 +4,13 @@ an Accelerate config can silently change precision or turn on DeepSpeed."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Mapping
 
+from finetune.config import deepspeed_file
 from finetune.config.schema import Experiment
 from finetune.config.trl_fields import training_value
 from finetune.render.accelerate import MIXED_PRECISION
-from finetune.render.deepspeed import contradictions
 
 _TRUE = ("1", "true", "yes")
 
@@ -59,8 +58,7 @@ def launch_problems(experiment: Experiment, env: Mapping[str, str], precision: s
                         f"{accumulation}, but training.gradient_accumulation_steps is {ours}")
     ds_file = env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
     if dist.strategy == "deepspeed" and ds_file and Path(ds_file).is_file():
-        problems += contradictions(json.loads(Path(ds_file).read_text()), experiment,
-                                   ds_file, precision)
+        problems += deepspeed_file.problems(experiment, ds_file, precision)
     return problems
 
 

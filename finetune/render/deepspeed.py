@@ -1,15 +1,14 @@
 """Experiment -> DeepSpeed JSON. Batch size, accumulation, clipping and precision are
 "auto": transformers fills them from the training arguments, which stay the one source
-of truth. A hand-written file is checked against the experiment instead."""
+of truth. A hand-written file is used as it is (config/deepspeed_file.py checks it)."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
+from finetune.config import deepspeed_file
 from finetune.config.schema import DeepSpeedSection, Experiment
-from finetune.config.trl_fields import training_value
+from finetune.errors import RunError
 
 
 def _offload(device: str, nvme_path: str | None) -> dict[str, Any]:
@@ -50,39 +49,8 @@ def deepspeed_dict(experiment: Experiment) -> dict[str, Any]:
     """The DeepSpeed config of a run: the user's file when given, else the generated one."""
     spec = experiment.distributed.deepspeed
     if spec.config_file:
-        return json.loads(Path(spec.config_file).read_text())
+        config, why = deepspeed_file.read(spec.config_file)  # checked by validate
+        if why:
+            raise RunError(f"distributed.deepspeed.config_file: {why}")
+        return config
     return deepspeed_config(spec)
-
-
-def contradictions(config: dict[str, Any], experiment: Experiment, where: str,
-                   precision: str | None = None) -> list[str]:
-    """Values in a hand-written DeepSpeed config that disagree with the experiment."""
-    found = []
-
-    def ours(key: str):
-        return training_value(experiment.method, experiment.training, key)
-
-    def differs(key: str, theirs: Any, ours: Any, owner: str) -> None:
-        if theirs not in (None, "auto") and theirs != ours:
-            found.append(f"{where}: {key} is {theirs!r}, but the experiment's {owner} is {ours!r}")
-
-    stage = config.get("zero_optimization", {}).get("stage")
-    differs("zero_optimization.stage", stage, experiment.distributed.deepspeed.zero_stage,
-            "distributed.deepspeed.zero_stage")
-    differs("train_micro_batch_size_per_gpu", config.get("train_micro_batch_size_per_gpu"),
-            ours("per_device_train_batch_size"), "training.per_device_train_batch_size")
-    differs("gradient_accumulation_steps", config.get("gradient_accumulation_steps"),
-            ours("gradient_accumulation_steps"), "training.gradient_accumulation_steps")
-    differs("gradient_clipping", config.get("gradient_clipping"),
-            ours("max_grad_norm"), "training.max_grad_norm")
-    offload = config.get("zero_optimization", {}).get("offload_optimizer", {})
-    if offload.get("device", "none") != "none" and "optimizer" not in config and \
-            config.get("zero_force_ds_cpu_optimizer", True) is not False:
-        found.append(f"{where}: optimizer offload without zero_force_ds_cpu_optimizer: false "
-                     "silently replaces training.optim with DeepSpeedCPUAdam; add that key")
-    precision = precision or experiment.precision
-    if precision != "auto":
-        for kind in ("bf16", "fp16"):
-            enabled = config.get(kind, {}).get("enabled")
-            differs(f"{kind}.enabled", enabled, precision == kind, f"precision ({precision})")
-    return found
