@@ -24,6 +24,13 @@ class RunFinished(Exception):
     again). The CLI prints it and exits 0."""
 
 
+def first_line(exc: BaseException) -> str:
+    """A library's error in one line of ours: its first line, control characters escaped
+    (the rest is usually advice about its own setup)."""
+    lines = str(exc).strip().splitlines() or [type(exc).__name__]
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in lines[0])
+
+
 # Exit codes beyond the CLI's 2 (a user error). EX_TEMPFAIL, "try again later": training
 # stopped on a signal after sealing a checkpoint, and continues when run again.
 EXIT_PREEMPTED = 75

@@ -15,7 +15,7 @@ from finetune.build.device import Hardware
 from finetune.config import attention
 from finetune.config.schema import Experiment
 from finetune.render.training_args import attention_implementation
-from finetune.errors import RunError
+from finetune.errors import RunError, first_line
 
 # Architectures whose attention passes sinks (s_aux), which finetune_varlen cannot run.
 NO_VARLEN = ("gpt_oss",)
@@ -91,7 +91,8 @@ def _config(experiment: Experiment, tokenizer: PreTrainedTokenizerBase):
         config = AutoConfig.from_pretrained(spec.name_or_path, revision=spec.revision,
                                             trust_remote_code=spec.trust_remote_code, **extra)
     except OSError as exc:  # missing files, no network, unknown hub id
-        raise RunError(f"cannot load the model config from {spec.name_or_path!r}: {exc}") from None
+        raise RunError(f"model.name_or_path: cannot load the model config from "
+                       f"{spec.name_or_path!r}: {first_line(exc)}") from None
     except ValueError as exc:
         raise remote_code_error(exc, spec.name_or_path, "model.name_or_path") from None
     config.pad_token_id = tokenizer.pad_token_id

@@ -8,7 +8,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from finetune.build.model import refuse_remote_code, remote_code_error
 from finetune.config.schema import Experiment
-from finetune.errors import DataError, RunError
+from finetune.errors import DataError, RunError, first_line
 
 
 def load_tokenizer(experiment: Experiment) -> PreTrainedTokenizerBase:
@@ -22,7 +22,8 @@ def load_tokenizer(experiment: Experiment) -> PreTrainedTokenizerBase:
             trust_remote_code=experiment.model.trust_remote_code,
         )
     except OSError as exc:  # missing files, no network, unknown hub id
-        raise RunError(f"cannot load the tokenizer from {source!r}: {exc}") from None
+        raise RunError(f"{key}: cannot load the tokenizer from {source!r}: "
+                       f"{first_line(exc)}") from None
     except ValueError as exc:
         raise remote_code_error(exc, source, key) from None
     template = experiment.tokenizer.chat_template

@@ -39,17 +39,37 @@ def hub_cache() -> Path:
     return Path(home) / "hub"
 
 
-def offline(loc: tuple, hub_id: str) -> Iterator[Problem]:
-    """With HF_HUB_OFFLINE set, a bare name (no org/, the way a local directory next to
-    the YAML file is written) must be in the local hub cache, else it is most likely a
-    mistyped directory. Ids with an org are left to the hub: examples validate offline."""
-    if "/" in hub_id or os.environ.get("HF_HUB_OFFLINE", "").lower() not in _TRUE:
+def _datasets_cache() -> Path:
+    """datasets' own cache of prepared hub datasets, by its documented variables."""
+    if os.environ.get("HF_DATASETS_CACHE"):
+        return Path(os.environ["HF_DATASETS_CACHE"])
+    home = os.environ.get("HF_HOME") or str(
+        Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "huggingface")
+    return Path(home) / "datasets"
+
+
+def offline(loc: tuple, hub_id: str, kind: str = "model") -> Iterator[Problem]:
+    """With HF_HUB_OFFLINE (or, for data, HF_DATASETS_OFFLINE) set, a hub id must be in the
+    local caches: training would otherwise stop on a connection error after its imports.
+    A bare name (no org/, the way a directory next to the YAML file is written) is most
+    likely a mistyped directory, and said so."""
+    flags = [flag for flag in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+             if os.environ.get(flag, "").lower() in _TRUE
+             and (kind == "dataset" or flag == "HF_HUB_OFFLINE")]
+    if not flags:
         return
-    if paths.is_dir(hub_cache() / ("models--" + hub_id.replace("/", "--"))):
+    folder = f"{kind}s--" + hub_id.replace("/", "--")
+    cached = [hub_cache() / folder]
+    if kind == "dataset":
+        cached.append(_datasets_cache() / hub_id.replace("/", "___"))
+    if any(paths.is_dir(path) for path in cached):
         return
-    yield loc, (f"{hub_id!r} is not a local directory, and cannot be fetched from the hub "
-                f"offline (HF_HUB_OFFLINE is set; it is not in {hub_cache()}); "
-                "for a directory next to the YAML file, check the spelling")
+    where = " or ".join(str(path.parent) for path in cached)
+    hint = "; for a directory next to the YAML file, check the spelling" if "/" not in hub_id \
+        else ""
+    yield loc, (f"{hub_id!r} is not a local {'directory' if kind == 'model' else 'path'}, "
+                f"and cannot be fetched from the hub offline ({' and '.join(flags)} set; it is "
+                f"not in {where}){hint}")
 
 
 def near_miss(name: str, base: Path) -> str | None:

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Iterator
 
 from pydantic import BaseModel
 
-from finetune.config import models, paths, values
+from finetune.config import deepspeed_file, models, paths, values
 from finetune.config.schema import Experiment, PeftSection
+from finetune.config.secrets import CREDENTIALS, is_secret
 
 Problem = tuple[tuple, str]
 
@@ -47,6 +47,8 @@ def _paths(exp: Experiment) -> Iterator[Problem]:
                            "the YAML file that names them)"
             elif not HUB_ID.fullmatch(source.path):
                 yield loc, f"neither a local file nor a hub dataset id: {source.path!r}"
+            else:
+                yield from models.offline(loc, source.path, "dataset")
     for loc, value in ((("model", "name_or_path"), exp.model.name_or_path),
                        (("tokenizer", "name_or_path"), exp.tokenizer.name_or_path),
                        (("dpo", "ref_model"), exp.dpo.ref_model),
@@ -238,16 +240,8 @@ def _distributed(exp: Experiment) -> Iterator[Problem]:
 
 
 def _deepspeed_file(exp: Experiment, path: str) -> Iterator[Problem]:
-    from finetune.render.deepspeed import contradictions
-
-    loc = ("distributed", "deepspeed", "config_file")
-    try:
-        config = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as exc:
-        yield loc, f"cannot read {path} as JSON: {exc}"
-        return
-    for problem in contradictions(config, exp, path):
-        yield loc, problem
+    for problem in deepspeed_file.problems(exp, path):
+        yield ("distributed", "deepspeed", "config_file"), problem
 
 
 def _resume(exp: Experiment) -> Iterator[Problem]:
@@ -259,7 +253,29 @@ def _resume(exp: Experiment) -> Iterator[Problem]:
             "and RNG state cannot continue a run exactly; set resume: never to use it"
 
 
-RULES = (_paths, _peft, _data, _precision, _method_sections, _rewards, _classify,
+def _strings(value, loc: tuple = ()) -> Iterator[tuple[tuple, str]]:
+    if isinstance(value, dict):
+        for key, sub in value.items():
+            yield from _strings(sub, loc + (key,))
+    elif isinstance(value, list):
+        for i, sub in enumerate(value):
+            yield from _strings(sub, loc + (i,))
+    elif isinstance(value, str):
+        yield loc, value
+
+
+def _credentials(exp: Experiment) -> Iterator[Problem]:
+    """A password or token inside a URL would be written into the run directory (the
+    resolved experiment, generated configs) and shown in logs: refused wherever it is.
+    Secret keys (training.hub_token) are redacted instead."""
+    for loc, value in _strings(exp.model_dump(mode="json")):
+        if not is_secret(str(loc[-1])) and CREDENTIALS.search(value):
+            yield loc, ("holds credentials in a URL (user:password@); they would be written "
+                        "into the run directory: give them through the environment (HF_TOKEN, "
+                        "~/.netrc) instead")
+
+
+RULES = (_credentials, _paths, _peft, _data, _precision, _method_sections, _rewards, _classify,
          _distributed, _resume, values.check)
 
 

@@ -12,13 +12,33 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from finetune.config import attention
-from finetune.launch.values import control_problem, host_problem
+from finetune.launch.values import (MAX_LENGTH, MAX_MACHINES, MAX_PROCESSES,
+                                    MAX_PROCESSES_PER_MACHINE, control_problem, host_problem)
 
 Method = Literal["sft", "reward", "dpo", "classify", "grpo", "ppo"]
 
 
+# A branch, tag or commit as the hub names them (git's ref rules, simplified).
+REVISION_RE = re.compile(r"(?!.*\.\.)[A-Za-z0-9][A-Za-z0-9._/-]{0,199}")
+
+
+def _revision(value: str | None) -> str | None:
+    if value is not None and not REVISION_RE.fullmatch(value):
+        raise ValueError("not a branch, tag or commit name (letters, digits, '.', '_', '-', "
+                         "'/'; at most 200)")
+    return value
+
+
+def _no_control(value: str | None) -> str | None:
+    problem = value and control_problem(value)  # written into generated files
+    if problem:
+        raise ValueError(problem)
+    return value
+
+
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_default=True)
+    # NaN and infinity are no setting's value (pydantic's float takes them by default).
+    model_config = ConfigDict(extra="forbid", validate_default=True, allow_inf_nan=False)
 
 
 class ModelSection(Section):
@@ -29,6 +49,7 @@ class ModelSection(Section):
         description="'pretrained' loads weights; 'random' builds the architecture from "
         "config.json with freshly initialised weights (seeded by training.seed).")
     revision: str | None = Field(None, description="Hub revision (branch, tag or commit).")
+    _revision = field_validator("revision")(classmethod(lambda cls, v: _revision(v)))
     trust_remote_code: bool = Field(
         False, description="Run modelling code shipped with the model. Off unless you trust it.")
     attn_implementation: str = Field(
@@ -60,7 +81,7 @@ class PeftSection(Section):
     type: Literal["none", "lora", "qlora"] = Field(
         "none", description="none: full fine-tuning; lora: LoRA adapters; qlora: LoRA on a "
         "model quantized with bitsandbytes.")
-    r: int = Field(16, gt=0, description="LoRA rank.")
+    r: int = Field(16, gt=0, le=65536, description="LoRA rank.")
     alpha: float = Field(32, gt=0, description="LoRA scaling alpha.")
     dropout: float = Field(0.05, ge=0, lt=1, description="Dropout on the LoRA input.")
     target_modules: str | list[str] = Field(
@@ -86,11 +107,13 @@ class DataSource(Section):
     split: str = Field("train", description="Split to read from a hub dataset.")
     subset: str | None = Field(None, description="Hub dataset configuration name.")
     revision: str | None = Field(None, description="Hub dataset revision.")
+    _revision = field_validator("revision")(classmethod(lambda cls, v: _revision(v)))
     columns: dict[str, str] = Field(
         default_factory=dict,
         description="Rename columns, as {expected_name: name_in_the_file}, e.g. "
         "{messages: conversations}.")
-    max_samples: int | None = Field(None, gt=0, description="Keep only the first N rows.")
+    max_samples: int | None = Field(None, gt=0, le=2**63 - 1,
+                                     description="Keep only the first N rows.")
 
 
 def _as_source_list(value: Any) -> Any:
@@ -170,7 +193,8 @@ class ClassifySection(Section):
         0.0, ge=0, description="Focal loss exponent: (1 - p_true)^gamma scales each sample's "
         "cross-entropy; 0 is plain cross-entropy.")
     label_smoothing: float = Field(0.0, ge=0, lt=1, description="Label smoothing.")
-    max_length: int = Field(512, gt=0, description="Truncate texts to this many tokens.")
+    max_length: int = Field(512, gt=0, le=MAX_LENGTH,
+                            description="Truncate texts to this many tokens.")
 
 
 class PPOSection(Section):
@@ -182,24 +206,25 @@ class PPOSection(Section):
     value_model_path: str | None = Field(
         None, description="separate only: initialise the value model from this model "
         "directory (for example the reward model) instead of the policy's base.")
-    max_new_tokens: int = Field(64, gt=0, description="Response length limit of a rollout.")
+    max_new_tokens: int = Field(64, gt=0, le=MAX_LENGTH,
+                                description="Response length limit of a rollout.")
     stop_strings: list[str] = Field(
         default_factory=list, description="A response also ends at one of these strings "
         "(it always ends at the EOS token).")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature of rollouts.")
-    top_k: int | None = Field(None, gt=0, description="Sample from the top k tokens only.")
+    top_k: int | None = Field(None, gt=0, le=MAX_LENGTH, description="Sample from the top k tokens only.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
     rollout_batches: int = Field(
-        4, ge=1, description="Mini-batches per rollout: each rollout samples "
+        4, ge=1, le=MAX_LENGTH, description="Mini-batches per rollout: each rollout samples "
         "rollout_batches x per_device_train_batch_size x gradient_accumulation_steps prompts "
         "per process, then trains on them in that many optimizer steps per PPO epoch.")
-    ppo_epochs: int = Field(4, ge=1, description="Passes over each rollout.")
+    ppo_epochs: int = Field(4, ge=1, le=MAX_LENGTH, description="Passes over each rollout.")
     kl_coef: float = Field(0.05, ge=0, description="Per-token KL penalty coefficient "
                            "(the starting value when kl_target is set).")
     kl_target: float | None = Field(
         None, gt=0, description="Adaptive KL control: steer the coefficient so the "
         "rollout KL approaches this value.")
-    kl_horizon: int = Field(10000, gt=0, description="Adaptive KL: horizon in samples.")
+    kl_horizon: int = Field(10000, gt=0, le=MAX_LENGTH, description="Adaptive KL: horizon in samples.")
     gamma: float = Field(1.0, ge=0, le=1, description="Discount factor.")
     lam: float = Field(0.95, ge=0, le=1, description="GAE lambda.")
     cliprange: float = Field(0.2, gt=0, description="Policy ratio clip range.")
@@ -218,8 +243,10 @@ class EvaluationSection(Section):
     exact_match: bool = Field(
         False, description="sft: greedy-generate answers for the eval prompts and report "
         "the fraction that equals the reference exactly (after stripping whitespace).")
-    max_new_tokens: int = Field(64, gt=0, description="exact_match: generation length limit.")
-    max_samples: int = Field(256, gt=0, description="exact_match: eval rows to generate for.")
+    max_new_tokens: int = Field(64, gt=0, le=MAX_LENGTH,
+                                description="exact_match: generation length limit.")
+    max_samples: int = Field(256, gt=0, le=MAX_LENGTH,
+                             description="exact_match: eval rows to generate for.")
 
 
 class DeepSpeedSection(Section):
@@ -234,6 +261,9 @@ class DeepSpeedSection(Section):
     config_file: str | None = Field(
         None, description="A hand-written DeepSpeed JSON to use instead of the generated one; "
         "checked against the experiment (stage, precision, batch, accumulation, clipping).")
+
+    _paths = field_validator("nvme_path", "config_file")(
+        classmethod(lambda cls, v: _no_control(v)))
 
 
 class FSDPSection(Section):
@@ -253,17 +283,17 @@ class DistributedSection(Section):
     strategy: Literal["none", "ddp", "fsdp", "deepspeed"] = Field(
         "none", description="none: one process; ddp: data parallel; fsdp or deepspeed: "
         "sharded data parallel.")
-    num_machines: int = Field(1, ge=1, description="Machines (nodes) in the job.")
+    num_machines: int = Field(1, ge=1, le=MAX_MACHINES, description="Machines (nodes) in the job.")
     num_processes: int | None = Field(
-        None, ge=1, description="Processes in total, over all machines. Default: "
+        None, ge=1, le=MAX_PROCESSES, description="Processes in total, over all machines. Default: "
         "processes_per_machine x num_machines, or 1 with strategy none.")
     processes_per_machine: int | None = Field(
-        None, ge=1, description="Processes on each machine (usually its GPU count).")
+        None, ge=1, le=MAX_PROCESSES_PER_MACHINE, description="Processes on each machine (usually its GPU count).")
     main_process_ip: str = Field("127.0.0.1", description="Address of machine 0.")
     main_process_port: int = Field(29500, ge=1, le=65535, description="Rendezvous port.")
     rdzv_backend: Literal["static", "c10d"] = Field("static", description="Rendezvous backend.")
     rdzv_timeout: int = Field(
-        120, gt=0, description="Seconds a process waits for the others to join before it "
+        120, gt=0, le=7 * 24 * 3600, description="Seconds a process waits for the others to join before it "
         "fails with an error.")
     launcher: Literal["accelerate", "torchrun"] = Field(
         "accelerate", description="What `finetune launch` starts the processes with.")
@@ -295,18 +325,12 @@ class OutputSection(Section):
     save_final: bool = Field(True, description="Save the final model or adapter to <dir>/final.")
     plot: bool = Field(True, description="Write the loss curve to <dir>/loss.png.")
 
-    @field_validator("dir")
-    @classmethod
-    def _dir(cls, value: str | None) -> str | None:
-        problem = value and control_problem(value)  # named in launch.sh and job.sbatch
-        if problem:
-            raise ValueError(problem)
-        return value
+    _dir = field_validator("dir")(classmethod(lambda cls, v: _no_control(v)))
 
 
 class PreemptionSection(Section):
     save_timeout: int = Field(
-        300, gt=0, description="Seconds a save asked for by SIGTERM or SIGUSR1 may take; "
+        300, gt=0, le=7 * 24 * 3600, description="Seconds a save asked for by SIGTERM or SIGUSR1 may take; "
         "past them the process exits without it (the previous checkpoint stays). Keep it "
         "below the cluster's grace period (SLURM: KillWait or the preemption GraceTime).")
 

@@ -10,6 +10,7 @@ from typing import Any, Iterator
 
 from finetune.config import attention, trl_fields
 from finetune.config.schema import Experiment
+from finetune.launch.values import MAX_LENGTH
 
 Problem = tuple[tuple, str]
 
@@ -33,9 +34,15 @@ AT_LEAST = {
     "dataloader_num_workers": 0,
     "save_total_limit": 0,
 }
+# Lengths and batch sizes become int32/int64 tensor shapes; past MAX_LENGTH none is real.
+AT_MOST = {key: MAX_LENGTH for key in (
+    "per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
+    "max_length", "max_prompt_length", "max_completion_length", "max_new_tokens",
+    "generation_batch_size", "num_generations")}
 # Steps between logs, saves and evaluations: 0 stops TrainingArguments at train start.
 POSITIVE = ("logging_steps", "save_steps", "eval_steps")
-SEED_MAX = 2**32 - 1  # numpy's seeds; transformers' set_seed seeds numpy too
+SEED_MAX = 2**32 - 1
+INT64 = (-2**63, 2**63 - 1)  # what torch and numpy hold; the Trainer turns steps into tensors  # numpy's seeds; transformers' set_seed seeds numpy too
 
 # report_to name -> the module transformers imports for it (pip package in brackets).
 INTEGRATIONS = {
@@ -71,12 +78,16 @@ def _ranges(training: dict[str, Any]) -> Iterator[Problem]:
         if not _number(value):
             continue
         loc = ("training", key)
-        if isinstance(value, float) and not math.isfinite(value):
+        if isinstance(value, int) and not INT64[0] <= value <= INT64[1]:
+            yield loc, "must fit in 64 bits (between -2**63 and 2**63 - 1)"
+        elif isinstance(value, float) and not math.isfinite(value):
             yield loc, f"must be a finite number, got {value}"
         elif key in POSITIVE and value <= 0:
             yield loc, f"must be more than 0, got {value}"
         elif key in AT_LEAST and value < AT_LEAST[key]:
             yield loc, f"must be at least {AT_LEAST[key]}, got {value}"
+        elif key in AT_MOST and value > AT_MOST[key]:
+            yield loc, f"must be at most {AT_MOST[key]:,}, got {value:,}"
         elif key in ("seed", "data_seed") and not 0 <= value <= SEED_MAX:
             yield loc, f"must be between 0 and 2**32 - 1, got {value}"
         elif key in ("num_train_epochs",) and value <= 0 and training.get("max_steps", -1) <= 0:

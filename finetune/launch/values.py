@@ -13,6 +13,11 @@ import re
 
 # SLURM's limit on --signal's time before the end of the job.
 MAX_SIGNAL_SECONDS = 65535
+# Bounds far past any cluster, so absurd numbers are refused instead of written out.
+MAX_MACHINES = 100_000
+MAX_PROCESSES_PER_MACHINE = 1024
+MAX_PROCESSES = 1_000_000
+MAX_LENGTH = 2**31 - 1  # tokens in a sequence (and other counts kept in int32 tensors)
 CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
 _LABEL = r"[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?"
 HOST_RE = re.compile(rf"{_LABEL}(?:\.{_LABEL})*\.?")
