@@ -45,10 +45,16 @@ class Evaluation:
         room = (self.gpu_memory - self.overhead) / (1 + FRAGMENTATION) - self.fixed
         if self.per_sample <= 0 or room < self.per_sample:
             return 0
-        batch = int(room // self.per_sample)
-        while batch > 0 and self.total_at(batch) > self.gpu_memory:  # integer rounding
-            batch -= 1
-        return batch
+        # The largest batch whose total fits, by bisection: total_at rounds, and room's
+        # float can be far from an integer at huge sizes.
+        low, high = 0, int(room // self.per_sample) + 1
+        while low < high:
+            mid = (low + high + 1) // 2
+            if self.total_at(mid) <= self.gpu_memory:
+                low = mid
+            else:
+                high = mid - 1
+        return low
 
 
 def regime(settings: Settings, layout: Layout) -> act.Regime:

@@ -12,6 +12,9 @@ _UNITS = {"": GiB, "g": GiB, "gb": GiB, "gib": GiB, "m": 1024 ** 2, "mb": 1024 *
           "mib": 1024 ** 2, "t": 1024 ** 4, "tb": 1024 ** 4, "tib": 1024 ** 4}
 
 
+MAX_MEMORY = 2**50  # bytes (1 PiB)
+
+
 def parse_memory(text: str) -> int:
     """'80GB', '80GiB', '24G', '80' (GB) -> bytes. GB means 2^30 bytes here, as in GPU
     names: an "80GB" H100 has 80 GiB."""
@@ -20,7 +23,10 @@ def parse_memory(text: str) -> int:
     if match is None or unit not in _UNITS or float(match.group(1)) <= 0:
         raise ValueError(f"cannot read {text!r} as a memory size; use e.g. 80GB, 80GiB, 24G "
                          "or a plain number of GB")
-    return int(float(match.group(1)) * _UNITS[unit])
+    size = float(match.group(1)) * _UNITS[unit]
+    if size > MAX_MEMORY:
+        raise ValueError(f"{text!r} is more than {MAX_MEMORY // 2**40:,} TiB, past any device")
+    return int(size)
 
 
 def human(n: int | float) -> str:

@@ -76,14 +76,19 @@ def _hub_cache() -> Path:
 def _cached_config(hub_id: str, revision: str | None) -> Path | None:
     repo = _hub_cache() / ("models--" + hub_id.replace("/", "--"))
     snapshots = repo / "snapshots"
-    ref = repo / "refs" / (revision or "main")
-    if ref.is_file():
-        found = snapshots / ref.read_text().strip() / "config.json"
-        if found.is_file():
-            return found
-    if revision and (snapshots / revision / "config.json").is_file():
-        return snapshots / revision / "config.json"
-    candidates = sorted(snapshots.glob("*/config.json"), key=lambda p: p.stat().st_mtime)
+    try:
+        ref = repo / "refs" / (revision or "main")
+        if ref.is_file():
+            found = snapshots / ref.read_text().strip() / "config.json"
+            if found.is_file():
+                return found
+        if revision and (snapshots / revision / "config.json").is_file():
+            return snapshots / revision / "config.json"
+        if revision:
+            return None  # another revision's shapes would be an estimate of another model
+        candidates = sorted(snapshots.glob("*/config.json"), key=lambda p: p.stat().st_mtime)
+    except (OSError, ValueError):  # a revision no file name can be, an unreadable cache
+        return None
     return candidates[-1] if candidates else None
 
 
@@ -105,10 +110,18 @@ def find_config(name_or_path: str, revision: str | None = None) -> Path:
     return found
 
 
+# Far past any model (the largest have ~200 layers and ~256k vocabularies): a config
+# beyond them is not one the estimate can walk layer by layer in a moment.
+LIMITS = {"num_hidden_layers": 10_000, "vocab_size": 2**24}
+LIMIT = 2**24  # other sizes (hidden, heads, positions...)
+
+
 def _int(config: dict[str, Any], key: str, where: str, default: int | None = None) -> int:
     value = config.get(key, default)
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ConfigError([f"{where}: {key} must be a positive integer, got {value!r}"])
+    limit = LIMITS.get(key, LIMIT)
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 < value <= limit:
+        raise ConfigError([f"{where}: {key} must be an integer in 1..{limit:,}, "
+                           f"got {str(value)[:40]}"])
     return value
 
 
@@ -133,7 +146,9 @@ def shape_of(config: dict[str, Any], where: str) -> Shape:
         tied=bool(config.get("tie_word_embeddings", False)),
         qkv_bias=qkv_bias, o_bias=o_bias,
         mlp_bias=kind == "llama" and bool(config.get("mlp_bias", False)),
-        qk_norm=kind == "qwen3", max_positions=config.get("max_position_embeddings"),
+        qk_norm=kind == "qwen3",
+        max_positions=_int(config, "max_position_embeddings", where)
+        if config.get("max_position_embeddings") is not None else None,
         source=where)
 
 
