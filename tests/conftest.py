@@ -35,6 +35,14 @@ def run_cli(*args: str, cwd: Path, timeout: int = 600) -> subprocess.CompletedPr
 
 
 @pytest.fixture
+def online(monkeypatch):
+    """As a user with network: offline, a hub id missing from the local caches is refused
+    (config/models.py), and the example configs name hub models and data."""
+    for flag in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        monkeypatch.delenv(flag, raising=False)
+
+
+@pytest.fixture
 def write(tmp_path):
     """write("name.yaml", text) -> path, in the test's own directory."""
 

@@ -67,9 +67,11 @@ def test_missing_file_exits_2(tmp_path):
 def test_unreachable_hub_model_is_a_clear_error(write, tmp_path):
     config = write("hub.yaml", "method: sft\nmodel:\n  name_or_path: Qwen/Qwen2.5-0.5B-Instruct\n"
                                f"data:\n  train: {DATA}/sft_train.jsonl\n")
-    result = run_cli("train", str(config), cwd=tmp_path)
+    result = run_cli("train", str(config), cwd=tmp_path)  # offline (conftest), not cached
     assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert "cannot load the tokenizer from 'Qwen/Qwen2.5-0.5B-Instruct'" in result.stderr
+    assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1, result.stderr
+    assert "model.name_or_path: 'Qwen/Qwen2.5-0.5B-Instruct' is not a local directory, " \
+           "and cannot be fetched from the hub offline" in result.stderr
 
 
 def test_trains_from_a_source_tree_without_installing(write, tmp_path):

@@ -156,7 +156,7 @@ def test_cross_field_rules(write):
     assert any("evaluation.exact_match: needs data.eval" in p for p in problems(path))
 
 
-def test_hub_ids_validate_without_network(write):
+def test_hub_ids_validate_without_network(write, online):
     path = write("hub.yaml", "method: sft\nmodel:\n  name_or_path: Qwen/Qwen2.5-0.5B-Instruct\n"
                              "data:\n  train: trl-lib/Capybara\n")
     exp = load_experiment(path)

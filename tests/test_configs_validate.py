@@ -15,12 +15,12 @@ def test_there_are_experiments():
 
 
 @pytest.mark.parametrize("path", EXPERIMENTS, ids=lambda p: str(p.relative_to(REPO)))
-def test_experiment_validates(path):
+def test_experiment_validates(path, online):
     load_experiment(path)
 
 
 @pytest.mark.parametrize("method", ["sft", "reward", "dpo"])
-def test_quickstart_with_a_hub_model_validates(method):
+def test_quickstart_with_a_hub_model_validates(method, online):
     """The quickstart file with a hub model and hub data is a valid experiment as is."""
     data = "trl-lib/Capybara" if method == "sft" else "trl-lib/ultrafeedback_binarized"
     exp = load_experiment(REPO / "configs" / "quickstart" / f"{method}.yaml", [

@@ -23,6 +23,9 @@ from finetune.estimate.memory import model_states
 from finetune.estimate.settings import Layout, settings_of
 from finetune.estimate.shapes import parameters, read_shape
 
+# The examples name hub models and data; the estimate reads no network either way.
+pytestmark = pytest.mark.usefixtures("online")
+
 BENCH = REPO / "bench" / "models"
 QWEN = BENCH / "qwen2.5-0.5b"
 LLAMA_8B = BENCH / "llama-3.1-8b"
@@ -79,6 +82,44 @@ def test_cli_user_errors_exit_2(tmp_path, monkeypatch):
     (odd / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": 8}))
     result = run_cli("estimate", str(SFT), f"model.name_or_path={odd}", cwd=tmp_path)
     assert result.returncode == 2 and "model_type 'gpt2' is not supported" in result.stderr
+
+
+@pytest.mark.parametrize("change, expected", [
+    ({"num_hidden_layers": 10_000_000}, "num_hidden_layers must be an integer in 1..10,000"),
+    ({"max_position_embeddings": "abc"}, "max_position_embeddings must be an integer"),
+    ({"vocab_size": 10 ** 400}, "vocab_size must be an integer in 1..16,777,216"),
+])
+def test_absurd_model_configs_are_one_error(tmp_path, change, expected):
+    """The estimate walks the model layer by layer: a config.json past any real model is
+    refused in a moment instead of hanging or raising."""
+    model = tmp_path / "model"
+    model.mkdir()
+    config = {**json.loads((QWEN / "config.json").read_text()), **change}
+    (model / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=expected):
+        estimate(load_experiment(SFT, [f"model.name_or_path={model}", "model.init=pretrained",
+                                       "training.max_length=null"]))
+
+
+def test_a_revision_not_in_the_cache_is_not_another_revision(tmp_path, monkeypatch):
+    snapshot = tmp_path / "hub" / "models--org--m" / "snapshots" / "abc"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text((QWEN / "config.json").read_text())
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    exp = lambda *extra: load_experiment(SFT_LORA, ["model.name_or_path=org/m", *extra])
+    assert estimate(exp()).shape.layers == 24  # newest snapshot, no revision asked for
+    assert estimate(exp("model.revision=abc")).shape.layers == 24
+    with pytest.raises(ConfigError, match="not in the Hugging Face cache"):
+        estimate(exp("model.revision=v2"))
+
+
+def test_huge_memory_and_sizes_answer_at_once():
+    exp = load_experiment(SFT_LORA, [f"model.name_or_path={QWEN}"])
+    found = estimate(exp, gpu_memory=parse_memory("1000000GB"))
+    assert found.configured.max_micro_batch > 10 ** 5  # ~4 GB a sample, 1 PB of memory
+    exp = load_experiment(SFT_LORA, [f"model.name_or_path={QWEN}", "training.max_length=2147483647",
+                                     "training.per_device_train_batch_size=2147483647"])
+    assert not estimate(exp).configured.fits
 
 
 def test_estimate_imports_no_torch():

@@ -67,6 +67,19 @@ FILES = {
     "data_path_long": (BASE.replace(f"{DATA}/sft_train.jsonl", "./" + "y" * 300),
                        "data.train[0].path"),
     "model_unknown_user": (BASE.replace(str(TINY_MODEL), "~nosuchuser/m"), "no such user"),
+    "huge_int_for_a_float": (BASE + f"training:\n  learning_rate: 1{'0' * 400}\n",
+                             "training.learning_rate: a number of 401 digits is too large"),
+    "huge_int_steps": (BASE + f"training:\n  max_steps: 1{'0' * 30}\n",
+                       "training.max_steps: must fit in 64 bits"),
+    "huge_length": (BASE + "training:\n  max_length: 99999999999\n",
+                    "training.max_length: must be at most 2,147,483,647"),
+    "infinite_section_float": (BASE + "peft: {type: lora, alpha: .inf}\n", "peft.alpha"),
+    "too_many_machines": (BASE + "distributed: {num_machines: 4294967296}\n",
+                          "distributed.num_machines"),
+    "long_revision": (BASE + f"model: {{revision: {'a' * 300}}}\n", "model.revision: not a"),
+    "nvme_path_newline": (BASE + 'distributed: {strategy: deepspeed, deepspeed: {'
+                          'offload_optimizer: nvme, nvme_path: "/a\\nb"}}\n',
+                          "nvme_path: contains the control character"),
 }
 
 
@@ -103,6 +116,7 @@ OVERRIDES = {
     "arabic_digit_key": ("data.train.٣.path=x", "data.train"),
     "int_key_in_training": ("training.1=2", "training[1]: a key must be text"),
     "deep_value": ("training.seed=" + "[" * 3000, "override"),
+    "long_value_is_shortened": ("training.seed=" + "1" * 5000, "(5,014 characters)"),
 }
 
 
@@ -211,6 +225,11 @@ SECRET = "pa55w0rdXYZ"
     (BASE, (f"training.hub_token=[{SECRET}",)),
     (BASE, (f"training.hub_token=!!int {SECRET}",)),
     (BASE + f'training:\n  hub_token: !!int "{SECRET}"\n', ()),
+    (BASE, (f"training.hub_token:{SECRET}",)),  # = mistyped
+    (BASE, (f"distributed.deepspeed.nvme_path=https://u:{SECRET}@host/x",)),
+    (BASE, (f"training.hub_model_id=https://u:{SECRET}@host/x",)),
+    (BASE, (f"output.dir=https://u:{SECRET}@host/x",)),
+    (BASE, (f"data.weight_column=ftp://u:{SECRET}@host",)),
 ])
 def test_secrets_are_not_echoed(capsys, write, text, overrides):
     message = refused(capsys, write("exp.yaml", text), *overrides)
@@ -294,3 +313,61 @@ def test_unknown_pad_token(capsys, write):
     assert "tokenizer.pad_token: '<pad>' is not a token of the tokenizer" in message
     assert "<|pad|>" in message
     assert validate(capsys, path, "tokenizer.pad_token=<|pad|>")[0] == 0
+
+
+def _chain(tmp_path, levels: int, fan: int) -> None:
+    """b0.yaml extends b1.yaml `fan` times, and so on: read naively, fan**levels files."""
+    for level in range(levels):
+        (tmp_path / f"b{level}.yaml").write_text(
+            f"extends: [{', '.join([f'b{level + 1}.yaml'] * fan)}]\n")
+    (tmp_path / f"b{levels}.yaml").write_text("{}\n")
+
+
+def test_extends_fan_out_is_bounded(capsys, tmp_path):
+    _chain(tmp_path, 5, 10)
+    path = tmp_path / "exp.yaml"
+    path.write_text("extends: b0.yaml\n" + BASE)
+    assert "more than 64 experiment files read" in refused(capsys, path, seconds=2)
+
+
+def test_overrides_share_the_experiment_value_budget(capsys, write):
+    many = "[" + ",".join(["1"] * 19_000) + "]"
+    message = refused(capsys, write("exp.yaml", BASE), *[f"x.a{i}={many}" for i in range(15)],
+                      seconds=3)
+    assert "left of the experiment's 20,000" in message
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("[]", "a DeepSpeed config is a JSON object, not list"),
+    ('"x"', "not str"),
+    ('{"zero_optimization": [1]}', "zero_optimization must be a JSON object"),
+    ('{"zero_optimization": {"offload_optimizer": "cpu"}}',
+     "zero_optimization.offload_optimizer must be a JSON object"),
+    ('{"bf16": true}', "bf16 must be a JSON object"),
+    ("[" * 5000 + "]" * 5000, "cannot read"),
+    ('{"zero_optimization": {"stage": 3}}', "zero_optimization.stage is 3, but"),
+])
+def test_hand_written_deepspeed_file_of_any_shape(capsys, write, text, expected):
+    file = write("ds.json", text)
+    message = refused(capsys, write("exp.yaml", BASE), "distributed.strategy=deepspeed",
+                      f"distributed.deepspeed.config_file={file}", "precision=fp32")
+    assert expected in message and message.count("error:") == 1
+
+
+def test_hub_ids_must_be_cached_offline(capsys, write, tmp_path, monkeypatch):
+    """Offline, a hub model or dataset that is not in the local caches cannot be
+    fetched at train time either: refused by validate, with where it looked."""
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    path = write("exp.yaml", BASE)
+    message = refused(capsys, path, "model.name_or_path=someorg/no-such-model",
+                      "data.train=someorg/no-such-data")
+    assert "model.name_or_path: 'someorg/no-such-model' is not a local directory, and " \
+           "cannot be fetched from the hub offline (HF_HUB_OFFLINE set" in message
+    assert "data.train[0].path: 'someorg/no-such-data'" in message
+    (tmp_path / "hf" / "hub" / "models--someorg--no-such-model").mkdir(parents=True)
+    (tmp_path / "hf" / "datasets" / "someorg___no-such-data").mkdir(parents=True)
+    assert validate(capsys, path, "model.name_or_path=someorg/no-such-model",
+                    "data.train=someorg/no-such-data")[0] == 0
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.delenv("HF_DATASETS_OFFLINE")
+    assert validate(capsys, path, "model.name_or_path=other/model", "data.train=other/d")[0] == 0

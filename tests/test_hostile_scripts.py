@@ -87,6 +87,27 @@ def test_launch_sh_with_hostile_paths_runs_only_the_stub(tmp_path, launcher):
     no_pwned(tmp_path)
 
 
+def test_launch_sh_takes_only_a_rank_of_the_run(tmp_path):
+    """One exec line whatever the number of machines (100,000 machines wrote 21 MB);
+    a rank that is not one of the run's refuses to start anything."""
+    bin_dir = tmp_path / "bin"
+    record = tmp_path / "argv"
+    python = stub(bin_dir, "python", record)
+    exp = load_experiment(write_yaml(tmp_path / "e.yaml", base(distributed={
+        "strategy": "ddp", "num_machines": 100_000, "num_processes": 100_000})))
+    script = tmp_path / "launch.sh"
+    script.write_text(launch_script(exp, tmp_path / "run", python=str(python)))
+    assert script.stat().st_size < 2000
+    for rank in ("100000", "-1", "01", "1e3", "0;touch PWNED", "$(touch PWNED)", " 1"):
+        done = subprocess.run(["bash", str(script), rank], cwd=tmp_path, env=stub_env(bin_dir),
+                              capture_output=True, text=True)
+        assert done.returncode == 2 and "machine rank must be 0..99999" in done.stderr, rank
+    done = subprocess.run(["bash", str(script), "99999"], cwd=tmp_path, env=stub_env(bin_dir))
+    assert done.returncode == 0
+    assert calls(record) == [launch_argv(exp, tmp_path / "run", 99999, str(python))]
+    no_pwned(tmp_path)
+
+
 def test_job_sbatch_with_hostile_paths_runs_only_the_stub(tmp_path):
     run_dir = tmp_path / HOSTILE / "run"
     bin_dir = tmp_path / f"bin {HOSTILE}"
@@ -163,7 +184,7 @@ def _main(argv: list[str], capsys) -> tuple[int, str]:
 
 @pytest.mark.parametrize("flags, message", [
     (["slurm", "--nodes", "1", "--time", "10", "--gpus-per-node", "-3"],
-     "--gpus-per-node: must be at least 0, got -3"),
+     "--gpus-per-node: must be 0..1024, got -3"),
     (["slurm", "--nodes", "1", "--time", "10", "--signal-seconds", "-5"],
      "--signal-seconds: must be 0..65535, got -5"),
     (["slurm", "--nodes", "1", "--time", "00:99:99"], "seconds and minutes go up to 59"),
@@ -172,17 +193,25 @@ def _main(argv: list[str], capsys) -> tuple[int, str]:
     (["slurm", "--nodes", "1", "--time", "0"], "0 means no limit"),
     (["slurm", "--nodes", "1", "--time", "5", "--signal-seconds", "300"],
      "--signal-seconds 300 is not before the time limit 5"),
-    (["slurm", "--nodes", "0", "--time", "10"], "--nodes: must be at least 1, got 0"),
+    (["slurm", "--nodes", "0", "--time", "10"], "--nodes: must be 1..100000, got 0"),
     (["slurm", "--nodes", "1", "--time", "10", "--partition", NEWLINE], "not a partition name"),
     (["slurm", "--nodes", "1", "--time", "10", "--partition", "a;b"], "not a partition name"),
     (["launch", "--machine-rank", "5"], "--machine-rank 5: the experiment has 1 machine(s)"),
-    (["launch", "--machine-rank", "-1"], "--machine-rank: must be at least 0"),
-    (["launch", "--num-processes", "0"], "--num-processes: must be at least 1, got 0"),
-    (["launch", "--num-processes", "-2"], "--num-processes: must be at least 1, got -2"),
-    (["launch", "--num-machines", "0"], "--num-machines: must be at least 1"),
+    (["launch", "--machine-rank", "-1"], "--machine-rank: must be 0..99999"),
+    (["launch", "--num-processes", "0"], "--num-processes: must be 1..1000000, got 0"),
+    (["launch", "--num-processes", "-2"], "--num-processes: must be 1..1000000, got -2"),
+    (["launch", "--num-machines", "0"], "--num-machines: must be 1..100000"),
     (["launch", "--main-process-port", "70000"], "--main-process-port: must be 1..65535"),
     (["launch", "--main-process-ip", "10.0.0.1\ntouch PWNED"], "not a host name or IP"),
     (["launch", "--num-processes", "2x"], "expected a whole number, got '2x'"),
+    (["slurm", "--nodes", "999999999", "--time", "10"], "--nodes: must be 1..100000"),
+    (["launch", "--num-machines", "999999999"], "--num-machines: must be 1..100000"),
+    (["estimate", "--gpus", "0"], "--gpus: must be 1..1000000, got 0"),
+    (["estimate", "--seq-len", "1" + "0" * 400], "--seq-len: expected a whole number"),
+    (["estimate", "--gpu-memory", "9" * 400 + "GB"], "past any device"),
+    (["estimate", "--gpu-memory", "1e20GB"], "cannot read '1e20GB' as a memory size"),
+    (["estimate", "--gpu-memory", "100000000000000000000GB"], "past any device"),
+    (["estimate", "--gpu-memory", "-5GB"], "--gpu-memory: expected one argument"),
 ])
 def test_out_of_range_flags_are_refused(tmp_path, capsys, monkeypatch, flags, message):
     monkeypatch.chdir(tmp_path)
@@ -190,6 +219,7 @@ def test_out_of_range_flags_are_refused(tmp_path, capsys, monkeypatch, flags, me
     code, err = _main([flags[0], str(config), *flags[1:], *(
         ["--dry-run"] if flags[0] == "launch" else [])], capsys)
     assert code == 2 and message in err, err
+    assert [line[:7] for line in err.splitlines()] == ["error: "], err  # one line, no usage
     assert not (tmp_path / "runs").exists()
     no_pwned(tmp_path)
 
@@ -273,8 +303,8 @@ def test_any_run_directory_name_is_refused_or_quoted_whole(tmp_path_factory, nam
         return
     assert len(script.splitlines()) == len(_TEMPLATES["launch"].splitlines())
     assert len(job.splitlines()) == len(_TEMPLATES["job"].splitlines())
-    line = next(l for l in script.splitlines() if l.startswith("  0) exec "))
-    assert shlex.split(line[len("  0) exec "):].rstrip(" ;")) == \
+    line = next(l for l in script.splitlines() if l.startswith("exec "))
+    assert shlex.split(line[len("exec "):].replace('"$rank"', "0")) == \
         launch_argv(exp, run_dir, 0, "/usr/bin/python3")
 
 
@@ -337,3 +367,25 @@ def test_any_slurm_and_launch_flags_exit_0_or_2(tmp_path_factory, time, partitio
             assert [l for l in lines if not l.startswith(("#SBATCH ", "srun "))] == \
                 [l for l in safe if not l.startswith(("#SBATCH ", "srun "))]
 
+
+
+def test_render_out_that_is_not_utf8_or_holds_credentials(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    config = write_yaml(tmp_path / "e.yaml", base())
+    for out, message in ((os.fsdecode(b"r_\xff"), "is not UTF-8 text"),
+                         ("https://u:pa55@host/x", "holds credentials in a URL")):
+        code, err = _main(["render", str(config), "--out", out], capsys)
+        assert code == 2 and message in err and err.count("error:") == 1, err
+        assert "pa55" not in err
+    assert not [p for p in tmp_path.iterdir() if p.name != "e.yaml"]
+
+
+def test_overrides_after_the_flags(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    config = write_yaml(tmp_path / "e.yaml", base())
+    code, _ = _main(["launch", str(config), "--dry-run", "training.max_steps=5", "name=late"],
+                    capsys)
+    assert code == 0
+    assert "max_steps: 5" in (tmp_path / "runs" / "late" / "experiment.yaml").read_text()
+    code, err = _main(["launch", str(config), "--dry-run", "--no-such-flag"], capsys)
+    assert code == 2 and "unrecognized arguments: --no-such-flag" in err

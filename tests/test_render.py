@@ -86,9 +86,9 @@ def test_bundle_files_and_quoting(write, tmp_path):
     assert json.loads((out / "deepspeed.json").read_text())["zero_optimization"]["stage"] == 3
     script = (out / "launch.sh").read_text()
     assert subprocess.run(["bash", "-n", str(out / "launch.sh")]).returncode == 0
-    for rank in (0, 1):  # each machine's line parses back to exactly the launch argv
-        line = next(l for l in script.splitlines() if l.strip().startswith(f"{rank}) exec "))
-        words = shlex.split(line.strip()[len(f"{rank}) exec "):].rstrip(" ;"))
+    line = next(l for l in script.splitlines() if l.startswith("exec "))
+    for rank in (0, 1):  # the line, with the script's rank, parses back to the launch argv
+        words = shlex.split(line[len("exec "):].replace('"$rank"', str(rank)))
         assert words == launch_argv(exp, out, rank)
         assert words[words.index("--machine_rank") + 1] == str(rank)
 
