@@ -87,8 +87,16 @@ def _train(args: argparse.Namespace) -> int:
     experiment = load_experiment(args.config, args.overrides)
     experiment, run_dir, plan = prepare_run_dir(experiment, rank=rank_of(os.environ))
     from finetune.errors import EXIT_PREEMPTED, ConfigError, DataError, RunError
-    from finetune.preemption import Preempted
-    from finetune.worker import train  # heavy: torch, transformers, trl
+
+    if experiment.peft.type != "qlora":
+        # transformers imports bitsandbytes, which on CPUs with AVX512-BF16 warns at import
+        # that a faster 4-bit CPU kernel is not installed: noise in every run that
+        # quantizes nothing.
+        import logging
+
+        logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    from finetune.preemption import Preempted  # heavy from here: torch, transformers, trl
+    from finetune.worker import train
 
     try:
         train(experiment, run_dir, plan, launched)
