@@ -12,6 +12,7 @@ from typing import Any
 from transformers import TrainerCallback
 
 from finetune import checkpoints
+from finetune.errors import RunError
 from finetune.preemption import StopOnSignal
 
 
@@ -35,22 +36,52 @@ class MetricsFile(TrainerCallback):
                         "time": round(time.time(), 3), **logs})
 
 
+def _records(path: Path) -> tuple[list[dict], list[str]]:
+    """metrics.jsonl's records, and why each line that is not one was dropped: a line must
+    be a JSON object with a step number. A kill mid-append leaves a half-written last line."""
+    try:
+        lines = path.read_text(errors="replace").split("\n")
+    except FileNotFoundError:
+        return [], []
+    except OSError as exc:  # a directory where the file should be, say
+        raise RunError(f"cannot read {path} ({exc.strerror}): it should be the file of "
+                       "logged metrics; move it away and run again") from None
+    records, dropped = [], []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except (ValueError, RecursionError):
+            record = None
+        step = record.get("step") if isinstance(record, dict) else None
+        if isinstance(step, int) and not isinstance(step, bool) and step >= 0:
+            records.append(record)
+        else:
+            why = "half-written, as a kill mid-append leaves it" if number == len(lines) \
+                else "not a JSON object with a step number"
+            dropped.append(f"{path} line {number}: {why}; dropped")
+    return records, dropped
+
+
 def read_metrics(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return _records(path)[0]
 
 
-def truncate_metrics(path: Path, step: int) -> None:
+def truncate_metrics(path: Path, step: int | None) -> list[str]:
     """Resuming from checkpoint-<step>: forget what an attempt logged after it, and the
     end-of-attempt records at it (train_runtime summary, evaluation after), so the file
-    reads like one uninterrupted run."""
+    reads like one uninterrupted run; starting from scratch (None): forget everything.
+    Returns a note for each line dropped as damaged."""
     if not path.exists():
-        return
-    kept = [r for r in read_metrics(path)
-            if r.get("step", 0) < step or (r.get("step") == step and "train_runtime" not in r
-                                            and r.get("when") != "after")]
+        return []
+    records, dropped = _records(path)
+    kept = [] if step is None else [
+        r for r in records if r["step"] < step or (r["step"] == step and
+                                                   "train_runtime" not in r and
+                                                   r.get("when") != "after")]
     checkpoints.write_atomic(path, "".join(json.dumps(r) + "\n" for r in kept))
+    return dropped
 
 
 def _barrier() -> None:

@@ -148,7 +148,9 @@ def _start_attempt(run_dir: Path, plan: ResumePlan) -> None:
     for path in plan.incomplete:
         shutil.rmtree(path, ignore_errors=True)
     (run_dir / checkpoints.STOPPED).unlink(missing_ok=True)
-    truncate_metrics(run_dir / "metrics.jsonl", plan.step)
+    for note in truncate_metrics(run_dir / "metrics.jsonl",
+                                 plan.step if plan.checkpoint else None):
+        print(f"finetune: {note}", flush=True)
 
 
 def _save_final(trainer, tokenizer, run_dir: Path, main: bool) -> Path:
