@@ -7,6 +7,7 @@ import contextlib
 import importlib
 import os
 import shutil
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -156,6 +157,10 @@ def _start_attempt(run_dir: Path, plan: ResumePlan) -> None:
 def _save_final(trainer, tokenizer, run_dir: Path, main: bool) -> Path:
     """final/ appears whole or not at all: written aside, then renamed by rank 0."""
     final, staging = run_dir / "final", run_dir / ".final.partial"
+    for path in (final, staging):  # every rank: the same answer before anyone waits
+        if os.path.lexists(path) and not path.is_dir():
+            raise RunError(f"cannot save the final model: {path} is not a directory. Move it "
+                           "away and run again: the run continues from its last checkpoint")
     if main:
         shutil.rmtree(staging, ignore_errors=True)
     trainer.args.distributed_state.wait_for_everyone()
@@ -163,13 +168,30 @@ def _save_final(trainer, tokenizer, run_dir: Path, main: bool) -> Path:
         # From a sharded state dict the Trainer's save_model writes no weights at all; the
         # final model is whole, gathered to rank 0 (every rank takes part).
         trainer.accelerator.state.fsdp_plugin.set_state_dict_type("FULL_STATE_DICT")
-    trainer.save_model(str(staging))
-    trainer.args.distributed_state.wait_for_everyone()  # every rank's part is written
-    if main:
-        tokenizer.save_pretrained(str(staging))
-        shutil.rmtree(final, ignore_errors=True)
-        staging.rename(final)
+    try:
+        trainer.save_model(str(staging))
+        trainer.args.distributed_state.wait_for_everyone()  # every rank's part is written
+        if main:
+            tokenizer.save_pretrained(str(staging))
+            shutil.rmtree(final, ignore_errors=True)
+            staging.rename(final)
+    except OSError as exc:
+        raise RunError(f"cannot write the final model ({exc.filename or staging}: "
+                       f"{exc.strerror or exc}); run again to continue from the last "
+                       "checkpoint") from None
     return final
+
+
+def _write_results(run_dir: Path, summary: dict[str, Any], plot_title: str | None) -> None:
+    """summary.json first: it marks the run finished, and a loss curve that cannot be
+    drawn (loss.png a directory, say) is only a warning."""
+    write_json(run_dir / "summary.json", summary)
+    if plot_title is None:
+        return
+    try:
+        plot_loss(read_metrics(run_dir / "metrics.jsonl"), run_dir / "loss.png", plot_title)
+    except RunError as exc:
+        print(f"finetune: warning: no loss curve: {exc}", file=sys.stderr, flush=True)
 
 
 def train(experiment: Experiment, run_dir: Path, plan: ResumePlan,
@@ -246,10 +268,8 @@ def train(experiment: Experiment, run_dir: Path, plan: ResumePlan,
                               if "train_loss" in r), {}),
                "final_model": str(final_dir) if final_dir else None}
     if main:
-        write_json(run_dir / "summary.json", summary)
-        if experiment.output.plot:
-            plot_loss(read_metrics(run_dir / "metrics.jsonl"), run_dir / "loss.png",
-                      f"{experiment.name} ({experiment.method})")
+        _write_results(run_dir, summary, f"{experiment.name} ({experiment.method})"
+                       if experiment.output.plot else None)
         print(end_summary(run_dir, summary["seconds"], before, after, final_dir), flush=True)
     _leave_process_group()
     return summary

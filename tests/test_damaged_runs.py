@@ -1,15 +1,92 @@
-"""A run directory damaged between attempts (by hand, a tool, a disk): whatever the
-damage, nothing already written is lost: an error names the file, or the run goes on from
-what is intact and says what it set aside."""
+"""A run directory damaged between attempts (by hand, a tool, a disk): one finished run is
+trained once for the module, and each test damages a copy of it, then runs `finetune
+train` again. Whatever the damage, nothing already written is lost: an error names the
+file, or the run goes on from what is intact and says what it set aside."""
 
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 
+from conftest import DATA, TINY_MODEL, run_cli
 from finetune.callbacks import read_metrics, truncate_metrics
 from finetune.errors import RunError
+
+# 8 rows in batches of 2: 4 steps an epoch, half an epoch is 2 steps, each one saved.
+CONFIG = f"""\
+name: base
+method: sft
+model: {{name_or_path: {TINY_MODEL}, init: random}}
+data:
+  train: {{path: {DATA}/sft_train.jsonl, max_samples: 8}}
+  eval: {{path: {DATA}/sft_eval.jsonl, max_samples: 4}}
+evaluation: {{before_training: false}}
+training: {{num_train_epochs: 0.5, per_device_train_batch_size: 2, save_steps: 1,
+           logging_steps: 1, max_length: 32}}
+"""
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory) -> Path:
+    """A finished run: checkpoint-1, checkpoint-2, final/, summary.json (and its config)."""
+    root = tmp_path_factory.mktemp("finished")
+    (root / "base.yaml").write_text(CONFIG)
+    result = run_cli("train", str(root / "base.yaml"), cwd=root)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return root
+
+
+@pytest.fixture
+def run(finished, tmp_path) -> Path:
+    """A copy of the finished run, its working directory holding base.yaml and runs/."""
+    shutil.copy(finished / "base.yaml", tmp_path / "base.yaml")
+    shutil.copytree(finished / "runs", tmp_path / "runs")
+    return tmp_path / "runs" / "base"
+
+
+def unfinish(run_dir: Path) -> None:
+    """As a kill after the last checkpoint was sealed leaves it (or summary.json deleted)."""
+    (run_dir / "summary.json").unlink()
+    (run_dir / "loss.png").unlink()
+    shutil.rmtree(run_dir / "final")
+
+
+def train(run_dir: Path, *overrides: str):
+    cwd = run_dir.parent.parent
+    return run_cli("train", str(cwd / "base.yaml"), *overrides, cwd=cwd)
+
+
+def files(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file()}
+
+
+def test_entries_of_the_wrong_kind_are_refused_naming_each(run):
+    """A directory where finetune writes a file, a file where it writes a directory: each
+    would fail a write mid-run (some after training). One error names them all, before
+    anything is written."""
+    unfinish(run)
+    for name in ("stopped.json", "environment.json", "training_args.json", "loss.png",
+                 "metrics.jsonl"):
+        target = run / name
+        if target.exists():
+            target.unlink()
+        target.mkdir()
+    (run / "final").write_text("not a model")
+    (run / ".final.partial").write_text("x")
+    before = files(run)
+    result = train(run)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert result.stderr.startswith(
+        f"error: run directory {run}: environment.json is a directory, not a file; "
+        "training_args.json is a directory, not a file; metrics.jsonl is a directory, not a "
+        "file; loss.png is a directory, not a file; stopped.json is a directory, not a file; "
+        "final is a file, not a directory; .final.partial is a file, not a directory. "
+        "finetune writes there itself; nothing was changed."), result.stderr
+    assert files(run) == before
 
 
 def test_damaged_metrics_lines_are_dropped_with_a_note_naming_each(tmp_path):
@@ -29,3 +106,24 @@ def test_damaged_metrics_lines_are_dropped_with_a_note_naming_each(tmp_path):
     path.mkdir()
     with pytest.raises(RunError, match=f"cannot read {path} \\(Is a directory\\)"):
         read_metrics(path)
+
+
+def test_writers_name_the_file_and_a_plot_that_fails_keeps_the_summary(tmp_path, capsys):
+    from finetune.report import write_json
+    from finetune.worker import _save_final, _write_results
+
+    (tmp_path / "loss.png").mkdir()
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
+    _write_results(tmp_path, {"global_step": 1}, "title")
+    assert json.loads((tmp_path / "summary.json").read_text()) == {"global_step": 1}
+    assert f"finetune: warning: no loss curve: cannot write {tmp_path / 'loss.png'}" in \
+        capsys.readouterr().err
+
+    (tmp_path / "environment.json").mkdir()
+    with pytest.raises(RunError, match=f"cannot write {tmp_path / 'environment.json'}: Is a"):
+        write_json(tmp_path / "environment.json", {})
+
+    (tmp_path / "final").write_text("not a model")
+    with pytest.raises(RunError, match=f"cannot save the final model: {tmp_path / 'final'} is "
+                                       "not a directory"):
+        _save_final(None, None, tmp_path, True)  # refused before the trainer is asked
