@@ -12,6 +12,7 @@ runs/<name>/
   summary.json       metrics before and after training, where the model is
   loss.png           the loss curve
   checkpoints/       checkpoint-<step>/ written by the Trainer, sealed by a manifest
+                     (damaged ones moved aside to damaged-checkpoint-<step>/)
   stopped.json       where the last attempt stopped on a signal (step, checkpoint)
   failed-<rank>.json the error a training process stopped on (read by finetune launch)
   final/             the final model or adapter, with its tokenizer

@@ -142,10 +142,17 @@ def _evaluate_before(trainer, job: Job, metrics: MetricsFile) -> dict[str, Any]:
 
 
 def _start_attempt(run_dir: Path, plan: ResumePlan) -> None:
-    """Rank 0, before anything is trained: report where this attempt starts, drop
-    incomplete checkpoints, and make metrics.jsonl end where the checkpoint does."""
+    """Rank 0, before anything is trained: report where this attempt starts, move damaged
+    checkpoints aside, drop incomplete ones, and make metrics.jsonl end where the
+    checkpoint does."""
     for note in plan.notes:
         print(f"finetune: {note}", flush=True)
+    for path, to in plan.damaged:
+        try:
+            path.rename(to)
+        except OSError as exc:
+            raise RunError(f"cannot move the damaged {path} aside to {to}: {exc.strerror}; "
+                           "move it away yourself and run again") from None
     for path in plan.incomplete:
         shutil.rmtree(path, ignore_errors=True)
     (run_dir / checkpoints.STOPPED).unlink(missing_ok=True)

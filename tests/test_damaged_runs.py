@@ -10,8 +10,11 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from conftest import DATA, TINY_MODEL, run_cli
+from finetune import checkpoints
 from finetune.callbacks import read_metrics, truncate_metrics
 from finetune.errors import RunError
 
@@ -62,6 +65,43 @@ def train(run_dir: Path, *overrides: str):
 def files(root: Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
             if p.is_file()}
+
+
+def weights(directory: Path) -> dict[str, torch.Tensor]:
+    return load_file(directory / "model.safetensors")
+
+
+def assert_bitwise(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_damaged_checkpoint_is_moved_aside_and_the_run_goes_on(run):
+    """checkpoint-2's manifest says step 1 (edited): damage, not a kill. It is moved aside
+    untouched, the run resumes from checkpoint-1 and ends bitwise as it did uninterrupted;
+    the half-written line a kill mid-append leaves in metrics.jsonl is dropped, said."""
+    final = weights(run / "final")
+    losses = [r["loss"] for r in read_metrics(run / "metrics.jsonl") if "loss" in r]
+    unfinish(run)
+    second = run / "checkpoints" / "checkpoint-2"
+    manifest = json.loads((second / checkpoints.MANIFEST).read_text())
+    (second / checkpoints.MANIFEST).write_text(json.dumps({**manifest, "step": 1}))
+    kept = files(second)
+    with (run / "metrics.jsonl").open("a") as handle:
+        handle.write('{"step": 3, "loss": 1.')
+    lines = len((run / "metrics.jsonl").read_text().split("\n"))
+
+    result = train(run)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "finetune: checkpoint-2 is damaged (named checkpoint-2, its manifest says step 1); " \
+           "moving it aside to checkpoints/damaged-checkpoint-2: kept, never resumed from" \
+           in result.stdout
+    assert f"resuming from {run / 'checkpoints' / 'checkpoint-1'}" in result.stdout
+    assert f"finetune: {run / 'metrics.jsonl'} line {lines}: half-written, as a kill " \
+           "mid-append leaves it; dropped" in result.stdout
+    assert files(run / "checkpoints" / "damaged-checkpoint-2") == kept
+    assert checkpoints.problem(second) is None  # saved again, beside the damaged one
+    assert_bitwise(weights(run / "final"), final)
+    assert [r["loss"] for r in read_metrics(run / "metrics.jsonl") if "loss" in r] == losses
 
 
 def test_entries_of_the_wrong_kind_are_refused_naming_each(run):
