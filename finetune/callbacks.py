@@ -70,16 +70,17 @@ def read_metrics(path: Path) -> list[dict]:
 
 def truncate_metrics(path: Path, step: int | None) -> list[str]:
     """Resuming from checkpoint-<step>: forget what an attempt logged after it, and the
-    end-of-attempt records at it (train_runtime summary, evaluation after), so the file
-    reads like one uninterrupted run; starting from scratch (None): forget everything.
-    Returns a note for each line dropped as damaged."""
+    end-of-attempt records at it (from its train_runtime summary on: the evaluation after
+    training), so the file reads like one uninterrupted run; starting from scratch (None):
+    forget everything. Returns a note for each line dropped as damaged."""
     if not path.exists():
         return []
     records, dropped = _records(path)
-    kept = [] if step is None else [
-        r for r in records if r["step"] < step or (r["step"] == step and
-                                                   "train_runtime" not in r and
-                                                   r.get("when") != "after")]
+    kept, ended = [], False
+    for record in records if step is not None else []:
+        ended = ended or (record["step"] == step and "train_runtime" in record)
+        if record["step"] < step or (record["step"] == step and not ended):
+            kept.append(record)
     checkpoints.write_atomic(path, "".join(json.dumps(r) + "\n" for r in kept))
     return dropped
 
@@ -126,6 +127,22 @@ class LossWindow(TrainerCallback):
         window = torch.load(saved, weights_only=True)
         self.trainer._tr_loss = window["sum"].to(self.trainer._tr_loss.device)
         self.trainer._globalstep_last_logged = int(window["since"])
+
+
+class NothingLeftToTrain(Exception):
+    """Raised out of trainer.train() by EndAtLastStep: the run ends at its checkpoint."""
+
+
+class EndAtLastStep(TrainerCallback):
+    """Resumed from a checkpoint at (or past) the run's last step, transformers' Trainer
+    would still take one more step: its epoch loop checks the step count only after a step
+    (DefaultFlowCallback.on_step_end). When training begins, the Trainer has loaded the
+    checkpoint (weights, optimizer, its state) and knows the run's max_steps, epochs
+    included: with no step left, leave train() there, before any step."""
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if state.global_step and state.global_step >= state.max_steps:  # resumed there
+            raise NothingLeftToTrain(state.global_step, state.max_steps)
 
 
 class SealCheckpoints(TrainerCallback):

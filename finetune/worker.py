@@ -20,8 +20,8 @@ from finetune.build.model import count_parameters, initial_weights, load_model
 from finetune.build.peft import apply_peft, match_adapter_precision
 from finetune.build.prepare import prepared_data
 from finetune.build.tokenizer import load_tokenizer
-from finetune.callbacks import (LossWindow, MetricsFile, SealCheckpoints, read_metrics,
-                                truncate_metrics)
+from finetune.callbacks import (EndAtLastStep, LossWindow, MetricsFile, NothingLeftToTrain,
+                                SealCheckpoints, read_metrics, truncate_metrics)
 from finetune.config import trl_fields
 from finetune.config.schema import Experiment
 from finetune.errors import ConfigError, RunError
@@ -233,7 +233,8 @@ def train(experiment: Experiment, run_dir: Path, plan: ResumePlan,
                            experiment.training.get("save_total_limit"), stop)
     window = LossWindow(plan.checkpoint)
     job = Job(experiment=experiment, run_dir=run_dir, hardware=hw, tokenizer=tokenizer,
-              model=model, data=data, args=args, callbacks=[metrics, stop, window, seal],
+              model=model, data=data, args=args,
+              callbacks=[metrics, stop, window, seal, EndAtLastStep()],
               notes=[n for n in (parallel_note(experiment, hw.device), checkpointing_note) if n])
     trainer = build_trainer(job)
     if experiment.distributed.strategy == "fsdp" and not trainer.is_fsdp_enabled:
@@ -254,6 +255,12 @@ def train(experiment: Experiment, run_dir: Path, plan: ResumePlan,
         if experiment.evaluation.before_training and plan.checkpoint is None else {}
     try:
         trainer.train(resume_from_checkpoint=str(plan.checkpoint) if plan.checkpoint else None)
+    except NothingLeftToTrain:
+        trainer.is_in_train = False  # as train() leaves it: evaluation casts as after training
+        if main:
+            print(f"finetune: {plan.checkpoint.name} is at step {trainer.state.global_step} "
+                  f"and the run has {trainer.state.max_steps}: nothing left to train; "
+                  "evaluating it and saving it as the final model", flush=True)
     except Exception as exc:
         if _disk_full(exc, run_dir):
             raise RunError(_disk_full_message(run_dir)) from exc

@@ -75,6 +75,25 @@ def assert_bitwise(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> No
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.parametrize("length", [[], ["training.max_steps=2"]], ids=["epochs", "max_steps"])
+def test_resumed_at_its_last_step_the_run_ends_there_bitwise(run, length):
+    """The Trainer resumed at its last step would take one more (its loop checks the
+    count after a step): checkpoint-3 and a final/ of 3 steps for a run of 2. The run
+    ends at the checkpoint: evaluated, final/ bitwise its weights, summary.json."""
+    unfinish(run)
+    result = train(run, *length)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert sorted(p.name for p in (run / "checkpoints").glob("checkpoint-*")) == [
+        "checkpoint-1", "checkpoint-2"]
+    assert_bitwise(weights(run / "final"), weights(run / "checkpoints" / "checkpoint-2"))
+    assert "checkpoint-2 is at step 2 and the run has 2: nothing left to train" in \
+        result.stdout
+    assert json.loads((run / "summary.json").read_text())["global_step"] == 2
+    records = read_metrics(run / "metrics.jsonl")
+    assert [r["step"] for r in records if "loss" in r] == [1, 2]
+    assert [r["step"] for r in records if "eval_loss" in r] == [2]  # evaluated after, once
+
+
 def test_a_damaged_checkpoint_is_moved_aside_and_the_run_goes_on(run):
     """checkpoint-2's manifest says step 1 (edited): damage, not a kill. It is moved aside
     untouched, the run resumes from checkpoint-1 and ends bitwise as it did uninterrupted;
