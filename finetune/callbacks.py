@@ -12,6 +12,7 @@ from typing import Any
 from transformers import TrainerCallback
 
 from finetune import checkpoints
+from finetune.errors import RunError
 from finetune.preemption import StopOnSignal
 
 
@@ -35,22 +36,53 @@ class MetricsFile(TrainerCallback):
                         "time": round(time.time(), 3), **logs})
 
 
+def _records(path: Path) -> tuple[list[dict], list[str]]:
+    """metrics.jsonl's records, and why each line that is not one was dropped: a line must
+    be a JSON object with a step number. A kill mid-append leaves a half-written last line."""
+    try:
+        lines = path.read_text(errors="replace").split("\n")
+    except FileNotFoundError:
+        return [], []
+    except OSError as exc:  # a directory where the file should be, say
+        raise RunError(f"cannot read {path} ({exc.strerror}): it should be the file of "
+                       "logged metrics; move it away and run again") from None
+    records, dropped = [], []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except (ValueError, RecursionError):
+            record = None
+        step = record.get("step") if isinstance(record, dict) else None
+        if isinstance(step, int) and not isinstance(step, bool) and step >= 0:
+            records.append(record)
+        else:
+            why = "half-written, as a kill mid-append leaves it" if number == len(lines) \
+                else "not a JSON object with a step number"
+            dropped.append(f"{path} line {number}: {why}; dropped")
+    return records, dropped
+
+
 def read_metrics(path: Path) -> list[dict]:
+    return _records(path)[0]
+
+
+def truncate_metrics(path: Path, step: int | None) -> list[str]:
+    """Resuming from checkpoint-<step>: forget what an attempt logged after it, and the
+    end-of-attempt records at it (from its train_runtime summary on: the evaluation after
+    training), so the file reads like one uninterrupted run; starting from scratch (None):
+    forget everything. Returns a note for each line dropped as damaged."""
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def truncate_metrics(path: Path, step: int) -> None:
-    """Resuming from checkpoint-<step>: forget what an attempt logged after it, and the
-    end-of-attempt records at it (train_runtime summary, evaluation after), so the file
-    reads like one uninterrupted run."""
-    if not path.exists():
-        return
-    kept = [r for r in read_metrics(path)
-            if r.get("step", 0) < step or (r.get("step") == step and "train_runtime" not in r
-                                            and r.get("when") != "after")]
+    records, dropped = _records(path)
+    kept, ended = [], False
+    for record in records if step is not None else []:
+        ended = ended or (record["step"] == step and "train_runtime" in record)
+        if record["step"] < step or (record["step"] == step and not ended):
+            kept.append(record)
     checkpoints.write_atomic(path, "".join(json.dumps(r) + "\n" for r in kept))
+    return dropped
 
 
 def _barrier() -> None:
@@ -95,6 +127,22 @@ class LossWindow(TrainerCallback):
         window = torch.load(saved, weights_only=True)
         self.trainer._tr_loss = window["sum"].to(self.trainer._tr_loss.device)
         self.trainer._globalstep_last_logged = int(window["since"])
+
+
+class NothingLeftToTrain(Exception):
+    """Raised out of trainer.train() by EndAtLastStep: the run ends at its checkpoint."""
+
+
+class EndAtLastStep(TrainerCallback):
+    """Resumed from a checkpoint at (or past) the run's last step, transformers' Trainer
+    would still take one more step: its epoch loop checks the step count only after a step
+    (DefaultFlowCallback.on_step_end). When training begins, the Trainer has loaded the
+    checkpoint (weights, optimizer, its state) and knows the run's max_steps, epochs
+    included: with no step left, leave train() there, before any step."""
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if state.global_step and state.global_step >= state.max_steps:  # resumed there
+            raise NothingLeftToTrain(state.global_step, state.max_steps)
 
 
 class SealCheckpoints(TrainerCallback):

@@ -131,7 +131,10 @@ def fingerprint(experiment: Experiment) -> dict[str, Any]:
 def _default(method: str, key: str) -> Any:
     """The value a key has when it is not set: TRL's default for training keys."""
     if key.startswith("training."):
-        return trl_fields.training_value(method, {}, key.removeprefix("training."))
+        try:
+            return trl_fields.training_value(method, {}, key.removeprefix("training."))
+        except KeyError:  # a hand-edited fingerprint: no method, or a key TRL lacks
+            pass
     return "<not set>"
 
 

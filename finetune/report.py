@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from finetune import __version__
+from finetune.errors import RunError
 
 PACKAGES = ("torch", "transformers", "accelerate", "peft", "trl", "datasets", "deepspeed",
             "bitsandbytes", "pydantic")
@@ -119,9 +120,13 @@ def end_summary(run_dir: Path, seconds: float, before: dict, after: dict,
     return "\n".join(lines)
 
 
+def _points(records: list[dict], key: str) -> list[tuple[int, float]]:
+    # A non-finite loss is logged as text ("nan"): not a point.
+    return [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float))]
+
+
 def plot_loss(records: list[dict], path: Path, title: str) -> bool:
-    train = [(r["step"], r["loss"]) for r in records if "loss" in r and "step" in r]
-    evals = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
+    train, evals = _points(records, "loss"), _points(records, "eval_loss")
     if not train and not evals:
         return False
     import matplotlib
@@ -140,10 +145,17 @@ def plot_loss(records: list[dict], path: Path, title: str) -> bool:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    try:
+        fig.savefig(path, dpi=100)
+    except OSError as exc:
+        raise RunError(f"cannot write {path}: {exc.strerror or exc}") from None
+    finally:
+        plt.close(fig)
     return True
 
 
 def write_json(path: Path, value: Any) -> None:
-    path.write_text(json.dumps(value, indent=2, default=str) + "\n")
+    try:
+        path.write_text(json.dumps(value, indent=2, default=str) + "\n")
+    except OSError as exc:  # a directory where the file should be, a full disk
+        raise RunError(f"cannot write {path}: {exc.strerror or exc}") from None

@@ -21,6 +21,7 @@ class ResumePlan:
     step: int = 0
     notes: list[str] = field(default_factory=list)  # rank 0 prints these
     incomplete: list[Path] = field(default_factory=list)  # rank 0 removes these
+    damaged: list[tuple[Path, Path]] = field(default_factory=list)  # rank 0 moves these aside
 
 
 def holds_a_run(run_dir: Path) -> list[str]:
@@ -99,17 +100,25 @@ def plan_resume(experiment: Experiment, run_dir: Path) -> ResumePlan:
                            "changed (resume: never). Choose another run name (name=...) or "
                            "output.dir, move that directory away, or use resume: auto.")
         return ResumePlan(None)
-    found = checkpoints.scan(run_dir / "checkpoints")
-    notes = [f"ignoring incomplete {path.name} ({why}); it will be removed"
-             for path, why in found.incomplete]
-    incomplete = [path for path, _ in found.incomplete]
     if mode == "auto":
         finished = _finished_step(run_dir)
         if finished is not None:
             raise _finished(experiment, run_dir, finished)
+    found = checkpoints.scan(run_dir / "checkpoints")
+    notes = [f"ignoring incomplete {path.name} ({why}); it will be removed"
+             for path, why in found.incomplete]
+    incomplete = [path for path, _ in found.incomplete]
+    damaged = []
+    for path, why in found.damaged:
+        damaged.append((path, checkpoints.aside(path)))
+        notes.append(f"{path.name} is damaged ({why}); moving it aside to "
+                     f"{path.parent.name}/{damaged[-1][1].name}: kept, never resumed from")
+    if mode == "auto":
         checkpoint = found.newest
         if checkpoint is None:
-            return ResumePlan(None, notes=notes, incomplete=incomplete)
+            if found.incomplete or found.damaged:
+                notes.append("no intact checkpoint left: training starts from scratch (step 0)")
+            return ResumePlan(None, notes=notes, incomplete=incomplete, damaged=damaged)
         notes.append(f"resuming from {checkpoint} (resume: auto, newest complete checkpoint)")
     else:
         checkpoint = Path(mode).absolute()
@@ -130,4 +139,4 @@ def plan_resume(experiment: Experiment, run_dir: Path) -> ResumePlan:
             notes.append(f"resuming from {checkpoint} (resume: path)")
     manifest = checkpoints.read_manifest(checkpoint)
     _check_compatible(experiment, checkpoint, manifest, notes)
-    return ResumePlan(checkpoint, manifest["step"], notes, incomplete)
+    return ResumePlan(checkpoint, manifest["step"], notes, incomplete, damaged)

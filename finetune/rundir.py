@@ -12,6 +12,7 @@ runs/<name>/
   summary.json       metrics before and after training, where the model is
   loss.png           the loss curve
   checkpoints/       checkpoint-<step>/ written by the Trainer, sealed by a manifest
+                     (damaged ones moved aside to damaged-checkpoint-<step>/)
   stopped.json       where the last attempt stopped on a signal (step, checkpoint)
   failed-<rank>.json the error a training process stopped on (read by finetune launch)
   final/             the final model or adapter, with its tokenizer
@@ -33,6 +34,14 @@ from finetune.config.secrets import CREDENTIALS, redact
 from finetune.errors import RunError
 from finetune.launch.values import control_problem
 from finetune.resume import ResumePlan, plan_resume
+
+# What finetune writes there, by kind (the list above): one of the wrong kind (a directory
+# where a file goes, say) would fail a write halfway through a run, so it is refused first.
+FILES = ("experiment.yaml", "accelerate.yaml", "deepspeed.json", "launch.sh", "job.sbatch",
+         "environment.json", "training_args.json", "metrics.jsonl", "summary.json", "loss.png",
+         "stopped.json")
+DIRECTORIES = ("checkpoints", "final", ".final.partial", "init-model")
+
 
 def resolved_yaml(experiment: Experiment) -> str:
     body = redact(experiment.model_dump(mode="json"))
@@ -89,6 +98,26 @@ def check_run_dir(run_dir: Path) -> None:
                    "not a directory (output.dir)")
 
 
+def _kind(path: Path) -> str:
+    if path.is_dir():
+        return "a directory"
+    if path.is_file():
+        return "a file"
+    return "a broken link" if path.is_symlink() and not path.exists() else "a special file"
+
+
+def check_entries(run_dir: Path) -> None:
+    """One error naming every entry of the wrong kind, before anything is written."""
+    wrong = [f"{name} is {_kind(run_dir / name)}, not a file" for name in FILES
+             if os.path.lexists(run_dir / name) and not (run_dir / name).is_file()]
+    wrong += [f"{name} is {_kind(run_dir / name)}, not a directory" for name in DIRECTORIES
+              if os.path.lexists(run_dir / name) and not (run_dir / name).is_dir()]
+    if wrong:
+        raise RunError(f"run directory {run_dir}: {'; '.join(wrong)}. finetune writes there "
+                       "itself; nothing was changed. Move those away (or put back what "
+                       "finetune wrote) and run again.")
+
+
 def make_run_dir(run_dir: Path) -> None:
     check_run_dir(run_dir)
     try:
@@ -110,7 +139,8 @@ def prepare_run_dir(experiment: Experiment, rank: int = 0) -> tuple[Experiment, 
     if experiment.resume not in ("auto", "never"):
         update["resume"] = str(Path(experiment.resume).absolute())
     experiment = experiment.model_copy(update=update)
-    plan = plan_resume(experiment, run_dir)
+    plan = plan_resume(experiment, run_dir)  # a finished run is done, whatever is there
+    check_entries(run_dir)
     if rank == 0:
         write_bundle(experiment, run_dir)
     make_run_dir(run_dir)

@@ -7,6 +7,7 @@ import contextlib
 import importlib
 import os
 import shutil
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -19,8 +20,8 @@ from finetune.build.model import count_parameters, initial_weights, load_model
 from finetune.build.peft import apply_peft, match_adapter_precision
 from finetune.build.prepare import prepared_data
 from finetune.build.tokenizer import load_tokenizer
-from finetune.callbacks import (LossWindow, MetricsFile, SealCheckpoints, read_metrics,
-                                truncate_metrics)
+from finetune.callbacks import (EndAtLastStep, LossWindow, MetricsFile, NothingLeftToTrain,
+                                SealCheckpoints, read_metrics, truncate_metrics)
 from finetune.config import trl_fields
 from finetune.config.schema import Experiment
 from finetune.errors import ConfigError, RunError
@@ -141,19 +142,32 @@ def _evaluate_before(trainer, job: Job, metrics: MetricsFile) -> dict[str, Any]:
 
 
 def _start_attempt(run_dir: Path, plan: ResumePlan) -> None:
-    """Rank 0, before anything is trained: report where this attempt starts, drop
-    incomplete checkpoints, and make metrics.jsonl end where the checkpoint does."""
+    """Rank 0, before anything is trained: report where this attempt starts, move damaged
+    checkpoints aside, drop incomplete ones, and make metrics.jsonl end where the
+    checkpoint does."""
     for note in plan.notes:
         print(f"finetune: {note}", flush=True)
+    for path, to in plan.damaged:
+        try:
+            path.rename(to)
+        except OSError as exc:
+            raise RunError(f"cannot move the damaged {path} aside to {to}: {exc.strerror}; "
+                           "move it away yourself and run again") from None
     for path in plan.incomplete:
         shutil.rmtree(path, ignore_errors=True)
     (run_dir / checkpoints.STOPPED).unlink(missing_ok=True)
-    truncate_metrics(run_dir / "metrics.jsonl", plan.step)
+    for note in truncate_metrics(run_dir / "metrics.jsonl",
+                                 plan.step if plan.checkpoint else None):
+        print(f"finetune: {note}", flush=True)
 
 
 def _save_final(trainer, tokenizer, run_dir: Path, main: bool) -> Path:
     """final/ appears whole or not at all: written aside, then renamed by rank 0."""
     final, staging = run_dir / "final", run_dir / ".final.partial"
+    for path in (final, staging):  # every rank: the same answer before anyone waits
+        if os.path.lexists(path) and not path.is_dir():
+            raise RunError(f"cannot save the final model: {path} is not a directory. Move it "
+                           "away and run again: the run continues from its last checkpoint")
     if main:
         shutil.rmtree(staging, ignore_errors=True)
     trainer.args.distributed_state.wait_for_everyone()
@@ -161,13 +175,30 @@ def _save_final(trainer, tokenizer, run_dir: Path, main: bool) -> Path:
         # From a sharded state dict the Trainer's save_model writes no weights at all; the
         # final model is whole, gathered to rank 0 (every rank takes part).
         trainer.accelerator.state.fsdp_plugin.set_state_dict_type("FULL_STATE_DICT")
-    trainer.save_model(str(staging))
-    trainer.args.distributed_state.wait_for_everyone()  # every rank's part is written
-    if main:
-        tokenizer.save_pretrained(str(staging))
-        shutil.rmtree(final, ignore_errors=True)
-        staging.rename(final)
+    try:
+        trainer.save_model(str(staging))
+        trainer.args.distributed_state.wait_for_everyone()  # every rank's part is written
+        if main:
+            tokenizer.save_pretrained(str(staging))
+            shutil.rmtree(final, ignore_errors=True)
+            staging.rename(final)
+    except OSError as exc:
+        raise RunError(f"cannot write the final model ({exc.filename or staging}: "
+                       f"{exc.strerror or exc}); run again to continue from the last "
+                       "checkpoint") from None
     return final
+
+
+def _write_results(run_dir: Path, summary: dict[str, Any], plot_title: str | None) -> None:
+    """summary.json first: it marks the run finished, and a loss curve that cannot be
+    drawn (loss.png a directory, say) is only a warning."""
+    write_json(run_dir / "summary.json", summary)
+    if plot_title is None:
+        return
+    try:
+        plot_loss(read_metrics(run_dir / "metrics.jsonl"), run_dir / "loss.png", plot_title)
+    except RunError as exc:
+        print(f"finetune: warning: no loss curve: {exc}", file=sys.stderr, flush=True)
 
 
 def train(experiment: Experiment, run_dir: Path, plan: ResumePlan,
@@ -202,7 +233,8 @@ def train(experiment: Experiment, run_dir: Path, plan: ResumePlan,
                            experiment.training.get("save_total_limit"), stop)
     window = LossWindow(plan.checkpoint)
     job = Job(experiment=experiment, run_dir=run_dir, hardware=hw, tokenizer=tokenizer,
-              model=model, data=data, args=args, callbacks=[metrics, stop, window, seal],
+              model=model, data=data, args=args,
+              callbacks=[metrics, stop, window, seal, EndAtLastStep()],
               notes=[n for n in (parallel_note(experiment, hw.device), checkpointing_note) if n])
     trainer = build_trainer(job)
     if experiment.distributed.strategy == "fsdp" and not trainer.is_fsdp_enabled:
@@ -223,6 +255,12 @@ def train(experiment: Experiment, run_dir: Path, plan: ResumePlan,
         if experiment.evaluation.before_training and plan.checkpoint is None else {}
     try:
         trainer.train(resume_from_checkpoint=str(plan.checkpoint) if plan.checkpoint else None)
+    except NothingLeftToTrain:
+        trainer.is_in_train = False  # as train() leaves it: evaluation casts as after training
+        if main:
+            print(f"finetune: {plan.checkpoint.name} is at step {trainer.state.global_step} "
+                  f"and the run has {trainer.state.max_steps}: nothing left to train; "
+                  "evaluating it and saving it as the final model", flush=True)
     except Exception as exc:
         if _disk_full(exc, run_dir):
             raise RunError(_disk_full_message(run_dir)) from exc
@@ -244,10 +282,8 @@ def train(experiment: Experiment, run_dir: Path, plan: ResumePlan,
                               if "train_loss" in r), {}),
                "final_model": str(final_dir) if final_dir else None}
     if main:
-        write_json(run_dir / "summary.json", summary)
-        if experiment.output.plot:
-            plot_loss(read_metrics(run_dir / "metrics.jsonl"), run_dir / "loss.png",
-                      f"{experiment.name} ({experiment.method})")
+        _write_results(run_dir, summary, f"{experiment.name} ({experiment.method})"
+                       if experiment.output.plot else None)
         print(end_summary(run_dir, summary["seconds"], before, after, final_dir), flush=True)
     _leave_process_group()
     return summary

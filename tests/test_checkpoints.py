@@ -25,7 +25,8 @@ def fake_checkpoint(root: Path, step: int, exp=None, seal: bool = True) -> Path:
     (path / "model.safetensors").write_bytes(bytes(range(256)) * 64)
     (path / "trainer_state.json").write_text(json.dumps({"global_step": step}))
     if seal:
-        extra = {"fingerprint": fingerprint(exp), "layout": layout(exp)} if exp else {}
+        extra = {"fingerprint": fingerprint(exp), "layout": layout(exp)} if exp else \
+            {"fingerprint": {}}
         checkpoints.write_manifest(path, step, extra)
     return path
 
@@ -84,7 +85,7 @@ def test_rotation_keeps_the_newest_sealed_and_the_best_and_ignores_unsealed(tmp_
 def test_a_manifest_is_replaced_atomically(tmp_path):
     path = fake_checkpoint(tmp_path, 3)
     assert not list(path.glob(".*.tmp"))
-    checkpoints.write_manifest(path, 3, {})
+    checkpoints.write_manifest(path, 3, {"fingerprint": {}})
     assert checkpoints.problem(path) is None and not list(path.glob(".*.tmp"))
 
 
@@ -140,31 +141,120 @@ def test_a_damaged_summary_is_an_error_naming_the_file(write, tmp_path, text, ca
     assert str(info.value).startswith(f"{summary}: damaged ({cause}"), str(info.value)
 
 
-@pytest.mark.parametrize("manifest,why", [
-    ("[]", "a JSON object expected, got list"),
-    ('{"step": "4", "files": {}}', "`step` is '4', not a step number"),
-    ('{"step": 4}', "`files` is not an object"),
-    ('{"step": 4, "files": {"model.safetensors": 5}}', "`files.model.safetensors` is not"),
-    ('{"step": 4, "files": {}, "fingerprint": []}', "`fingerprint` is not an object"),
-    ('{"step": 4, "files": {}, "layout": {"processes": 1}}', "`layout` is not the processes"),
-    ("[" * 100000, "nested too deeply"),
-])
-def test_a_hand_damaged_manifest_is_an_incomplete_checkpoint_named(write, tmp_path, manifest,
-                                                                   why):
+def _edited(**changes):
+    """A manifest as write_manifest wrote it, then edited: key=None deletes the key."""
+    def edit(manifest):
+        manifest = {**manifest, **changes}
+        return json.dumps({k: v for k, v in manifest.items() if v is not None})
+    return edit
+
+
+def _extra_file(name):
+    return lambda m: json.dumps({**m, "files": {**m["files"], name: {"size": 1}}})
+
+
+@pytest.mark.parametrize("edit,why", [
+    (lambda m: "[]", "unreadable manifest {} (a JSON object expected, got list)"),
+    (lambda m: json.dumps(m)[:40], "unreadable manifest {} (Unterminated string"),
+    (lambda m: "[" * 100000, "unreadable manifest {} (nested too deeply)"),
+    (_edited(step="4"), "unreadable manifest {} (`step` is '4', not a step number"),
+    (_edited(files=None), "unreadable manifest {} (`files` is not an object listing"),
+    (_edited(files={}), "unreadable manifest {} (`files` is not an object listing"),
+    (_edited(files={"model.safetensors": 5}), "unreadable manifest {} (`files.model.safetens"),
+    (lambda m: json.dumps({**m, "files": {"model.safetensors": m["files"]["model.safetensors"]}}),
+     "unreadable manifest {} (`files` lacks trainer_state.json, which the Trainer resumes"),
+    (_extra_file("a\0b"), "unreadable manifest {} (`files` names 'a\\x00b', not a path"),
+    (_extra_file("."), "unreadable manifest {} (`files` names '.', not a path inside"),
+    (_extra_file("/etc/passwd"), "unreadable manifest {} (`files` names '/etc/passwd', not"),
+    (_extra_file("../checkpoint-2/model.safetensors"), "unreadable manifest {} (`files` names"),
+    (_extra_file("x" * 300), "unreadable manifest {} (`files` names 'xxxx"),
+    (_edited(fingerprint=None), "unreadable manifest {} (`fingerprint` is missing or not an"),
+    (_edited(fingerprint=[]), "unreadable manifest {} (`fingerprint` is missing or not an"),
+    (_edited(layout={"processes": 1}), "unreadable manifest {} (`layout` is not the processes"),
+    (_edited(step=2), "named checkpoint-4, its manifest says step 2"),
+    (_extra_file("sub"), "sub is not a file"),
+], ids=["list", "truncated", "deep", "step-text", "no-files", "files-empty", "entry-number",
+        "no-trainer-state", "name-nul", "name-dot", "name-absolute", "name-parent",
+        "name-long", "no-fingerprint", "fingerprint-list", "layout", "step-edited",
+        "directory-listed"])
+def test_a_damaged_manifest_moves_its_checkpoint_aside(write, tmp_path, edit, why):
+    """A manifest is written atomically and last: one that exists but is damaged is not
+    what a kill leaves. Its checkpoint is moved aside, never deleted; the run continues
+    from the newest intact one; naming it as resume: path is an error."""
     exp = make_experiment(write)
     run = tmp_path / "r"
     fake_checkpoint(run, 2, exp)
     damaged = fake_checkpoint(run, 4, exp)
-    (damaged / checkpoints.MANIFEST).write_text(manifest)
+    (damaged / "sub").mkdir()
+    manifest = damaged / checkpoints.MANIFEST
+    manifest.write_text(edit(json.loads(manifest.read_text())))
     plan = plan_resume(exp, run)
-    assert plan.checkpoint.name == "checkpoint-2" and plan.incomplete == [damaged]
-    assert any(n.startswith(f"ignoring incomplete checkpoint-4 (unreadable manifest "
-                            f"{damaged / checkpoints.MANIFEST} ({why}") for n in plan.notes), \
-        plan.notes
+    assert plan.checkpoint.name == "checkpoint-2" and plan.incomplete == []
+    assert plan.damaged == [(damaged, damaged.parent / "damaged-checkpoint-4")]
+    note = next(n for n in plan.notes if n.startswith("checkpoint-4 is damaged"))
+    assert note.startswith(f"checkpoint-4 is damaged ({why.format(manifest)}"), note
+    assert note.endswith("moving it aside to checkpoints/damaged-checkpoint-4: kept, never "
+                         "resumed from")
     named = make_experiment(write, f"resume: {damaged}\n", name="n")
-    with pytest.raises(RunError, match=f"cannot be resumed from: unreadable manifest "
-                                       f"{damaged / checkpoints.MANIFEST}"):
+    with pytest.raises(RunError, match="cannot be resumed from: "):
         plan_resume(named, tmp_path / "n")
+
+
+def test_a_kill_mid_save_is_incomplete_and_damage_is_not(write, tmp_path):
+    """Without a manifest: a save cut short, removed. With one, but files that disagree
+    with it (a file truncated, deleted, or a step edited away from trainer_state.json):
+    damage, moved aside under a name no scan or rotation reads; when nothing intact is
+    left, the note says training starts from scratch."""
+    exp = make_experiment(write)
+    run = tmp_path / "r"
+    truncated = fake_checkpoint(run, 2, exp)
+    (truncated / "model.safetensors").write_bytes(b"short")
+    edited = fake_checkpoint(run, 4, exp)
+    (edited / "trainer_state.json").write_text(json.dumps({"global_step": 3}))
+    checkpoints.write_manifest(edited, 4, {"fingerprint": fingerprint(exp)})
+    partial = fake_checkpoint(run, 6, exp, seal=False)
+    (run / "checkpoints" / "damaged-checkpoint-2").mkdir()  # moved aside by an earlier start
+    plan = plan_resume(exp, run)
+    assert plan.checkpoint is None and plan.incomplete == [partial]
+    assert plan.damaged == [(truncated, truncated.parent / "damaged-checkpoint-2-2"),
+                            (edited, edited.parent / "damaged-checkpoint-4")]
+    assert "checkpoint-2 is damaged (model.safetensors has 5 bytes, the manifest says " \
+           "16384)" in plan.notes[1]
+    assert "checkpoint-4 is damaged (the manifest says step 4, trainer_state.json says 3)" \
+        in plan.notes[2]
+    assert plan.notes[-1] == "no intact checkpoint left: training starts from scratch (step 0)"
+    for path, to in plan.damaged:  # what rank 0 does at the start (worker._start_attempt)
+        path.rename(to)
+    assert checkpoints.rotate(run / "checkpoints", 1, set()) == []
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [
+        "checkpoint-6", "damaged-checkpoint-2", "damaged-checkpoint-2-2",
+        "damaged-checkpoint-4"]
+    found = checkpoints.scan(run / "checkpoints")
+    assert (found.complete, found.damaged) == ([], [])
+
+
+def test_a_checkpoint_file_that_cannot_be_read_is_an_error_naming_it(write, tmp_path,
+                                                                   monkeypatch):
+    """Not damage but access (another user's files): nothing is moved, one error. Root reads
+    anything, so the refusal is simulated where the checkpoint's files are read."""
+    exp = make_experiment(write)
+    path = fake_checkpoint(tmp_path / "r", 2, exp)
+
+    def refused(file):
+        raise PermissionError(13, "Permission denied", str(file))
+
+    monkeypatch.setattr(checkpoints, "sha256_of", refused)
+    with pytest.raises(RunError) as info:
+        plan_resume(exp, tmp_path / "r")
+    assert str(info.value).startswith(f"cannot read {path / 'model.safetensors'} (Permission "
+                                      "denied)")
+    assert "Nothing was changed" in str(info.value)
+
+
+def test_a_fingerprint_without_a_method_compares_without_an_error(write):
+    exp = make_experiment(write)
+    assert "training.seed: '<not set>' -> 1" in differences({"data.format": "auto"},
+                                                           fingerprint(exp))
 
 
 def test_resume_path_is_verified_and_superseded_by_newer_own_checkpoints(write, tmp_path):
