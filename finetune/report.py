@@ -155,7 +155,10 @@ def plot_loss(records: list[dict], path: Path, title: str) -> bool:
 
 
 def write_json(path: Path, value: Any) -> None:
+    """Whole or not at all (summary.json half-written by a kill would block every rerun)."""
+    from finetune.checkpoints import write_atomic
+
     try:
-        path.write_text(json.dumps(value, indent=2, default=str) + "\n")
+        write_atomic(path, json.dumps(value, indent=2, default=str) + "\n")
     except OSError as exc:  # a directory where the file should be, a full disk
         raise RunError(f"cannot write {path}: {exc.strerror or exc}") from None

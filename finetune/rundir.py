@@ -22,7 +22,6 @@ runs/<name>/
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 from typing import Any
 
