@@ -12,9 +12,9 @@ from typing import Callable, Iterable
 import pyarrow as pa
 from datasets import Dataset, Value, concatenate_datasets, load_dataset
 
-from finetune.build.data_files import check_file, diagnose_json, one_line
+from finetune.build.data_files import check_file, diagnose_json, list_data_files, one_line
 from finetune.build.data_rows import CANDIDATES, FORMATS, WEIGHT, check_row
-from finetune.config.rules import DATA_SUFFIXES, is_local
+from finetune.config.rules import is_local
 from finetune.config.schema import DataSource, Experiment
 from finetune.config.trl_fields import training_value
 from finetune.errors import DataError
@@ -40,17 +40,6 @@ class Splits:
         return Splits(train=tokenize(self.train, "train"),
                       eval=None if self.eval is None else tokenize(self.eval, "eval"),
                       format=self.format, eval_rows=self.eval)
-
-
-def _files(path: Path) -> list[Path]:
-    if path.is_dir():
-        files = sorted(p for p in path.iterdir() if p.suffix.lower() in DATA_SUFFIXES)
-        if not files:
-            raise DataError(f"{path}: no {'/'.join(DATA_SUFFIXES)} files in this directory")
-        return files
-    if path.suffix.lower() not in DATA_SUFFIXES:
-        raise DataError(f"{path}: unsupported file type; use {', '.join(DATA_SUFFIXES)}")
-    return [path]
 
 
 def _root_cause(exc: BaseException) -> str:
@@ -98,7 +87,7 @@ def _renamed(ds: Dataset, original: str, target: str) -> Dataset:
 def _read_source(source: DataSource, where: str) -> list[tuple[str, Dataset]]:
     """(label, dataset) per file, so row numbers stay per file."""
     if is_local(source.path):
-        parts = [(str(f), _read_file(f)) for f in _files(Path(source.path))]
+        parts = [(str(f), _read_file(f)) for f in list_data_files(Path(source.path))]
     else:
         try:
             parts = [(source.path, load_dataset(source.path, source.subset, split=source.split,
