@@ -4,16 +4,19 @@ split off eval rows. Tokenizing is the method's (see build/prepare.py)."""
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
 import pyarrow as pa
-from datasets import Dataset, Value, concatenate_datasets, load_dataset
+from datasets import (Dataset, Features, LargeList, List, Value, concatenate_datasets,
+                      load_dataset)
 
 from finetune.build.data_files import check_file, diagnose_json, list_data_files, one_line
-from finetune.build.data_rows import CANDIDATES, FORMATS, WEIGHT, check_row
+from finetune.build.data_rows import (CANDIDATES, FORMATS, WEIGHT, check_row,
+                                    preference_problem)
 from finetune.config.rules import is_local
 from finetune.config.schema import DataSource, Experiment
 from finetune.config.trl_fields import training_value
@@ -137,11 +140,17 @@ def _validated(label: str, ds: Dataset, fmt: str, experiment: Experiment) -> Dat
         ds = _weighted(label, ds, experiment.data.weight_column)
         keep = [c for c in required + optional + (WEIGHT,) if c in ds.column_names]
         ds = ds.select_columns(keep)
+    if fmt == "preference" and "prompt" in ds.column_names and \
+            ds.data.column("prompt").null_count == len(ds):
+        ds = ds.remove_columns("prompt")  # null on every row: no prompt, for reward and dpo
+    has_prompt = "prompt" in ds.column_names
     labels = experiment.classify.labels if experiment.classify else None
     number = 0
     try:
         for number, row in enumerate(ds, 1):
-            problem = check_row(row, fmt, labels)
+            problem = check_row(row, fmt, labels) or (
+                preference_problem(row, has_prompt, experiment.method)
+                if fmt == "preference" else None)
             if problem:
                 raise DataError(f"{label} row {number}: {problem}")
     except (UnicodeDecodeError, RecursionError, pa.ArrowException) as exc:
@@ -153,7 +162,27 @@ def _validated(label: str, ds: Dataset, fmt: str, experiment: Experiment) -> Dat
         raise DataError(f"{label}: no rows")
     if fmt == "classification":
         ds = _label_ids(ds, labels)
+    if fmt != "prompt":  # grpo/ppo hand their columns to reward functions as they are
+        ds = _float_weights(ds)
     return ds
+
+
+def _float_weights(ds: Dataset) -> Dataset:
+    """Weights (the column, and turns' `weight`) typed float64: whole numbers read as
+    int64, and files of int64 and float64 weights would not concatenate."""
+    def cast(feature, name: str | None = None):
+        if isinstance(feature, dict):
+            return {key: cast(value, key) for key, value in feature.items()}
+        if isinstance(feature, List):
+            return List(cast(feature.feature), length=feature.length)
+        if isinstance(feature, LargeList):
+            return LargeList(cast(feature.feature))
+        numeric = isinstance(feature, Value) and feature.dtype.startswith(("int", "uint", "float"))
+        return Value("float64") if name == WEIGHT and (numeric or feature == Value("null")) \
+            else feature
+
+    features = cast(dict(ds.features))
+    return ds if features == dict(ds.features) else ds.cast(Features(features))
 
 
 def _label_ids(ds: Dataset, labels: list[str]) -> Dataset:
@@ -177,12 +206,28 @@ def _load_split(sources: list[DataSource], split: str, experiment: Experiment,
             ds = _validated(label, ds, fmt, experiment)
             if source.max_samples is not None:
                 ds = ds.select(range(min(source.max_samples, len(ds))))
-            parts.append(ds)
+            parts.append((label, ds))
+    if len(parts) == 1:
+        return parts[0][1], fmt
     try:
-        return (parts[0] if len(parts) == 1 else concatenate_datasets(parts)), fmt
+        return concatenate_datasets([ds for _, ds in parts]), fmt
     except ValueError as exc:
-        raise DataError(f"data.{split}: the sources do not share one schema: "
-                        f"{one_line(str(exc))}") from None
+        (first, features), others = (parts[0][0], parts[0][1].features), parts[1:]
+        other = next((label for label, ds in others if ds.features != features), others[-1][0])
+        raise DataError(f"data.{split}: {first} and {other} do not share one schema (the "
+                        f"same columns, of the same types): {one_line(str(exc))}") from None
+
+
+def _held_out(train: Dataset, fraction: float, seed: int) -> tuple[Dataset, Dataset]:
+    """train_test_split, refused with the counts where it would leave either side empty."""
+    rows = len(train)
+    held = math.ceil(fraction * rows)  # as datasets rounds test_size
+    if held < 1 or rows - held < 1:
+        raise DataError(f"data.eval_fraction: {fraction} of the {rows} training row(s) holds "
+                        f"out {held} for eval and leaves {rows - held} to train on; both need "
+                        "at least 1 (more rows, another fraction, or data.eval)")
+    parts = train.train_test_split(test_size=held, seed=seed, shuffle=True)
+    return parts["train"], parts["test"]
 
 
 def load_data(experiment: Experiment) -> Splits:
@@ -194,6 +239,5 @@ def load_data(experiment: Experiment) -> Splits:
         evaluation, _ = _load_split(spec.eval, "eval", experiment, fmt)
     elif spec.eval_fraction is not None:
         seed = training_value(experiment.method, experiment.training, "seed")
-        parts = train.train_test_split(test_size=spec.eval_fraction, seed=seed, shuffle=True)
-        train, evaluation = parts["train"], parts["test"]
+        train, evaluation = _held_out(train, spec.eval_fraction, seed)
     return Splits(train=train, eval=evaluation, format=fmt)

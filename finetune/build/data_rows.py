@@ -19,6 +19,9 @@ CANDIDATES = {"sft": ("messages", "prompt_completion", "text"), "reward": ("pref
               "dpo": ("preference",), "classify": ("classification",), "grpo": ("prompt",),
               "ppo": ("prompt",)}
 WEIGHT = "weight"  # the per-sample weight column, whatever data.weight_column names
+# Weights are relative (the loss is sum(w x loss) / sum(w)); beyond this, w x loss summed
+# over a batch nears float32's range (3.4e38) and the model trains to NaN.
+MAX_WEIGHT = 1e6
 ROLES = ("system", "user", "assistant", "tool")
 
 
@@ -52,6 +55,9 @@ def _check_weight(value: Any, field: str) -> str | None:
         return f"`{field}` must be a number, got {type(value).__name__} {value!r}"
     if not math.isfinite(value) or value < 0:
         return f"`{field}` is {value}; weights must be finite and >= 0"
+    if value > MAX_WEIGHT:
+        return f"`{field}` is {value:g}; weights are relative (the loss is sum(w x loss) / " \
+               f"sum(w)) and at most {MAX_WEIGHT:,.0f}: scale them down"
     return None
 
 
@@ -109,3 +115,26 @@ def check_row(row: dict[str, Any], fmt: str, labels: list[str] | None = None) ->
         return f"mixes plain text and message lists across {', '.join(fields)}"
     return None
 
+
+def _shared_turns(chosen: list, rejected: list) -> int:
+    """The prompt TRL's extract_prompt takes from a dpo row without `prompt`: the turns
+    chosen and rejected share, but at most all but the last of the shorter one."""
+    shared = 0
+    while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
+        shared += 1
+    return min(shared, min(len(chosen), len(rejected)) - 1)
+
+
+def preference_problem(row: dict[str, Any], has_prompt: bool, method: str) -> str | None:
+    """Across a file's preference rows: `prompt` on every row or on none (DPOTrainer
+    fails on a null one among them, reward would read it as empty); and dpo's prompt,
+    when not given, is the leading turns chosen and rejected share."""
+    if has_prompt and row.get("prompt") is None:
+        return "`prompt` is missing (null) while other rows of this file have one: give " \
+               "every row a prompt, or none"
+    if method == "dpo" and not has_prompt and isinstance(row["chosen"], list) and \
+            _shared_turns(row["chosen"], row["rejected"]) < 1:
+        return "`chosen` and `rejected` share no leading turn: without `prompt`, both must " \
+               "start with the same prompt turns (dpo takes those as the prompt); or give " \
+               "`prompt`"
+    return None
