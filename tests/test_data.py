@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 
 from conftest import TINY_MODEL
-from finetune.build.data import load_data
+from finetune.build.data import ORIGIN, load_data
 from finetune.config import load_experiment
 from finetune.errors import DataError
 
@@ -67,7 +67,8 @@ def test_missing_columns_are_named(write, tmp_path):
         load_data(experiment(write, "sft", path))
     exp = experiment(write, "sft", f"{{path: {path}, columns: {{prompt: question, "
                                    "completion: answer}}")
-    assert load_data(exp).train[0] == {"prompt": "q", "completion": "a"}
+    assert load_data(exp).train[0] == {"prompt": "q", "completion": "a",
+                                       ORIGIN: f"{path} row 1"}
 
 
 def test_csv_and_parquet_rows(write, tmp_path):

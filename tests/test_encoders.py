@@ -99,7 +99,7 @@ def test_a_template_that_cannot_render_the_rows_is_one_error(bert, write, tmp_pa
     config = _experiment(write, "reward", bert, data,
                          f"tokenizer:\n  chat_template: {json.dumps(broken)}\n")
     errors = _in_process(config, tmp_path, capsys, monkeypatch)
-    assert len(errors) == 1 and f"data.train ({data}) row 1" in errors[0]
+    assert len(errors) == 1 and f"{data} row 1, `chosen`" in errors[0]
     assert "chat template cannot render" in errors[0] and "TemplateSyntaxError" in errors[0]
 
 

@@ -1,6 +1,10 @@
 """Training and eval data: read local files or hub datasets, rename columns, detect the
 row format, check every row (a bad one is reported with its file and row number), and
-split off eval rows. Tokenizing is the method's (see build/prepare.py)."""
+split off eval rows. Tokenizing is the method's (see build/prepare.py).
+
+Every row carries its origin ("FILE row N") in the ORIGIN column through the split and the
+method's tokenization, so an error found there names the file and row too;
+build/prepare.py removes the column before the data reaches a trainer or the cache."""
 
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ from finetune.config.schema import DataSource, Experiment
 from finetune.config.trl_fields import training_value
 from finetune.errors import DataError
 
+ORIGIN = "__origin__"  # "FILE row N" of every row, until build/prepare.py removes it
 BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 
 
@@ -43,6 +48,13 @@ class Splits:
         return Splits(train=tokenize(self.train, "train"),
                       eval=None if self.eval is None else tokenize(self.eval, "eval"),
                       format=self.format, eval_rows=self.eval)
+
+    def without_origin(self) -> "Splits":
+        """Without the ORIGIN column: what trainers (and grpo's reward functions) see."""
+        drop = lambda ds: ds.remove_columns(ORIGIN) \
+            if ds is not None and ORIGIN in ds.column_names else ds
+        return Splits(train=drop(self.train), eval=drop(self.eval), format=self.format,
+                      eval_rows=drop(self.eval_rows))
 
 
 def _root_cause(exc: BaseException) -> str:
@@ -164,7 +176,7 @@ def _validated(label: str, ds: Dataset, fmt: str, experiment: Experiment) -> Dat
         ds = _label_ids(ds, labels)
     if fmt != "prompt":  # grpo/ppo hand their columns to reward functions as they are
         ds = _float_weights(ds)
-    return ds
+    return ds.add_column(ORIGIN, [f"{label} row {n}" for n in range(1, len(ds) + 1)])
 
 
 def _float_weights(ds: Dataset) -> Dataset:

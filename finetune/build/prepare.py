@@ -4,7 +4,8 @@ that tokenize in finetune (sft, reward, classify), tokenized.
 The cache entry's key hashes everything the result depends on: the data files (path,
 size, modification time; a hub dataset: its id, subset, split and revision), the
 tokenizer's saved files, the method, the data section, the settings that change
-tokenization, and the library versions.
+tokenization (for grpo and ppo, the prompt length the model's context leaves), and the
+library versions.
 A second run with the same key loads the entry instead of preparing again.
 
 Within a run, the main process of each machine (LOCAL_RANK 0) prepares; the other ranks
@@ -42,7 +43,7 @@ from datasets import load_from_disk
 from finetune import __version__, checkpoints
 from finetune.build.data import Splits, load_data
 from finetune.build.tokenizer import require_chat_template
-from finetune.config.rules import is_local
+from finetune.config.rules import REWARDED, is_local
 from finetune.config.schema import Experiment
 from finetune.errors import FAILED_MARKER, DataError
 
@@ -99,6 +100,7 @@ def cache_key(experiment: Experiment, tokenizer) -> str:
         "version": VERSION, "method": experiment.method, "data": data, "settings": settings,
         "classify": experiment.classify.model_dump(mode="json") if experiment.classify else None,
         "sources": _sources_digest(experiment), "tokenizer": _tokenizer_digest(tokenizer),
+        "prompt_limit": _prompt_limit(experiment),
         # finetune's own version from the package: a source tree run without installing
         # has no distribution metadata.
         "packages": {"finetune": __version__,
@@ -106,6 +108,15 @@ def cache_key(experiment: Experiment, tokenizer) -> str:
     }
     text = json.dumps(described, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+def _prompt_limit(experiment: Experiment) -> int | None:
+    """grpo and ppo refuse prompts the model's context cannot hold (build/prompts.py)."""
+    if experiment.method not in REWARDED:
+        return None
+    from finetune.build.prompts import prompt_limit
+
+    return prompt_limit(experiment)
 
 
 def _method_prepare(experiment: Experiment) -> Callable | None:
@@ -116,11 +127,14 @@ def _method_prepare(experiment: Experiment) -> Callable | None:
 
 
 def prepare(experiment: Experiment, tokenizer) -> Splits:
-    """Read and validate the rows, then let the method tokenize them if it does."""
+    """Read and validate the rows, then let the method tokenize (or check) them. The rows'
+    origins go once the method has used them for its errors."""
     splits = load_data(experiment)
     require_chat_template(splits, tokenizer, experiment)
     method_prepare = _method_prepare(experiment)
-    return method_prepare(splits, tokenizer, experiment) if method_prepare else splits
+    if method_prepare:
+        splits = method_prepare(splits, tokenizer, experiment)
+    return splits.without_origin()
 
 
 def _staging_prefix(entry: Path) -> str:
