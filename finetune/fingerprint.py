@@ -69,7 +69,9 @@ def layout(experiment: Experiment) -> dict[str, int]:
 
 
 @functools.lru_cache(maxsize=4096)
-def _digest(path: str, size: int, mtime_ns: int, inode: int) -> str:
+def _digest(path: str, size: int, mtime_ns: int, inode: int, ctime_ns: int) -> str:
+    # Cached per stat, ctime included: an edit in place that restores size and mtime
+    # (cp -p, touch -r) still changes the ctime, which no user can set.
     digest = hashlib.sha256(str(size).encode())
     with open(path, "rb") as handle:
         if size <= HASHED_WHOLE:
@@ -92,7 +94,8 @@ def content_digest(path: Path) -> str:
         status = path.stat()
         if not stat.S_ISREG(status.st_mode):  # a FIFO would block the read forever
             return "not a regular file"
-        return _digest(str(path), status.st_size, status.st_mtime_ns, status.st_ino)
+        return _digest(str(path), status.st_size, status.st_mtime_ns, status.st_ino,
+                       status.st_ctime_ns)
     except OSError as exc:
         return f"unreadable ({exc.strerror or exc})"
 

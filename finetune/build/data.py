@@ -83,7 +83,11 @@ def _read_file(path: Path) -> Dataset:
     if problem:
         raise DataError(problem)
     try:
-        return load_dataset(builder, data_files=str(path), split="train")
+        # datasets keys its own cache of a local file by path and mtime only: an edit that
+        # keeps the mtime (cp -p, touch -r) would read the old rows. finetune caches the
+        # prepared data by content (build/prepare.py), so the file is converted afresh.
+        return load_dataset(builder, data_files=str(path), split="train",
+                            download_mode="force_redownload")
     except Exception as exc:  # datasets raises many types; the user needs file and cause
         located = diagnose_json(path) if builder == "json" else None
         raise DataError(located or f"{path}: cannot read as {builder}: {_root_cause(exc)}") \
