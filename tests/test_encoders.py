@@ -51,7 +51,7 @@ def _losses(run: Path) -> list[float]:
 
 def test_an_encoder_trains_a_reward_model_on_plain_text(bert, write, tmp_path):
     data = _jsonl(tmp_path / "pairs.jsonl",
-                  [{"chosen": "apple bread cat", "rejected": "cat bread apple"},
+                  [{"prompt": "sort ", "chosen": "apple bread cat", "rejected": "cat bread apple"},
                    {"prompt": "sort ", "chosen": "egg fish", "rejected": "fish egg"}] * 4)
     result = run_cli("train", str(_experiment(write, "reward", bert, data)), cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]

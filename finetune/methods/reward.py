@@ -33,14 +33,14 @@ END_NOTE = ("reward: no EOS appended to plain texts: the tokenizer frames each t
             "its own special tokens (an encoder's [CLS] ... [SEP]) and the head reads those")
 
 
-def _tokenized(dataset, tokenizer, max_length: int | None, split: str):
+def _tokenized(dataset, tokenizer, max_length: int | None, split: str = "train"):
     end = end_marker(tokenizer)
 
     def one(row: dict[str, Any]) -> dict[str, Any]:
         prompt = row.get("prompt") or ([] if isinstance(row["chosen"], list) else "")
         head = "prompt + " if row.get("prompt") else ""
         return {f"{answer}_ids": _ids(tokenizer, prompt + row[answer], end,
-                                      f"{row[ORIGIN]}, `{head}{answer}`")
+                                      f"{row.get(ORIGIN, f'data.{split}')}, `{head}{answer}`")
                 for answer in ("chosen", "rejected")}
 
     dataset = dataset.map(one, remove_columns=[c for c in ("prompt", "chosen", "rejected")
@@ -54,9 +54,10 @@ def _tokenized(dataset, tokenizer, max_length: int | None, split: str):
         longest = [max(len(c), len(r)) for c, r in zip(dataset["chosen_ids"],
                                                        dataset["rejected_ids"])]
         shortest = min(range(len(longest)), key=longest.__getitem__)
+        where = dataset[shortest].get(ORIGIN, f"data.{split} row {shortest + 1}")
         raise DataError(f"data.{split}: no pair fits training.max_length {max_length}: "
                         "RewardTrainer drops a pair whose chosen or rejected is longer, and "
-                        f"the shortest, {dataset[shortest][ORIGIN]}, has "
+                        f"the shortest, {where}, has "
                         f"{longest[shortest]} tokens; raise training.max_length, or shorten "
                         "the texts")
     return kept
