@@ -90,6 +90,9 @@ def test_the_origin_column_reaches_neither_the_trainer_nor_the_cache(write, tmp_
     sft = prepared(experiment(write, "sft", jsonl(tmp_path / "s.jsonl", [ROWS["sft"][0]] * 4),
                               "  eval_fraction: 0.5\n"))
     assert ORIGIN not in sft.train.column_names + sft.eval_rows.column_names
+    clash = jsonl(tmp_path / "c.jsonl", [{"prompt": "2+2=", ORIGIN: "mine"}] * 2)
+    with pytest.raises(DataError, match=f"{clash}: the column name {ORIGIN} is finetune's own"):
+        prepared(experiment(write, "grpo", clash))
 
 
 def test_reward_and_dpo_pairs_all_beyond_max_length_are_one_error(write, tmp_path):

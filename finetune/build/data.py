@@ -156,6 +156,9 @@ def _validated(label: str, ds: Dataset, fmt: str, experiment: Experiment) -> Dat
         ds = _weighted(label, ds, experiment.data.weight_column)
         keep = [c for c in required + optional + (WEIGHT,) if c in ds.column_names]
         ds = ds.select_columns(keep)
+    elif ORIGIN in ds.column_names:  # grpo/ppo keep every column for the reward functions
+        raise DataError(f"{label}: the column name {ORIGIN} is finetune's own; rename it "
+                        "(data.<split>[i].columns)")
     if fmt == "preference" and "prompt" in ds.column_names and \
             ds.data.column("prompt").null_count == len(ds):
         ds = ds.remove_columns("prompt")  # null on every row: no prompt, for reward and dpo

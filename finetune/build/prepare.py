@@ -18,9 +18,9 @@ half-written and two machines preparing into one shared cache cannot collide.
 An entry lists its files (sizes; SHA-256 of the small ones) and is verified before use: a
 damaged one (a file deleted, truncated, unreadable or replaced by hand, a meta.json this
 version did not write, a full disk, bytes that fail to load) is removed and prepared
-again, with a line saying so. A private directory is named by its writer's pid and host, so the next
-run on that host removes those of dead writers (a SIGKILL mid-write) at once; another
-host's are removed after a day.
+again, with a line saying so. A private directory is named by its writer's pid and host,
+so the next run on that host removes those of dead writers (a SIGKILL mid-write) at once;
+another host's are removed after a day.
 """
 
 from __future__ import annotations
