@@ -195,6 +195,7 @@ NOT_OURS = f"{META} is not one this version of finetune wrote"
     (_edit_meta(lambda m: m.update(parts=["eval", "eval_rows"])), f"{NOT_OURS} (parts"),
     (_edit_meta(lambda m: m.update(parts=[])), f"{NOT_OURS} (parts []"),
     (_edit_meta(lambda m: m.pop("format")), f"{NOT_OURS} (format None"),
+    (_edit_meta(lambda m: m.update(format=["sft"])), f"{NOT_OURS} (format ['sft']"),
     (_without_eval_part, f"{NOT_OURS} (part eval has no files"),
     (_edit_meta(lambda m: m["files"].update({"a\0b": {"size": 1}})), "a\\x00b is missing"),
     (lambda e: (e / META).write_text("[" * 100_000 + "]" * 100_000),

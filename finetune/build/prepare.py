@@ -188,7 +188,7 @@ def _meta_problem(meta: Any) -> str | None:
     """What is wrong with a parsed meta.json, or None."""
     if not isinstance(meta, dict):
         return "not an object"
-    if meta.get("format") not in FORMATS:
+    if not isinstance(meta.get("format"), str) or meta["format"] not in FORMATS:
         return f"format {meta.get('format')!r}"
     parts, files = meta.get("parts"), meta.get("files")
     if not isinstance(parts, list) or "train" not in parts or \
