@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import stat
 from pathlib import Path
 from typing import Any
 
+from finetune.build.data_files import list_data_files
 from finetune.config import trl_fields
-from finetune.config.rules import DATA_SUFFIXES, is_local
+from finetune.config.rules import is_local
 from finetune.config.schema import Experiment
+from finetune.errors import DataError
 
 SECTIONS = ("method", "model", "tokenizer", "peft", "precision", "dpo")
 # Sections that only the methods named here read.
@@ -66,7 +69,9 @@ def layout(experiment: Experiment) -> dict[str, int]:
 
 
 @functools.lru_cache(maxsize=4096)
-def _digest(path: str, size: int, mtime_ns: int, inode: int) -> str:
+def _digest(path: str, size: int, mtime_ns: int, inode: int, ctime_ns: int) -> str:
+    # Cached per stat, ctime included: an edit in place that restores size and mtime
+    # (cp -p, touch -r) still changes the ctime, which no user can set.
     digest = hashlib.sha256(str(size).encode())
     with open(path, "rb") as handle:
         if size <= HASHED_WHOLE:
@@ -86,8 +91,11 @@ def content_digest(path: Path) -> str:
     read per file on every rank at every start; an edit that keeps the size and misses
     every sample goes unnoticed, any edit that adds or removes a byte does not."""
     try:
-        stat = path.stat()
-        return _digest(str(path), stat.st_size, stat.st_mtime_ns, stat.st_ino)
+        status = path.stat()
+        if not stat.S_ISREG(status.st_mode):  # a FIFO would block the read forever
+            return "not a regular file"
+        return _digest(str(path), status.st_size, status.st_mtime_ns, status.st_ino,
+                       status.st_ctime_ns)
     except OSError as exc:
         return f"unreadable ({exc.strerror or exc})"
 
@@ -98,9 +106,10 @@ def _training_files(experiment: Experiment) -> list[Path]:
     for source in experiment.data.train:
         if not is_local(source.path):
             continue  # a hub dataset: its id and revision are in data.train
-        root = Path(source.path)
-        files += sorted(p for p in root.iterdir() if p.suffix.lower() in DATA_SUFFIXES) \
-            if root.is_dir() else [root]
+        try:
+            files += list_data_files(Path(source.path))
+        except DataError:
+            files.append(Path(source.path))  # reading the data reports what is wrong
     return files
 
 

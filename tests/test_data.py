@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 
 from conftest import TINY_MODEL
-from finetune.build.data import load_data
+from finetune.build.data import ORIGIN, load_data
 from finetune.config import load_experiment
 from finetune.errors import DataError
 
@@ -67,7 +67,8 @@ def test_missing_columns_are_named(write, tmp_path):
         load_data(experiment(write, "sft", path))
     exp = experiment(write, "sft", f"{{path: {path}, columns: {{prompt: question, "
                                    "completion: answer}}")
-    assert load_data(exp).train[0] == {"prompt": "q", "completion": "a"}
+    assert load_data(exp).train[0] == {"prompt": "q", "completion": "a",
+                                       ORIGIN: f"{path} row 1"}
 
 
 def test_csv_and_parquet_rows(write, tmp_path):
@@ -93,7 +94,7 @@ def test_directory_of_files_and_eval_fraction(write, tmp_path):
 
 def test_preference_rows(write, tmp_path):
     good = {"prompt": "p", "chosen": "a", "rejected": "b"}
-    path = jsonl(tmp_path, "p.jsonl", [good, {"chosen": "a", "rejected": "b"}])
+    path = jsonl(tmp_path, "p.jsonl", [{"chosen": "p a", "rejected": "p b"}] * 2)
     # prompt is optional: TRL takes the common prefix of chosen and rejected as the prompt
     assert len(load_data(experiment(write, "reward", path)).train) == 2
     assert len(load_data(experiment(write, "dpo", path)).train) == 2
@@ -111,3 +112,61 @@ def test_unreachable_hub_dataset_is_a_clear_error(write):
     with pytest.raises(DataError, match=r"data.train\[0\]: cannot load hub dataset "
                                         r"'trl-lib/Capybara'"):
         load_data(experiment(write, "sft", "trl-lib/Capybara"))
+
+
+@pytest.mark.parametrize("rows,fraction,left", [(1, 0.05, 0), (3, 0.99, 0)])
+def test_an_eval_fraction_leaving_no_training_row_is_refused(write, tmp_path, rows, fraction,
+                                                             left):
+    path = jsonl(tmp_path, "d.jsonl", [{"text": f"row {i}"} for i in range(rows)])
+    with pytest.raises(DataError) as info:
+        load_data(experiment(write, "sft", path, f"  eval_fraction: {fraction}\n"))
+    assert str(info.value) == (
+        f"data.eval_fraction: {fraction} of the {rows} training row(s) holds out {rows - left} "
+        f"for eval and leaves {left} to train on; both need at least 1 (more rows, another "
+        "fraction, or data.eval)")
+
+
+@pytest.mark.parametrize("method", ["reward", "dpo"])
+def test_preference_prompts_on_every_row_or_none(write, tmp_path, method):
+    with_prompt = {"prompt": "p", "chosen": "a", "rejected": "b"}
+    path = jsonl(tmp_path, "p.jsonl", [with_prompt, {**with_prompt, "prompt": None},
+                                       with_prompt])
+    with pytest.raises(DataError) as info:
+        load_data(experiment(write, method, path))
+    assert str(info.value) == (f"{path} row 2: `prompt` is missing (null) while other rows of "
+                               "this file have one: give every row a prompt, or none")
+    # null on every row is no prompt at all (dpo then takes what chosen and rejected share)
+    none = jsonl(tmp_path, "n.jsonl", [{**with_prompt, "prompt": None}] * 2)
+    assert "prompt" not in load_data(experiment(write, method, none)).train.column_names
+
+
+def test_dpo_chat_rows_without_prompt_must_share_their_leading_turns(write, tmp_path):
+    def pair(first, second):
+        return {"chosen": [{"role": "user", "content": first},
+                           {"role": "assistant", "content": "a"}],
+                "rejected": [{"role": "user", "content": second},
+                             {"role": "assistant", "content": "b"}]}
+
+    path = jsonl(tmp_path, "d.jsonl", [pair("p", "p"), pair("p", "q")])
+    with pytest.raises(DataError) as info:
+        load_data(experiment(write, "dpo", path))
+    assert str(info.value).startswith(
+        f"{path} row 2: `chosen` and `rejected` share no leading turn: without `prompt`, both "
+        "must start with the same prompt turns")
+    assert len(load_data(experiment(write, "reward", path)).train) == 2  # reward has no need
+
+
+def test_a_directory_of_int_and_float_weights_concatenates(write, tmp_path):
+    folder = tmp_path / "dir"
+    folder.mkdir()
+    jsonl(folder, "a.jsonl", [{**CHAT, "w": 1}] * 2)
+    jsonl(folder, "b.jsonl", [{**CHAT, "w": 2.5}] * 2)
+    splits = load_data(experiment(write, "sft", folder, "  weight_column: w\n"))
+    assert splits.train["weight"] == [1.0, 1.0, 2.5, 2.5]
+    # Schemas that still differ name the two files.
+    jsonl(folder, "c.jsonl", [{**CHAT, "w": 1, "messages": [
+        {**m, "name": "x"} for m in CHAT["messages"]]}])
+    with pytest.raises(DataError) as info:
+        load_data(experiment(write, "sft", folder, "  weight_column: w\n"))
+    assert str(info.value).startswith(f"data.train: {folder / 'a.jsonl'} and "
+                                      f"{folder / 'c.jsonl'} do not share one schema")

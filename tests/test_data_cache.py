@@ -5,6 +5,7 @@ tokenizer and settings loads it. The waiting ranks here are real processes."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -12,12 +13,15 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 
+import finetune
 from conftest import REPO, TINY_MODEL
-from finetune.build.prepare import META, cache_key, cache_root, prepared_data
+from finetune.build.prepare import META, cache_key, cache_root, entry_problem, prepared_data
 from finetune.build.tokenizer import load_tokenizer
 from finetune.config import load_experiment
 
@@ -100,12 +104,16 @@ def test_entry_reused_and_keyed_by_what_it_depends_on(config, tmp_path, capsys):
     assert again.eval_rows["messages"] == first.eval_rows["messages"]
     assert len(_entries(experiment, run_dir)) == 1
 
-    # Another max_length, or the data file rewritten, is another entry.
+    # Another max_length is another entry; the data file rewritten with the same bytes
+    # is not (the key holds its content), one edited is.
     longer = load_experiment(config, ["training.max_length=32"])
     prepared_data(longer, tokenizer, run_dir, time.time(), {})
     data = tmp_path / "train.jsonl"
     time.sleep(0.01)
     data.write_text(data.read_text())
+    prepared_data(experiment, tokenizer, run_dir, time.time(), {})
+    assert len(_entries(experiment, run_dir)) == 2
+    data.write_text(data.read_text().replace("q 1", "q 9"))
     prepared_data(experiment, tokenizer, run_dir, time.time(), {})
     assert len(_entries(experiment, run_dir)) == 3
 
@@ -145,6 +153,37 @@ def test_a_waiting_rank_stops_when_the_main_process_fails(config, tmp_path, wait
     assert "the data could not be prepared" in err and "failed-0.json" in err
 
 
+def _edit_meta(change):
+    def edit(entry):
+        meta = json.loads((entry / META).read_text())
+        change(meta)
+        (entry / META).write_text(json.dumps(meta))
+    return edit
+
+
+def _replace_with_file(entry):
+    shutil.rmtree(entry)
+    entry.write_text("x")
+
+
+def _unloadable(entry):
+    """Bytes that load_from_disk cannot read, listed in meta.json with their true size and
+    hash: only loading the entry finds the damage."""
+    state = entry / "train" / "state.json"
+    state.write_text("{not json")
+    _edit_meta(lambda m: m["files"]["train/state.json"].update(
+        size=state.stat().st_size, sha256=hashlib.sha256(state.read_bytes()).hexdigest()))(entry)
+
+
+def _without_eval_part(entry):
+    shutil.rmtree(entry / "eval")
+    _edit_meta(lambda m: m.update(files={k: v for k, v in m["files"].items()
+                                         if not k.startswith("eval/")}))(entry)
+
+
+NOT_OURS = f"{META} is not one this version of finetune wrote"
+
+
 @pytest.mark.parametrize("damage,why", [
     (lambda e: next(e.glob("train/*.arrow")).unlink(),
      "train/data-00000-of-00001.arrow is missing"),
@@ -152,6 +191,19 @@ def test_a_waiting_rank_stops_when_the_main_process_fails(config, tmp_path, wait
         (e / "train" / "state.json").read_bytes()[:40]), "train/state.json has 40 bytes"),
     (lambda e: (e / META).write_text("{"), f"{META} is unreadable"),
     (lambda e: (e / META).unlink(), f"no {META}"),
+    # C1-C4 of the data audit: each was a traceback, or a "delete it" error.
+    (_edit_meta(lambda m: m.update(parts=["eval", "eval_rows"])), f"{NOT_OURS} (parts"),
+    (_edit_meta(lambda m: m.update(parts=[])), f"{NOT_OURS} (parts []"),
+    (_edit_meta(lambda m: m.pop("format")), f"{NOT_OURS} (format None"),
+    (_edit_meta(lambda m: m.update(format=["sft"])), f"{NOT_OURS} (format ['sft']"),
+    (_without_eval_part, f"{NOT_OURS} (part eval has no files"),
+    (_edit_meta(lambda m: m["files"].update({"a\0b": {"size": 1}})), "a\\x00b is missing"),
+    (lambda e: (e / META).write_text("[" * 100_000 + "]" * 100_000),
+     f"{META} is unreadable (RecursionError"),
+    (_replace_with_file, "not a directory"),
+    (lambda e: (e / "train" / "extra.arrow").write_text("x"),
+     f"train/extra.arrow is not listed in {META}"),
+    (_unloadable, "cannot be loaded ("),
 ])
 def test_a_damaged_entry_is_prepared_again_with_a_line(config, tmp_path, capsys, damage, why):
     run_dir = tmp_path / "runs" / "a"
@@ -216,3 +268,53 @@ def test_a_writer_killed_mid_write_leaves_nothing_after_the_next_run(config, tmp
     assert f"removed {left}, left by a data preparation that did not finish" in out
     assert not left.exists() and working.exists()
     assert sorted(p.name for p in root.iterdir()) == sorted([entry.name, working.name])
+
+
+def test_an_unreadable_entry_file_is_damage_not_a_traceback(config, tmp_path):
+    """A file this user cannot read (another user's cache, a wrong umask) is damage: the
+    entry is prepared again. As root, a read is refused only to another user."""
+    cache = Path(tempfile.mkdtemp(prefix="finetune-cache-"))  # not under root's 0700 tmp
+    try:
+        cache.chmod(0o777)
+        experiment = load_experiment(config, [f"data.cache_dir={cache}"])
+        prepared_data(experiment, load_tokenizer(experiment), tmp_path, time.time(), {})
+        [entry] = [p for p in cache.iterdir() if (p / META).exists()]
+        for path in [entry, *entry.rglob("*")]:  # readable to all (mkdtemp made it 0700)...
+            path.chmod(0o755 if path.is_dir() else 0o644)
+        (entry / "train" / "state.json").chmod(0)  # ...but this one file
+        if os.geteuid() != 0:
+            problem = entry_problem(entry)
+        else:
+            if shutil.which("setpriv") is None:
+                pytest.skip("root without setpriv: no user to whom the file is unreadable")
+            code = str(Path(finetune.__file__).parent.parent)  # the finetune under test
+            check = (f"import sys; sys.path.insert(0, {code!r}); from pathlib import Path; "
+                     "from finetune.build.prepare import entry_problem; "
+                     f"print(entry_problem(Path({str(entry)!r})))")
+            problem = subprocess.run(
+                ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                 sys.executable, "-c", check], capture_output=True, text=True, timeout=120,
+                cwd="/").stdout.strip()
+        assert problem.startswith("cannot be read (PermissionError"), problem
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+
+
+def test_an_edit_that_keeps_size_and_mtime_is_another_entry(config, tmp_path, capsys):
+    """cp -p, rsync -t and touch -r keep size and mtime: the key holds the content."""
+    run_dir = tmp_path / "runs" / "a"
+    run_dir.mkdir(parents=True)
+    experiment = load_experiment(config)
+    tokenizer = load_tokenizer(experiment)
+    first = prepared_data(experiment, tokenizer, run_dir, time.time(), {})
+    data = tmp_path / "train.jsonl"
+    stat = data.stat()
+    data.write_text(data.read_text().replace('"q 3"', '"a 3"'))
+    os.utime(data, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert data.stat().st_size == stat.st_size and data.stat().st_mtime_ns == stat.st_mtime_ns
+    capsys.readouterr()
+    again = prepared_data(experiment, tokenizer, run_dir, time.time(), {})
+    assert "data prepared and cached" in capsys.readouterr().out
+    assert len(_entries(experiment, run_dir)) == 2
+    tokens = lambda splits: sorted([*splits.train["input_ids"], *splits.eval["input_ids"]])
+    assert tokens(again) != tokens(first)  # trained on the file as it is now

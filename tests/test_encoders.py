@@ -51,7 +51,7 @@ def _losses(run: Path) -> list[float]:
 
 def test_an_encoder_trains_a_reward_model_on_plain_text(bert, write, tmp_path):
     data = _jsonl(tmp_path / "pairs.jsonl",
-                  [{"chosen": "apple bread cat", "rejected": "cat bread apple"},
+                  [{"prompt": "sort ", "chosen": "apple bread cat", "rejected": "cat bread apple"},
                    {"prompt": "sort ", "chosen": "egg fish", "rejected": "fish egg"}] * 4)
     result = run_cli("train", str(_experiment(write, "reward", bert, data)), cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -99,7 +99,7 @@ def test_a_template_that_cannot_render_the_rows_is_one_error(bert, write, tmp_pa
     config = _experiment(write, "reward", bert, data,
                          f"tokenizer:\n  chat_template: {json.dumps(broken)}\n")
     errors = _in_process(config, tmp_path, capsys, monkeypatch)
-    assert len(errors) == 1 and f"data.train ({data}) row 1" in errors[0]
+    assert len(errors) == 1 and f"{data} row 1, `chosen`" in errors[0]
     assert "chat template cannot render" in errors[0] and "TemplateSyntaxError" in errors[0]
 
 

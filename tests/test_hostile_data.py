@@ -146,6 +146,51 @@ def test_cli_train_on_a_non_utf8_file_is_one_error_line(write, tmp_path):
     assert f"error: {data} line 1: byte 0xe9 is not UTF-8" in result.stderr
 
 
+def test_a_fifo_as_data_is_refused_without_blocking(write, tmp_path):
+    import os
+    import signal
+
+    from finetune.errors import ConfigError
+    from finetune.fingerprint import content_digest
+
+    fifo = tmp_path / "pipe.jsonl"
+    os.mkfifo(fifo)
+    with pytest.raises(ConfigError, match="data.train\\[0\\].path: not a regular file or "
+                                          "directory"):  # what `finetune validate` says
+        experiment(write, "sft", fifo)
+    folder = tmp_path / "dir"
+    folder.mkdir()
+    (folder / "a.jsonl").write_text(json.dumps(CHAT) + "\n")
+    later = experiment(write, "sft", folder / "a.jsonl")
+    os.mkfifo(folder / "b.jsonl")
+    signal.alarm(60)  # opening a FIFO blocks until a writer comes: fail instead of hanging
+    try:
+        assert refused(write, folder) == \
+            f"{folder / 'b.jsonl'}: a FIFO (named pipe); data paths must be regular files or " \
+            "directories"
+        (folder / "a.jsonl").unlink()
+        os.mkfifo(folder / "a.jsonl")  # replaced after the experiment was checked
+        with pytest.raises(DataError, match="a.jsonl: a FIFO"):
+            load_data(later)
+        assert content_digest(fifo) == "not a regular file"  # the resume fingerprint
+    finally:
+        signal.alarm(0)
+
+
+def test_an_empty_file_and_a_lone_surrogate_are_named(write, tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    assert refused(write, empty) == f"{empty}: the file is empty"
+    blank = tmp_path / "blank.jsonl"
+    blank.write_text("\n\n")
+    assert refused(write, blank) == f"{blank}: the file is empty (blank lines only)"
+    lone = tmp_path / "surrogate.jsonl"
+    lone.write_text(json.dumps(CHAT) + "\n" + json.dumps(CHAT).replace("yo", "\\ud800") + "\n")
+    assert refused(write, lone) == (
+        f"{lone} line 2: `messages[1].content` holds a lone surrogate escape (\\ud800-\\udfff "
+        "without its pair), which is not a character")
+
+
 # --- Fuzzing the readers: generated rows, then generated damage to their bytes ----------
 
 from hypothesis import HealthCheck, given, settings  # noqa: E402

@@ -124,3 +124,17 @@ def test_all_zero_weights_stop_with_a_clear_error(write, tmp_path):
     assert result.returncode == 2, result.stderr[-2000:]
     assert "error: every loss weight in the global batch of step 1 is 0" in result.stderr
     assert "nan" not in result.stdout.lower()
+
+
+def test_weights_above_1e6_are_refused(write, tmp_path):
+    """1e38 is finite, but sum(w x loss) overflows float32: the model trained to NaN."""
+    rows = [{"messages": CHAT, "w": 1e6}, {"messages": CHAT, "w": 1e38}]
+    with pytest.raises(DataError) as info:
+        load(write, "sft", jsonl(tmp_path, rows), "  weight_column: w\n")
+    assert str(info.value) == (
+        f"{tmp_path / 'd.jsonl'} row 2: `weight` is 1e+38; weights are relative (the loss is "
+        "sum(w x loss) / sum(w)) and at most 1,000,000: scale them down")
+    turn = [CHAT[0], {**CHAT[1], "weight": 1e7}]
+    with pytest.raises(DataError, match=r"row 1: `messages\[1\].weight` is 1e\+07; weights are "
+                                        "relative"):
+        load(write, "sft", jsonl(tmp_path, [{"messages": turn}]))

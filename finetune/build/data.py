@@ -1,6 +1,10 @@
 """Training and eval data: read local files or hub datasets, rename columns, detect the
 row format, check every row (a bad one is reported with its file and row number), and
-split off eval rows. Tokenizing is the method's (see build/prepare.py)."""
+split off eval rows. Tokenizing is the method's (see build/prepare.py).
+
+Every row carries its origin ("FILE row N") in the ORIGIN column through the split and the
+method's tokenization, so an error found there names the file and row too;
+build/prepare.py removes the column before the data reaches a trainer or the cache."""
 
 from __future__ import annotations
 
@@ -8,31 +12,21 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Callable, Iterable
 
 import pyarrow as pa
-from datasets import Dataset, Value, concatenate_datasets, load_dataset
+from datasets import (Dataset, Features, LargeList, List, Value, concatenate_datasets,
+                      load_dataset)
 
-from finetune.build.data_files import check_file, diagnose_json, one_line
-from finetune.config.rules import DATA_SUFFIXES, is_local
+from finetune.build.data_files import check_file, diagnose_json, list_data_files, one_line
+from finetune.build.data_rows import (CANDIDATES, FORMATS, WEIGHT, check_row,
+                                    preference_problem)
+from finetune.config.rules import is_local
 from finetune.config.schema import DataSource, Experiment
 from finetune.config.trl_fields import training_value
 from finetune.errors import DataError
 
-# format -> (required columns, optional columns)
-FORMATS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    "messages": (("messages",), ()),
-    "prompt_completion": (("prompt", "completion"), ()),
-    "text": (("text",), ()),
-    "preference": (("chosen", "rejected"), ("prompt",)),
-    "classification": (("text", "label"), ()),
-    "prompt": (("prompt",), ()),  # every other column is kept for the reward functions
-}
-CANDIDATES = {"sft": ("messages", "prompt_completion", "text"), "reward": ("preference",),
-              "dpo": ("preference",), "classify": ("classification",), "grpo": ("prompt",),
-              "ppo": ("prompt",)}
-WEIGHT = "weight"  # the per-sample weight column, whatever data.weight_column names
-ROLES = ("system", "user", "assistant", "tool")
+ORIGIN = "__origin__"  # "FILE row N" of every row, until build/prepare.py removes it
 BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 
 
@@ -55,16 +49,12 @@ class Splits:
                       eval=None if self.eval is None else tokenize(self.eval, "eval"),
                       format=self.format, eval_rows=self.eval)
 
-
-def _files(path: Path) -> list[Path]:
-    if path.is_dir():
-        files = sorted(p for p in path.iterdir() if p.suffix.lower() in DATA_SUFFIXES)
-        if not files:
-            raise DataError(f"{path}: no {'/'.join(DATA_SUFFIXES)} files in this directory")
-        return files
-    if path.suffix.lower() not in DATA_SUFFIXES:
-        raise DataError(f"{path}: unsupported file type; use {', '.join(DATA_SUFFIXES)}")
-    return [path]
+    def without_origin(self) -> "Splits":
+        """Without the ORIGIN column: what trainers (and grpo's reward functions) see."""
+        drop = lambda ds: ds.remove_columns(ORIGIN) \
+            if ds is not None and ORIGIN in ds.column_names else ds
+        return Splits(train=drop(self.train), eval=drop(self.eval), format=self.format,
+                      eval_rows=drop(self.eval_rows))
 
 
 def _root_cause(exc: BaseException) -> str:
@@ -93,7 +83,11 @@ def _read_file(path: Path) -> Dataset:
     if problem:
         raise DataError(problem)
     try:
-        return load_dataset(builder, data_files=str(path), split="train")
+        # datasets keys its own cache of a local file by path and mtime only: an edit that
+        # keeps the mtime (cp -p, touch -r) would read the old rows. finetune caches the
+        # prepared data by content (build/prepare.py), so the file is converted afresh.
+        return load_dataset(builder, data_files=str(path), split="train",
+                            download_mode="force_redownload")
     except Exception as exc:  # datasets raises many types; the user needs file and cause
         located = diagnose_json(path) if builder == "json" else None
         raise DataError(located or f"{path}: cannot read as {builder}: {_root_cause(exc)}") \
@@ -112,7 +106,7 @@ def _renamed(ds: Dataset, original: str, target: str) -> Dataset:
 def _read_source(source: DataSource, where: str) -> list[tuple[str, Dataset]]:
     """(label, dataset) per file, so row numbers stay per file."""
     if is_local(source.path):
-        parts = [(str(f), _read_file(f)) for f in _files(Path(source.path))]
+        parts = [(str(f), _read_file(f)) for f in list_data_files(Path(source.path))]
     else:
         try:
             parts = [(source.path, load_dataset(source.path, source.subset, split=source.split,
@@ -142,94 +136,6 @@ def detect_format(columns: Iterable[str], method: str, label: str) -> str:
                     f"{_names(sorted(columns)) or 'none'} (rename with data.<split>[i].columns)")
 
 
-def _check_messages(value: Any, field: str) -> str | None:
-    if not isinstance(value, list):
-        return f"`{field}` must be a list of messages, got {type(value).__name__}"
-    if not value:
-        return f"`{field}` is an empty conversation"
-    for i, message in enumerate(value):
-        if not isinstance(message, dict) or "role" not in message or "content" not in message:
-            return f"`{field}[{i}]` must have `role` and `content`"
-        if message["role"] not in ROLES:
-            return f"`{field}[{i}].role` is {message['role']!r}; expected one of {', '.join(ROLES)}"
-        if not isinstance(message["content"], str):
-            return f"`{field}[{i}].content` must be text, got {type(message['content']).__name__}"
-    return None
-
-
-def _check_text_or_messages(value: Any, field: str) -> str | None:
-    if isinstance(value, str):
-        return None if value.strip() else f"`{field}` is empty"
-    if isinstance(value, list):
-        return _check_messages(value, field)
-    return f"`{field}` must be text or a list of messages, got {type(value).__name__}"
-
-
-def _check_weight(value: Any, field: str) -> str | None:
-    if value is None:
-        return f"`{field}` is missing (null, empty or NaN)"
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return f"`{field}` must be a number, got {type(value).__name__} {value!r}"
-    if not math.isfinite(value) or value < 0:
-        return f"`{field}` is {value}; weights must be finite and >= 0"
-    return None
-
-
-def _check_turn_weights(messages: list[dict[str, Any]]) -> str | None:
-    for i, message in enumerate(messages):
-        if message.get("weight") is None:
-            continue
-        if message["role"] != "assistant":
-            return f"`messages[{i}].weight` is on a {message['role']} message; only " \
-                   "assistant turns are trained"
-        problem = _check_weight(message["weight"], f"messages[{i}].weight")
-        if problem:
-            return problem
-    return None
-
-
-def _check_label(value: Any, labels: list[str]) -> str | None:
-    if isinstance(value, str):
-        return None if value in labels else \
-            f"`label` {value!r} is not one of classify.labels ({', '.join(labels)})"
-    if isinstance(value, bool) or not isinstance(value, int):
-        return f"`label` must be a class name or index, got {type(value).__name__} {value!r}"
-    return None if 0 <= value < len(labels) else \
-        f"`label` {value} is out of range for {len(labels)} classes"
-
-
-def check_row(row: dict[str, Any], fmt: str, labels: list[str] | None = None) -> str | None:
-    required, optional = FORMATS[fmt]
-    for field in required:
-        if row.get(field) is None:
-            return f"missing `{field}`"
-    if WEIGHT in row:
-        problem = _check_weight(row[WEIGHT], WEIGHT)
-        if problem:
-            return problem
-    if fmt == "messages":
-        problem = _check_messages(row["messages"], "messages")
-        if problem is None and not any(m["role"] == "assistant" for m in row["messages"]):
-            problem = "no assistant message to learn from"
-        return problem or _check_turn_weights(row["messages"])
-    if fmt == "classification":
-        if not isinstance(row["text"], str) or not row["text"].strip():
-            return "`text` must be a non-empty string"
-        return _check_label(row["label"], labels or [])
-    if fmt == "text":
-        if not isinstance(row["text"], str):
-            return f"`text` must be a string, got {type(row['text']).__name__}"
-        return None if row["text"].strip() else "`text` is empty"
-    fields = [f for f in required + optional if row.get(f) is not None]
-    for field in fields:
-        problem = _check_text_or_messages(row[field], field)
-        if problem:
-            return problem
-    if len({type(row[f]) for f in fields}) > 1:
-        return f"mixes plain text and message lists across {', '.join(fields)}"
-    return None
-
-
 def _weighted(label: str, ds: Dataset, column: str | None) -> Dataset:
     """The per-sample weight column, renamed to WEIGHT; missing is an error."""
     if column is None:
@@ -250,11 +156,20 @@ def _validated(label: str, ds: Dataset, fmt: str, experiment: Experiment) -> Dat
         ds = _weighted(label, ds, experiment.data.weight_column)
         keep = [c for c in required + optional + (WEIGHT,) if c in ds.column_names]
         ds = ds.select_columns(keep)
+    elif ORIGIN in ds.column_names:  # grpo/ppo keep every column for the reward functions
+        raise DataError(f"{label}: the column name {ORIGIN} is finetune's own; rename it "
+                        "(data.<split>[i].columns)")
+    if fmt == "preference" and "prompt" in ds.column_names and \
+            ds.data.column("prompt").null_count == len(ds):
+        ds = ds.remove_columns("prompt")  # null on every row: no prompt, for reward and dpo
+    has_prompt = "prompt" in ds.column_names
     labels = experiment.classify.labels if experiment.classify else None
     number = 0
     try:
         for number, row in enumerate(ds, 1):
-            problem = check_row(row, fmt, labels)
+            problem = check_row(row, fmt, labels) or (
+                preference_problem(row, has_prompt, experiment.method)
+                if fmt == "preference" else None)
             if problem:
                 raise DataError(f"{label} row {number}: {problem}")
     except (UnicodeDecodeError, RecursionError, pa.ArrowException) as exc:
@@ -266,7 +181,27 @@ def _validated(label: str, ds: Dataset, fmt: str, experiment: Experiment) -> Dat
         raise DataError(f"{label}: no rows")
     if fmt == "classification":
         ds = _label_ids(ds, labels)
-    return ds
+    if fmt != "prompt":  # grpo/ppo hand their columns to reward functions as they are
+        ds = _float_weights(ds)
+    return ds.add_column(ORIGIN, [f"{label} row {n}" for n in range(1, len(ds) + 1)])
+
+
+def _float_weights(ds: Dataset) -> Dataset:
+    """Weights (the column, and turns' `weight`) typed float64: whole numbers read as
+    int64, and files of int64 and float64 weights would not concatenate."""
+    def cast(feature, name: str | None = None):
+        if isinstance(feature, dict):
+            return {key: cast(value, key) for key, value in feature.items()}
+        if isinstance(feature, List):
+            return List(cast(feature.feature), length=feature.length)
+        if isinstance(feature, LargeList):
+            return LargeList(cast(feature.feature))
+        numeric = isinstance(feature, Value) and feature.dtype.startswith(("int", "uint", "float"))
+        return Value("float64") if name == WEIGHT and (numeric or feature == Value("null")) \
+            else feature
+
+    features = cast(dict(ds.features))
+    return ds if features == dict(ds.features) else ds.cast(Features(features))
 
 
 def _label_ids(ds: Dataset, labels: list[str]) -> Dataset:
@@ -290,12 +225,28 @@ def _load_split(sources: list[DataSource], split: str, experiment: Experiment,
             ds = _validated(label, ds, fmt, experiment)
             if source.max_samples is not None:
                 ds = ds.select(range(min(source.max_samples, len(ds))))
-            parts.append(ds)
+            parts.append((label, ds))
+    if len(parts) == 1:
+        return parts[0][1], fmt
     try:
-        return (parts[0] if len(parts) == 1 else concatenate_datasets(parts)), fmt
+        return concatenate_datasets([ds for _, ds in parts]), fmt
     except ValueError as exc:
-        raise DataError(f"data.{split}: the sources do not share one schema: "
-                        f"{one_line(str(exc))}") from None
+        (first, features), others = (parts[0][0], parts[0][1].features), parts[1:]
+        other = next((label for label, ds in others if ds.features != features), others[-1][0])
+        raise DataError(f"data.{split}: {first} and {other} do not share one schema (the "
+                        f"same columns, of the same types): {one_line(str(exc))}") from None
+
+
+def _held_out(train: Dataset, fraction: float, seed: int) -> tuple[Dataset, Dataset]:
+    """train_test_split, refused with the counts where it would leave either side empty."""
+    rows = len(train)
+    held = math.ceil(fraction * rows)  # as datasets rounds test_size
+    if held < 1 or rows - held < 1:
+        raise DataError(f"data.eval_fraction: {fraction} of the {rows} training row(s) holds "
+                        f"out {held} for eval and leaves {rows - held} to train on; both need "
+                        "at least 1 (more rows, another fraction, or data.eval)")
+    parts = train.train_test_split(test_size=held, seed=seed, shuffle=True)
+    return parts["train"], parts["test"]
 
 
 def load_data(experiment: Experiment) -> Splits:
@@ -307,6 +258,5 @@ def load_data(experiment: Experiment) -> Splits:
         evaluation, _ = _load_split(spec.eval, "eval", experiment, fmt)
     elif spec.eval_fraction is not None:
         seed = training_value(experiment.method, experiment.training, "seed")
-        parts = train.train_test_split(test_size=spec.eval_fraction, seed=seed, shuffle=True)
-        train, evaluation = parts["train"], parts["test"]
+        train, evaluation = _held_out(train, spec.eval_fraction, seed)
     return Splits(train=train, eval=evaluation, format=fmt)

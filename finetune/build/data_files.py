@@ -8,8 +8,12 @@ from __future__ import annotations
 import codecs
 import json
 import math
+import stat
 from pathlib import Path
 from typing import Any, Iterator
+
+from finetune.config.rules import DATA_SUFFIXES
+from finetune.errors import DataError
 
 BLOCK = 16 * 2**20  # read in blocks: data files can be larger than memory
 # Longest first: the UTF-32 LE mark starts with the UTF-16 LE one.
@@ -21,6 +25,41 @@ MAX_DEPTH = 64
 # The non-standard numbers Python's json, pyarrow and ujson write or read. "Inf" finds
 # "Infinity" too; a line that only mentions them in text parses cleanly and passes.
 NON_FINITE_TOKENS = (b"NaN", b"Inf")
+
+
+def not_regular(path: Path) -> str | None:
+    """Why `path` is neither a regular file nor a directory (a FIFO, a socket, a device:
+    reading one blocks or never ends), or None. Follows symlinks."""
+    mode = path.stat().st_mode
+    if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
+        return None
+    kind = "a FIFO (named pipe)" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) \
+        else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a regular file"
+    return f"{path}: {kind}; data paths must be regular files or directories"
+
+
+def list_data_files(path: Path) -> list[Path]:
+    """The data files a source path names: itself, or a directory's files with a data
+    suffix (not its subdirectories), sorted. Every one a regular file."""
+    try:
+        problem = not_regular(path)
+        if problem:
+            raise DataError(problem)
+        if not path.is_dir():
+            if path.suffix.lower() not in DATA_SUFFIXES:
+                raise DataError(f"{path}: unsupported file type; use {', '.join(DATA_SUFFIXES)}")
+            return [path]
+        files = sorted(p for p in path.iterdir() if p.suffix.lower() in DATA_SUFFIXES)
+        for file in files:
+            problem = not_regular(file)
+            if problem or file.is_dir():
+                raise DataError(problem or f"{file}: a directory with a data file's name; "
+                                "data paths must be regular files or directories")
+    except OSError as exc:
+        raise DataError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    if not files:
+        raise DataError(f"{path}: no {'/'.join(DATA_SUFFIXES)} files in this directory")
+    return files
 
 
 def one_line(text: str) -> str:
@@ -87,13 +126,26 @@ def _walk(value: Any) -> Iterator[tuple[str, Any, int]]:
 _SPELLED = {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}
 
 
+def _has_lone_surrogate(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
 def value_problem(row: Any) -> str | None:
-    """Nesting beyond MAX_DEPTH, and non-finite numbers inside a column's value (a turn's
-    weight), in one parsed row. A column's own NaN reaches the row checks as NaN or
-    null, and they name it (build/data.py)."""
+    """Nesting beyond MAX_DEPTH, non-finite numbers inside a column's value (a turn's
+    weight) and lone surrogate escapes, in one parsed row. A column's own NaN reaches the
+    row checks as NaN or null, and they name it (build/data.py)."""
     for path, item, depth in _walk(row):
         if depth > MAX_DEPTH:
             return f"nested more than {MAX_DEPTH} levels deep (at `{one_line(path)}`)"
+        texts = [item] if isinstance(item, str) else list(item) if isinstance(item, dict) else []
+        if any(_has_lone_surrogate(text) for text in texts):
+            # json accepts "\ud800" alone; no UTF-8 text (nor datasets' reader) can hold it.
+            return f"`{one_line(path) or 'row'}` holds a lone surrogate escape (\\ud800-" \
+                   "\\udfff without its pair), which is not a character"
         if depth > 2 and isinstance(item, float) and not math.isfinite(item):
             return f"`{one_line(path) or 'row'}` is {_SPELLED[repr(item)]}: JSON has no NaN " \
                    "or Infinity (a NaN weight is an error, and datasets would read it as null)"
@@ -154,6 +206,8 @@ def _lines_problem(path: Path, wanted: tuple[bytes, ...] = ()) -> str | None:
 def check_file(path: Path, builder: str) -> str | None:
     """What is wrong with a local text data file before datasets reads it, or None.
     Cheap: one streaming UTF-8 pass; JSON rows are parsed only where NaN/Inf appears."""
+    if path.stat().st_size == 0:
+        return f"{path}: the file is empty"
     if builder not in ("json", "csv"):
         return None
     problem = _utf8_problem(path)
@@ -168,4 +222,8 @@ def check_file(path: Path, builder: str) -> str | None:
 
 def diagnose_json(path: Path) -> str | None:
     """The first line (or array row) datasets could not read: syntax, nesting, numbers."""
-    return _document_problem(path) if _is_document(path) else _lines_problem(path)
+    if _is_document(path):
+        return _document_problem(path)
+    if not any(line.strip() for _, line in _lines(path)):
+        return f"{path}: the file is empty (blank lines only)"
+    return _lines_problem(path)

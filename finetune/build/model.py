@@ -79,6 +79,18 @@ def refuse_remote_code(experiment: Experiment, source: str, key: str) -> None:
             raise RunError(_remote_code_message(source, key))
 
 
+def context_length(experiment: Experiment) -> int | None:
+    """The model's max_position_embeddings (of its text part), or None: the config has
+    none, or cannot be read here (loading the model reports why)."""
+    spec = experiment.model
+    try:
+        config = AutoConfig.from_pretrained(spec.name_or_path, revision=spec.revision,
+                                            trust_remote_code=spec.trust_remote_code)
+    except (OSError, ValueError):
+        return None
+    return getattr(config.get_text_config(), "max_position_embeddings", None)
+
+
 def _config(experiment: Experiment, tokenizer: PreTrainedTokenizerBase):
     spec = experiment.model
     refuse_remote_code(experiment, spec.name_or_path, "model.name_or_path")

@@ -1,10 +1,11 @@
 """Training data, prepared once and cached on disk: read, validated and, for the methods
 that tokenize in finetune (sft, reward, classify), tokenized.
 
-The cache entry's key hashes everything the result depends on: the data files (path,
-size, modification time; a hub dataset: its id, subset, split and revision), the
-tokenizer's saved files, the method, the data section, the settings that change
-tokenization, and the library versions.
+The cache entry's key hashes everything the result depends on: the data files (path and
+content, as fingerprint.content_digest hashes it; a hub dataset: its id, subset, split
+and revision), the tokenizer's saved files, the method, the data section, the settings
+that change tokenization (for grpo and ppo, the prompt length the model's context leaves),
+and the library versions.
 A second run with the same key loads the entry instead of preparing again.
 
 Within a run, the main process of each machine (LOCAL_RANK 0) prepares; the other ranks
@@ -15,10 +16,11 @@ written to a private directory and renamed into place whole, so a crash leaves n
 half-written and two machines preparing into one shared cache cannot collide.
 
 An entry lists its files (sizes; SHA-256 of the small ones) and is verified before use: a
-damaged one (a file deleted or truncated by hand, a full disk) is prepared again, with a
-line saying so. A private directory is named by its writer's pid and host, so the next
-run on that host removes those of dead writers (a SIGKILL mid-write) at once; another
-host's are removed after a day.
+damaged one (a file deleted, truncated, unreadable or replaced by hand, a meta.json this
+version did not write, a full disk, bytes that fail to load) is removed and prepared
+again, with a line saying so. A private directory is named by its writer's pid and host,
+so the next run on that host removes those of dead writers (a SIGKILL mid-write) at once;
+another host's are removed after a day.
 """
 
 from __future__ import annotations
@@ -40,11 +42,13 @@ import pyarrow as pa
 from datasets import load_from_disk
 
 from finetune import __version__, checkpoints
-from finetune.build.data import Splits, load_data
+from finetune.build.data import FORMATS, Splits, load_data
+from finetune.build.data_files import list_data_files, one_line
 from finetune.build.tokenizer import require_chat_template
-from finetune.config.rules import is_local
+from finetune.config.rules import REWARDED, is_local
 from finetune.config.schema import Experiment
 from finetune.errors import FAILED_MARKER, DataError
+from finetune.fingerprint import content_digest
 
 VERSION = 2  # bump when what is stored changes
 META = "meta.json"  # written last: its presence marks a complete entry
@@ -56,6 +60,9 @@ PACKAGES = ("transformers", "tokenizers", "datasets", "trl")
 POLL_SECONDS = 0.2
 STAGING_MAX_AGE = 24 * 3600  # seconds
 HASHED_BELOW = 2**20  # entry files hashed when verified (state, features); sized above
+PARTS = ("train", "eval", "eval_rows")
+# What reading a damaged entry raises (datasets and pyarrow on bytes they cannot parse).
+LOAD_ERRORS = (OSError, ValueError, KeyError, TypeError, RecursionError, pa.ArrowException)
 _STAGING = re.compile(r"^\.[0-9a-f]+\.(?P<pid>\d+)@(?P<host>.+)\.[^.]+$")
 
 
@@ -64,22 +71,16 @@ def cache_root(experiment: Experiment, run_dir: Path) -> Path:
     return Path(spec) if spec else run_dir.parent / ".data-cache"
 
 
-def _file_stamp(path: Path) -> list[Any]:
-    # Path, size and modification time, as make and datasets' own cache do: cheap on
-    # every rank however large the data, and changed by any edit or rewrite.
-    stat = path.stat()
-    return [str(path.resolve()), stat.st_size, stat.st_mtime_ns]
-
-
 def _sources_digest(experiment: Experiment) -> list[Any]:
+    # Content, not size and modification time: a copy that keeps both (cp -p, rsync -t,
+    # touch -r) changes the data all the same.
     out = []
     for source in experiment.data.train + (experiment.data.eval or []):
         if not is_local(source.path):
             out.append([source.path, source.subset, source.split, source.revision])
             continue
-        root = Path(source.path)
-        files = sorted(p for p in root.rglob("*") if p.is_file()) if root.is_dir() else [root]
-        out.append([_file_stamp(f) for f in files])
+        out.append([[str(f.resolve()), content_digest(f)]
+                    for f in list_data_files(Path(source.path))])
     return out
 
 
@@ -99,6 +100,7 @@ def cache_key(experiment: Experiment, tokenizer) -> str:
         "version": VERSION, "method": experiment.method, "data": data, "settings": settings,
         "classify": experiment.classify.model_dump(mode="json") if experiment.classify else None,
         "sources": _sources_digest(experiment), "tokenizer": _tokenizer_digest(tokenizer),
+        "prompt_limit": _prompt_limit(experiment),
         # finetune's own version from the package: a source tree run without installing
         # has no distribution metadata.
         "packages": {"finetune": __version__,
@@ -106,6 +108,15 @@ def cache_key(experiment: Experiment, tokenizer) -> str:
     }
     text = json.dumps(described, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+def _prompt_limit(experiment: Experiment) -> int | None:
+    """grpo and ppo refuse prompts the model's context cannot hold (build/prompts.py)."""
+    if experiment.method not in REWARDED:
+        return None
+    from finetune.build.prompts import prompt_limit
+
+    return prompt_limit(experiment)
 
 
 def _method_prepare(experiment: Experiment) -> Callable | None:
@@ -116,11 +127,14 @@ def _method_prepare(experiment: Experiment) -> Callable | None:
 
 
 def prepare(experiment: Experiment, tokenizer) -> Splits:
-    """Read and validate the rows, then let the method tokenize them if it does."""
+    """Read and validate the rows, then let the method tokenize (or check) them. The rows'
+    origins go once the method has used them for its errors."""
     splits = load_data(experiment)
     require_chat_template(splits, tokenizer, experiment)
     method_prepare = _method_prepare(experiment)
-    return method_prepare(splits, tokenizer, experiment) if method_prepare else splits
+    if method_prepare:
+        splits = method_prepare(splits, tokenizer, experiment)
+    return splits.without_origin()
 
 
 def _staging_prefix(entry: Path) -> str:
@@ -154,56 +168,93 @@ def _remove_abandoned(entry: Path) -> None:
                 and time.time() - staging.stat().st_mtime > STAGING_MAX_AGE)
         except FileNotFoundError:
             continue  # renamed into place or removed meanwhile
-        if stale and staging.is_dir():
-            shutil.rmtree(staging, ignore_errors=True)
+        if stale:
+            _remove(staging)
             print(f"finetune: removed {staging}, left by a data preparation that did not "
                   "finish", flush=True)
 
 
-def _listing(folder: Path) -> dict[str, dict[str, Any]]:
+def _listing(folder: Path, hashed: bool = True) -> dict[str, dict[str, Any]]:
     """Size of every file of an entry, SHA-256 of the small ones (state, features)."""
     files = {}
-    for path in sorted(p for p in folder.rglob("*") if p.is_file() and p.name != META):
+    for path in sorted(p for p in folder.rglob("*") if p.is_file() and p != folder / META):
         size = path.stat().st_size
         files[str(path.relative_to(folder))] = {"size": size, **(
-            {"sha256": checkpoints.sha256_of(path)} if size <= HASHED_BELOW else {})}
+            {"sha256": checkpoints.sha256_of(path)} if hashed and size <= HASHED_BELOW else {})}
     return files
 
 
-def entry_problem(entry: Path) -> str | None:
-    """Why a cache entry cannot be used (a file deleted, truncated or edited), or None."""
+def _meta_problem(meta: Any) -> str | None:
+    """What is wrong with a parsed meta.json, or None."""
+    if not isinstance(meta, dict):
+        return "not an object"
+    if not isinstance(meta.get("format"), str) or meta["format"] not in FORMATS:
+        return f"format {meta.get('format')!r}"
+    parts, files = meta.get("parts"), meta.get("files")
+    if not isinstance(parts, list) or "train" not in parts or \
+            not all(isinstance(p, str) and p in PARTS for p in parts):
+        return f"parts {parts!r}"
+    if not isinstance(files, dict) or not all(
+            isinstance(e, dict) and type(e.get("size")) is int
+            and isinstance(e.get("sha256", ""), str) for e in files.values()):
+        return "files"
+    empty = [p for p in parts if not any(name.startswith(f"{p}/") for name in files)]
+    return f"part {empty[0]} has no files" if empty else None
+
+
+def _entry_problem(entry: Path) -> str | None:
+    if not entry.is_dir() or entry.is_symlink():
+        return "not a directory"
     try:
         meta = json.loads((entry / META).read_text())
     except FileNotFoundError:
         return f"no {META}"
-    except (OSError, ValueError) as exc:
-        return f"{META} is unreadable ({exc})"
-    files = meta.get("files") if isinstance(meta, dict) else None
-    if not isinstance(files, dict) or not isinstance(meta.get("parts"), list) \
-            or not all(isinstance(e, dict) for e in files.values()):
-        return f"{META} is not one this version of finetune wrote"
+    except (OSError, ValueError, RecursionError) as exc:
+        return f"{META} is unreadable ({_failure(exc)})"
+    problem = _meta_problem(meta)
+    if problem:
+        return f"{META} is not one this version of finetune wrote ({problem})"
+    files = meta["files"]
+    on_disk = set(_listing(entry, hashed=False))
+    missing, unlisted = sorted(set(files) - on_disk), sorted(on_disk - set(files))
+    if missing or unlisted:
+        return f"{one_line(missing[0])} is missing" if missing else \
+            f"{one_line(unlisted[0])} is not listed in {META}"
     for name, expected in files.items():
-        path = entry / name
-        try:
-            size = path.stat().st_size
-        except OSError:
-            return f"{name} is missing"
-        if size != expected.get("size"):
-            return f"{name} has {size} bytes, {META} says {expected.get('size')}"
-        if "sha256" in expected and checkpoints.sha256_of(path) != expected["sha256"]:
+        size = (entry / name).stat().st_size
+        if size != expected["size"]:
+            return f"{name} has {size} bytes, {META} says {expected['size']}"
+        if "sha256" in expected and checkpoints.sha256_of(entry / name) != expected["sha256"]:
             return f"{name} does not match its SHA-256 in {META}"
     return None
 
 
+def entry_problem(entry: Path) -> str | None:
+    """Why a cache entry cannot be used (a file deleted, truncated, edited, unreadable or
+    added, a meta.json this version did not write), or None."""
+    try:
+        return _entry_problem(entry)
+    except (OSError, ValueError, RecursionError) as exc:  # unreadable: damaged to this user
+        return f"cannot be read ({_failure(exc)})"
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
 def _discard(entry: Path) -> None:
-    """Move a damaged entry aside (atomically: no rank loads half of it), then delete it.
-    Named as this process's staging, so a kill mid-delete is cleaned up next time."""
+    """Move a damaged entry aside (atomically: no rank loads half of it), then delete it
+    (a directory, or whatever file replaced it). Named as this process's staging, so a
+    kill mid-delete is cleaned up next time."""
     aside = entry.parent / f"{_staging_prefix(entry)}damaged"
     try:
         entry.rename(aside)
     except FileNotFoundError:
         return  # another machine's main process moved it first
-    shutil.rmtree(aside, ignore_errors=True)
+    _remove(aside)
 
 
 def _save(splits: Splits, entry: Path) -> None:
@@ -228,25 +279,37 @@ def _save(splits: Splits, entry: Path) -> None:
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def _load(entry: Path) -> Splits:
+def _read(entry: Path) -> Splits:
+    """The entry's splits; one of LOAD_ERRORS where damage the listing cannot see (bytes
+    changed in a large file, its size kept) fails to load."""
     meta = json.loads((entry / META).read_text())
     part = lambda name: load_from_disk(str(entry / name)) if name in meta["parts"] else None
+    return Splits(train=part("train"), eval=part("eval"), format=meta["format"],
+                  eval_rows=part("eval_rows"))
+
+
+def _failure(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {one_line(str(exc))[:200]}"
+
+
+def _meta_stamp(entry: Path) -> tuple[int, int] | None:
     try:
-        return Splits(train=part("train"), eval=part("eval"), format=meta["format"],
-                      eval_rows=part("eval_rows"))
-    except (OSError, ValueError, KeyError, pa.ArrowException) as exc:
-        # Damage the listing cannot see (bytes changed in a large file, size kept).
-        raise DataError(f"the data cache entry {entry} cannot be loaded ({exc}); delete it "
-                        "(it is prepared again on the next run)") from None
+        stat = (entry / META).stat()
+    except OSError:
+        return None
+    return stat.st_ino, stat.st_mtime_ns
 
 
-def _wait(entry: Path, run_dir: Path, launched: float, rank: int) -> None:
-    """Until the local main's entry is complete, or a rank of this launch has reported a
-    failure (failed-<rank>.json newer than this process's start: the ranks of a launch
-    start together, and none can fail before its own imports are done)."""
+def _wait(entry: Path, run_dir: Path, launched: float, rank: int,
+          replaced: tuple[int, int] | None = None) -> None:
+    """Until the local main's entry is complete (and, with `replaced`, another than the
+    one whose meta.json had that stamp), or a rank of this launch has reported a failure
+    (failed-<rank>.json newer than this process's start: the ranks of a launch start
+    together, and none can fail before its own imports are done)."""
     waiting = time.time()
     told = False
-    while not (entry / META).exists() or entry_problem(entry) is not None:
+    while not (entry / META).exists() or entry_problem(entry) is not None or \
+            (replaced is not None and _meta_stamp(entry) == replaced):
         failed = [p for p in run_dir.glob(FAILED_MARKER.replace(".json", "-*.json"))
                   if p.stat().st_mtime >= launched]
         if failed:
@@ -259,6 +322,20 @@ def _wait(entry: Path, run_dir: Path, launched: float, rank: int) -> None:
         time.sleep(POLL_SECONDS)
 
 
+def _cached(entry: Path) -> tuple[Splits | None, str | None]:
+    """(splits, None) from a sound entry, (None, why) from a damaged one, (None, None)
+    when there is none."""
+    if not os.path.lexists(entry):
+        return None, None
+    damage = entry_problem(entry)
+    if damage is None:
+        try:
+            return _read(entry), None
+        except LOAD_ERRORS as exc:
+            damage = f"cannot be loaded ({_failure(exc)})"
+    return None, damage
+
+
 def prepared_data(experiment: Experiment, tokenizer, run_dir: Path, launched: float,
                   env: dict[str, str] | None = None) -> Splits:
     """This rank's data: from the cache, prepared by this machine's main process.
@@ -267,20 +344,30 @@ def prepared_data(experiment: Experiment, tokenizer, run_dir: Path, launched: fl
     if not experiment.data.cache:
         return prepare(experiment, tokenizer)
     entry = cache_root(experiment, run_dir) / cache_key(experiment, tokenizer)
-    local_main = int(env.get("LOCAL_RANK", "0")) == 0
-    if local_main and entry.parent.is_dir():
+    rank = int(env.get("RANK", "0"))
+    if int(env.get("LOCAL_RANK", "0")) != 0:
+        stamp = None
+        while True:
+            _wait(entry, run_dir, launched, rank, replaced=stamp)
+            splits, damage = _cached(entry)
+            if splits is not None:
+                return splits
+            stamp = _meta_stamp(entry)  # damaged: the local main prepares it again
+    if entry.parent.is_dir():
         _remove_abandoned(entry)
-    damage = entry_problem(entry) if entry.exists() else None
-    if damage is not None or not entry.exists():
-        if local_main:
-            if damage is not None:
-                print(f"finetune: the data cache entry {entry} is damaged ({damage}); "
-                      "preparing it again", flush=True)
-                _discard(entry)
-            _save(prepare(experiment, tokenizer), entry)
-            print(f"finetune: data prepared and cached in {entry}", flush=True)
-        else:
-            _wait(entry, run_dir, launched, int(env.get("RANK", "0")))
-    elif int(env.get("RANK", "0")) == 0:
-        print(f"finetune: data loaded from the cache {entry}", flush=True)
-    return _load(entry)
+    splits, damage = _cached(entry)
+    if splits is not None:
+        if rank == 0:
+            print(f"finetune: data loaded from the cache {entry}", flush=True)
+        return splits
+    if damage is not None:
+        print(f"finetune: the data cache entry {entry} is damaged ({damage}); preparing it "
+              "again", flush=True)
+        _discard(entry)
+    _save(prepare(experiment, tokenizer), entry)
+    print(f"finetune: data prepared and cached in {entry}", flush=True)
+    try:
+        return _read(entry)
+    except LOAD_ERRORS as exc:  # just written: the file system failed
+        raise DataError(f"the data cache entry {entry}, just written, cannot be loaded "
+                        f"({_failure(exc)})") from None

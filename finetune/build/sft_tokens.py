@@ -18,7 +18,8 @@ from typing import Any
 
 from datasets import Dataset
 
-from finetune.build.data import WEIGHT
+from finetune.build.data import ORIGIN, WEIGHT
+from finetune.build.tokenizer import render_chat
 from finetune.errors import DataError
 
 IGNORE = -100
@@ -35,10 +36,10 @@ class Masking:
     weighted: bool = False  # add a token_weights column
 
 
-def _render(tokenizer, messages: list[dict[str, Any]], generation_prompt: bool) -> list[int]:
+def _render(tokenizer, messages: list[dict[str, Any]], generation_prompt: bool,
+            label: str) -> list[int]:
     plain = [{"role": m["role"], "content": m["content"]} for m in messages]
-    return list(tokenizer.apply_chat_template(plain, tokenize=True, return_dict=True,
-                                              add_generation_prompt=generation_prompt)["input_ids"])
+    return render_chat(tokenizer, plain, label, generation_prompt)
 
 
 Tokens = tuple[list[int], list[bool], list[float]]  # ids, trained?, weight of each
@@ -46,7 +47,7 @@ Tokens = tuple[list[int], list[bool], list[float]]  # ids, trained?, weight of e
 
 def _conversation(tokenizer, messages: list[dict[str, Any]], weight: float, masking: Masking,
                   label: str) -> Tokens:
-    ids = _render(tokenizer, messages, False)
+    ids = _render(tokenizer, messages, False, label)
     needs_turns = masking.assistant_only or any(m.get("weight") is not None for m in messages)
     trained, weights = [not masking.assistant_only] * len(ids), [weight] * len(ids)
     if not needs_turns:
@@ -54,8 +55,8 @@ def _conversation(tokenizer, messages: list[dict[str, Any]], weight: float, mask
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        start = _render(tokenizer, messages[:i], True) if i else []
-        end = _render(tokenizer, messages[: i + 1], False)
+        start = _render(tokenizer, messages[:i], True, label) if i else []
+        end = _render(tokenizer, messages[: i + 1], False, label)
         if ids[:len(start)] != start or ids[:len(end)] != end:
             raise DataError(f"{label}: the chat template does not render this conversation "
                             "turn by turn (a prefix renders differently), so assistant turns "
@@ -75,7 +76,7 @@ def _prompt_completion(tokenizer, row: dict[str, Any], weight: float, masking: M
         completion = [{**m, "weight": None} for m in completion]
         ids, trained, weights = _conversation(tokenizer, prompt + completion, weight, masking,
                                               label)
-        prompt_length = len(_render(tokenizer, prompt, True))
+        prompt_length = len(_render(tokenizer, prompt, True, label))
     else:
         # As TRL: the joined text is tokenized, and the completion starts where it and the
         # prompt alone stop agreeing (tokens may merge across the boundary).
@@ -105,7 +106,7 @@ def tokenize(dataset: Dataset, tokenizer, fmt: str, masking: Masking, split: str
         slice(-masking.max_length, None) if masking.keep_end else slice(None, masking.max_length))
 
     def one(row: dict[str, Any], index: int) -> dict[str, Any]:
-        label = f"data.{split} row {index + 1}"
+        label = row.get(ORIGIN) or f"data.{split} row {index + 1}"
         weight = float(row.get(WEIGHT, 1.0))
         if fmt == "messages":
             ids, trained, weights = _conversation(tokenizer, row["messages"], weight, masking,
@@ -114,6 +115,8 @@ def tokenize(dataset: Dataset, tokenizer, fmt: str, masking: Masking, split: str
             ids, trained, weights = _prompt_completion(tokenizer, row, weight, masking, label)
         else:
             ids, trained, weights = _text(tokenizer, row, weight)
+        if not any(trained):  # before any truncation: the row itself has nothing to train
+            raise DataError(f"{label}: nothing to train: {_untrained_reason(fmt, masking)}")
         if cut is not None:
             ids, trained, weights = ids[cut], trained[cut], weights[cut]
         out = {"input_ids": ids, "labels": [t if keep else IGNORE for t, keep in zip(ids, trained)]}
@@ -128,6 +131,13 @@ def tokenize(dataset: Dataset, tokenizer, fmt: str, masking: Masking, split: str
         raise DataError(f"data.{split}: no row has a trained token left after truncation to "
                         f"max_length {masking.max_length}")
     return kept
+
+
+def _untrained_reason(fmt: str, masking: Masking) -> str:
+    if masking.assistant_only:
+        return "training.assistant_only_loss trains assistant turns only, and " \
+               f"{'the completion' if fmt == 'prompt_completion' else 'the row'} has none"
+    return "the completion adds no token to the prompt"
 
 
 def uses_token_weights(dataset: Dataset, fmt: str) -> bool:

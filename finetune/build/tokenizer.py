@@ -6,6 +6,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from finetune.build.data_files import one_line
 from finetune.build.model import refuse_remote_code, remote_code_error
 from finetune.config.schema import Experiment
 from finetune.errors import DataError, RunError, first_line
@@ -52,42 +53,39 @@ def end_marker(tokenizer: PreTrainedTokenizerBase) -> str:
     return tokenizer.eos_token or ""
 
 
+def render_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict], where: str,
+                generation_prompt: bool = False) -> list[int]:
+    """The token ids of a conversation through the chat template. A template that fails on
+    it (a Jinja error, a raise_exception on roles it refuses) is a DataError naming
+    `where` (the row's origin): every method renders every chat row while preparing."""
+    import jinja2
+
+    try:
+        return list(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                                  add_generation_prompt=generation_prompt)
+                    ["input_ids"])
+    except (jinja2.TemplateError, ValueError, TypeError) as exc:
+        raise DataError(f"{where}: the chat template cannot render it ({type(exc).__name__}: "
+                        f"{one_line(str(exc))}); fix the row, or the template "
+                        "(tokenizer.chat_template)") from None
+
+
 def require_chat_template(splits, tokenizer: PreTrainedTokenizerBase,
                           experiment: Experiment) -> None:
     """Message-list rows are rendered by the tokenizer's chat template: without one, say
     so before any row is tokenized, naming the data and the setting that gives one."""
     from trl.data_utils import is_conversational
 
+    if tokenizer.chat_template:
+        return
     for split, rows in (("train", splits.train), ("eval", splits.eval)):
         if rows is None or len(rows) == 0 or not is_conversational(rows[0]):
             continue
         sources = getattr(experiment.data, split) or experiment.data.train  # eval_fraction
         files = ", ".join(s.path for s in sources)
         source = experiment.tokenizer.name_or_path or experiment.model.name_or_path
-        if tokenizer.chat_template:
-            _render_first(tokenizer, rows[0], f"data.{split} ({files}) row 1")
-            continue
         raise DataError(
             f"data.{split} ({files}): the rows are message lists (chat format), and the "
             f"tokenizer of {source!r} has no chat template to render them: set "
             "tokenizer.chat_template (a Jinja template inline, or the path of a .jinja "
             "file), or give the data as plain text")
-
-
-def _render_first(tokenizer: PreTrainedTokenizerBase, row: dict, where: str) -> None:
-    """A template that cannot render the data (a Jinja error, a role it refuses) fails on
-    the first row already: say so here, not from inside the tokenization of every row."""
-    import jinja2
-
-    lists = {k: v for k, v in row.items()
-             if isinstance(v, list) and v and isinstance(v[0], dict)}
-    prompt = lists.pop("prompt", [])
-    # Rendered as the methods render them: the prompt, then each answer after it.
-    conversations = {f"prompt + {k}" if prompt else k: prompt + v for k, v in lists.items()}
-    for column, value in (conversations or {"prompt": prompt}).items():
-        try:
-            tokenizer.apply_chat_template(value, tokenize=False)
-        except (jinja2.TemplateError, ValueError, TypeError) as exc:
-            raise DataError(f"{where}, `{column}`: the chat template cannot render it "
-                            f"({type(exc).__name__}: {exc}); fix the template or give "
-                            "another with tokenizer.chat_template") from None

@@ -42,6 +42,9 @@ def _paths(exp: Experiment) -> Iterator[Problem]:
             elif is_local(source.path):
                 if not paths.exists(source.path):
                     yield loc, f"no such file or directory: {source.path}"
+                elif not (paths.is_file(source.path) or paths.is_dir(source.path)):
+                    # A FIFO, socket or device: reading it would block or never end.
+                    yield loc, f"not a regular file or directory: {source.path}"
             elif source.path.lower().endswith(DATA_SUFFIXES):
                 yield loc, f"no such file: {source.path} (relative paths are relative to " \
                            "the YAML file that names them)"

@@ -142,9 +142,10 @@ class DataSection(Section):
         "the reward functions read).")
     weight_column: str | None = Field(
         None, description="sft, reward, dpo, classify: a numeric column of per-sample loss "
-        "weights (>= 0). The loss is sum(w x loss) / sum(w) over the global batch, the same "
-        "under gradient accumulation and data parallelism. sft messages may also carry a "
-        "`weight` on assistant messages: a per-token weight for that turn's tokens.")
+        "weights (>= 0 and <= 1e6: weights are relative, so scale larger ones down). The loss "
+        "is sum(w x loss) / sum(w) over the global batch, the same under gradient "
+        "accumulation and data parallelism. sft messages may also carry a `weight` on "
+        "assistant messages (same bounds): a per-token weight for that turn's tokens.")
 
     cache: bool = Field(
         True, description="Cache the prepared (validated, tokenized) data on disk, keyed by "

@@ -40,6 +40,7 @@ import torch
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOTrainer
 
+from finetune.build.prompts import checked_prompts
 from finetune.build.rewards import (reward_call_error, reward_functions, reward_model,
                                     reward_problem, reward_weights, unique_names)
 from finetune.errors import ConfigError, RunError
@@ -164,6 +165,11 @@ def _reference_source(job: Job):
         yield
     finally:
         config._name_or_path = original
+
+
+def prepare(splits, tokenizer, experiment):
+    """Every prompt rendered and counted against the context (build/prompts.py)."""
+    return checked_prompts(splits, tokenizer, experiment)
 
 
 def build_trainer(job: Job) -> GRPOTrainer:

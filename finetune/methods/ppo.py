@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from finetune.build.prompts import checked_prompts
 from finetune.build.rewards import reward_functions, reward_model, reward_weights
 from finetune.errors import RunError
 from finetune.methods import Job
@@ -46,6 +47,11 @@ def _value_source(job: Job) -> tuple[str, str | None]:
     if spec.model.init == "random":
         return str(job.run_dir / "init-model"), None
     return spec.model.name_or_path, spec.model.revision
+
+
+def prepare(splits, tokenizer, experiment):
+    """Every prompt rendered and counted against the context (build/prompts.py)."""
+    return checked_prompts(splits, tokenizer, experiment)
 
 
 def build_trainer(job: Job) -> PPOTrainer:

@@ -13,17 +13,17 @@ from typing import Any
 
 from trl import RewardTrainer
 
-from finetune.build.data import Splits
-from finetune.build.tokenizer import end_marker
+from finetune.build.data import ORIGIN, Splits
+from finetune.build.tokenizer import end_marker, render_chat
 from finetune.config.schema import Experiment
 from finetune.config.trl_fields import training_value
+from finetune.errors import DataError
 from finetune.methods import Job
 
 
-def _ids(tokenizer, value: str | list, end: str) -> list[int]:
+def _ids(tokenizer, value: str | list, end: str, where: str) -> list[int]:
     if isinstance(value, list):
-        return list(tokenizer.apply_chat_template(value, tokenize=True,
-                                                  return_dict=True)["input_ids"])
+        return render_chat(tokenizer, value, where)
     if end and not value.endswith(end):
         value += end
     return tokenizer(value)["input_ids"]
@@ -33,25 +33,39 @@ END_NOTE = ("reward: no EOS appended to plain texts: the tokenizer frames each t
             "its own special tokens (an encoder's [CLS] ... [SEP]) and the head reads those")
 
 
-def _tokenized(dataset, tokenizer, max_length: int | None):
+def _tokenized(dataset, tokenizer, max_length: int | None, split: str = "train"):
     end = end_marker(tokenizer)
 
     def one(row: dict[str, Any]) -> dict[str, Any]:
         prompt = row.get("prompt") or ([] if isinstance(row["chosen"], list) else "")
-        return {"chosen_ids": _ids(tokenizer, prompt + row["chosen"], end),
-                "rejected_ids": _ids(tokenizer, prompt + row["rejected"], end)}
+        head = "prompt + " if row.get("prompt") else ""
+        return {f"{answer}_ids": _ids(tokenizer, prompt + row[answer], end,
+                                      f"{row.get(ORIGIN, f'data.{split}')}, `{head}{answer}`")
+                for answer in ("chosen", "rejected")}
 
     dataset = dataset.map(one, remove_columns=[c for c in ("prompt", "chosen", "rejected")
                                                if c in dataset.column_names], desc="tokenizing")
     if max_length is None:
         return dataset
-    return dataset.filter(lambda row: len(row["chosen_ids"]) <= max_length
+    # As RewardTrainer: a pair longer than max_length is dropped; none left is an error.
+    kept = dataset.filter(lambda row: len(row["chosen_ids"]) <= max_length
                           and len(row["rejected_ids"]) <= max_length)
+    if len(kept) == 0:
+        longest = [max(len(c), len(r)) for c, r in zip(dataset["chosen_ids"],
+                                                       dataset["rejected_ids"])]
+        shortest = min(range(len(longest)), key=longest.__getitem__)
+        where = dataset[shortest].get(ORIGIN, f"data.{split} row {shortest + 1}")
+        raise DataError(f"data.{split}: no pair fits training.max_length {max_length}: "
+                        "RewardTrainer drops a pair whose chosen or rejected is longer, and "
+                        f"the shortest, {where}, has "
+                        f"{longest[shortest]} tokens; raise training.max_length, or shorten "
+                        "the texts")
+    return kept
 
 
 def prepare(splits: Splits, tokenizer, experiment: Experiment) -> Splits:
     max_length = training_value("reward", experiment.training, "max_length")
-    return splits.tokenized(lambda rows, _: _tokenized(rows, tokenizer, max_length))
+    return splits.tokenized(lambda rows, split: _tokenized(rows, tokenizer, max_length, split))
 
 
 def build_trainer(job: Job) -> RewardTrainer:

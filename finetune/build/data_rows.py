@@ -1,0 +1,140 @@
+"""What a valid row is, per format: the checks behind "FILE row N: problem" (build/data.py
+reads the files and reports)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+# format -> (required columns, optional columns)
+FORMATS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "messages": (("messages",), ()),
+    "prompt_completion": (("prompt", "completion"), ()),
+    "text": (("text",), ()),
+    "preference": (("chosen", "rejected"), ("prompt",)),
+    "classification": (("text", "label"), ()),
+    "prompt": (("prompt",), ()),  # every other column is kept for the reward functions
+}
+CANDIDATES = {"sft": ("messages", "prompt_completion", "text"), "reward": ("preference",),
+              "dpo": ("preference",), "classify": ("classification",), "grpo": ("prompt",),
+              "ppo": ("prompt",)}
+WEIGHT = "weight"  # the per-sample weight column, whatever data.weight_column names
+# Weights are relative (the loss is sum(w x loss) / sum(w)); beyond this, w x loss summed
+# over a batch nears float32's range (3.4e38) and the model trains to NaN.
+MAX_WEIGHT = 1e6
+ROLES = ("system", "user", "assistant", "tool")
+
+
+def _check_messages(value: Any, field: str) -> str | None:
+    if not isinstance(value, list):
+        return f"`{field}` must be a list of messages, got {type(value).__name__}"
+    if not value:
+        return f"`{field}` is an empty conversation"
+    for i, message in enumerate(value):
+        if not isinstance(message, dict) or "role" not in message or "content" not in message:
+            return f"`{field}[{i}]` must have `role` and `content`"
+        if message["role"] not in ROLES:
+            return f"`{field}[{i}].role` is {message['role']!r}; expected one of {', '.join(ROLES)}"
+        if not isinstance(message["content"], str):
+            return f"`{field}[{i}].content` must be text, got {type(message['content']).__name__}"
+    return None
+
+
+def _check_text_or_messages(value: Any, field: str) -> str | None:
+    if isinstance(value, str):
+        return None if value.strip() else f"`{field}` is empty"
+    if isinstance(value, list):
+        return _check_messages(value, field)
+    return f"`{field}` must be text or a list of messages, got {type(value).__name__}"
+
+
+def _check_weight(value: Any, field: str) -> str | None:
+    if value is None:
+        return f"`{field}` is missing (null, empty or NaN)"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return f"`{field}` must be a number, got {type(value).__name__} {value!r}"
+    if not math.isfinite(value) or value < 0:
+        return f"`{field}` is {value}; weights must be finite and >= 0"
+    if value > MAX_WEIGHT:
+        return f"`{field}` is {value:g}; weights are relative (the loss is sum(w x loss) / " \
+               f"sum(w)) and at most {MAX_WEIGHT:,.0f}: scale them down"
+    return None
+
+
+def _check_turn_weights(messages: list[dict[str, Any]]) -> str | None:
+    for i, message in enumerate(messages):
+        if message.get("weight") is None:
+            continue
+        if message["role"] != "assistant":
+            return f"`messages[{i}].weight` is on a {message['role']} message; only " \
+                   "assistant turns are trained"
+        problem = _check_weight(message["weight"], f"messages[{i}].weight")
+        if problem:
+            return problem
+    return None
+
+
+def _check_label(value: Any, labels: list[str]) -> str | None:
+    if isinstance(value, str):
+        return None if value in labels else \
+            f"`label` {value!r} is not one of classify.labels ({', '.join(labels)})"
+    if isinstance(value, bool) or not isinstance(value, int):
+        return f"`label` must be a class name or index, got {type(value).__name__} {value!r}"
+    return None if 0 <= value < len(labels) else \
+        f"`label` {value} is out of range for {len(labels)} classes"
+
+
+def check_row(row: dict[str, Any], fmt: str, labels: list[str] | None = None) -> str | None:
+    required, optional = FORMATS[fmt]
+    for field in required:
+        if row.get(field) is None:
+            return f"missing `{field}`"
+    if WEIGHT in row:
+        problem = _check_weight(row[WEIGHT], WEIGHT)
+        if problem:
+            return problem
+    if fmt == "messages":
+        problem = _check_messages(row["messages"], "messages")
+        if problem is None and not any(m["role"] == "assistant" for m in row["messages"]):
+            problem = "no assistant message to learn from"
+        return problem or _check_turn_weights(row["messages"])
+    if fmt == "classification":
+        if not isinstance(row["text"], str) or not row["text"].strip():
+            return "`text` must be a non-empty string"
+        return _check_label(row["label"], labels or [])
+    if fmt == "text":
+        if not isinstance(row["text"], str):
+            return f"`text` must be a string, got {type(row['text']).__name__}"
+        return None if row["text"].strip() else "`text` is empty"
+    fields = [f for f in required + optional if row.get(f) is not None]
+    for field in fields:
+        problem = _check_text_or_messages(row[field], field)
+        if problem:
+            return problem
+    if len({type(row[f]) for f in fields}) > 1:
+        return f"mixes plain text and message lists across {', '.join(fields)}"
+    return None
+
+
+def _shared_turns(chosen: list, rejected: list) -> int:
+    """The prompt TRL's extract_prompt takes from a dpo row without `prompt`: the turns
+    chosen and rejected share, but at most all but the last of the shorter one."""
+    shared = 0
+    while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
+        shared += 1
+    return min(shared, min(len(chosen), len(rejected)) - 1)
+
+
+def preference_problem(row: dict[str, Any], has_prompt: bool, method: str) -> str | None:
+    """Across a file's preference rows: `prompt` on every row or on none (DPOTrainer
+    fails on a null one among them, reward would read it as empty); and dpo's prompt,
+    when not given, is the leading turns chosen and rejected share."""
+    if has_prompt and row.get("prompt") is None:
+        return "`prompt` is missing (null) while other rows of this file have one: give " \
+               "every row a prompt, or none"
+    if method == "dpo" and not has_prompt and isinstance(row["chosen"], list) and \
+            _shared_turns(row["chosen"], row["rejected"]) < 1:
+        return "`chosen` and `rejected` share no leading turn: without `prompt`, both must " \
+               "start with the same prompt turns (dpo takes those as the prompt); or give " \
+               "`prompt`"
+    return None
