@@ -24,6 +24,7 @@ from conftest import REPO, TINY_MODEL
 from finetune.build.prepare import META, cache_key, cache_root, entry_problem, prepared_data
 from finetune.build.tokenizer import load_tokenizer
 from finetune.config import load_experiment
+from finetune.errors import RunError
 
 ROWS = [{"messages": [{"role": "user", "content": f"q {i}"},
                       {"role": "assistant", "content": "a " * (1 + i % 5)}]} for i in range(40)]
@@ -318,3 +319,13 @@ def test_an_edit_that_keeps_size_and_mtime_is_another_entry(config, tmp_path, ca
     assert len(_entries(experiment, run_dir)) == 2
     tokens = lambda splits: sorted([*splits.train["input_ids"], *splits.eval["input_ids"]])
     assert tokens(again) != tokens(first)  # trained on the file as it is now
+
+
+def test_a_cache_that_cannot_be_written_is_one_error(config, tmp_path):
+    """A cache_dir that is a file (as a read-only or full file system would) stops with
+    the entry and the two settings that help, not a traceback."""
+    (tmp_path / "afile").write_text("x")
+    experiment = load_experiment(config, [f"data.cache_dir={tmp_path / 'afile'}"])
+    with pytest.raises(RunError, match=r"cannot write the data cache entry .*afile.*"
+                                       r"data\.cache: false"):
+        prepared_data(experiment, load_tokenizer(experiment), tmp_path / "runs" / "a", 0.0)

@@ -47,7 +47,7 @@ from finetune.build.data_files import list_data_files, one_line
 from finetune.build.tokenizer import require_chat_template
 from finetune.config.rules import REWARDED, is_local
 from finetune.config.schema import Experiment
-from finetune.errors import FAILED_MARKER, DataError
+from finetune.errors import FAILED_MARKER, DataError, RunError, first_line
 from finetune.fingerprint import content_digest
 
 VERSION = 2  # bump when what is stored changes
@@ -364,7 +364,13 @@ def prepared_data(experiment: Experiment, tokenizer, run_dir: Path, launched: fl
         print(f"finetune: the data cache entry {entry} is damaged ({damage}); preparing it "
               "again", flush=True)
         _discard(entry)
-    _save(prepare(experiment, tokenizer), entry)
+    splits = prepare(experiment, tokenizer)
+    try:
+        _save(splits, entry)
+    except OSError as exc:  # not writable, not a directory, a full disk
+        raise RunError(f"cannot write the data cache entry {entry}: "
+                       f"{exc.strerror or first_line(exc)} (data.cache_dir chooses where it "
+                       "goes; data.cache: false prepares without one)") from None
     print(f"finetune: data prepared and cached in {entry}", flush=True)
     try:
         return _read(entry)
