@@ -107,13 +107,13 @@ def build_model(args: argparse.Namespace, config_args, tokenizer):
 
     compute = torch.bfloat16 if config_args.bf16 else torch.float32
     # TRL loads models in fp32 by default; finetune keeps a LoRA run's frozen base in the
-    # compute dtype (finetune/build/model.py _load_dtype).
+    # compute dtype (finetune/model/load.py _load_dtype).
     dtype = compute if (args.mode == "same" and args.lora) else torch.float32
     config = AutoConfig.from_pretrained(args.model)
     config.pad_token_id = tokenizer.pad_token_id
     attn = {"attn_implementation": args.attn} if args.attn else {}
     if args.attn == "finetune_varlen":  # finetune's own function (mode same, on a GPU)
-        from finetune.build import varlen
+        from finetune.model import varlen
 
         varlen.register()
     set_seed(config_args.seed)

@@ -8,7 +8,7 @@ import sys
 
 from finetune import __version__
 # torch-free, no finetune imports
-from finetune.launch.values import (MAX_LENGTH, MAX_MACHINES, MAX_PROCESSES,
+from finetune.config.script_values import (MAX_LENGTH, MAX_MACHINES, MAX_PROCESSES,
                                     MAX_PROCESSES_PER_MACHINE, MAX_SIGNAL_SECONDS)
 
 EXIT_USER_ERROR = 2
@@ -32,9 +32,9 @@ def _whole(low: int, high: int | None = None):
 
 
 def _checked(problem_of):
-    """argparse type from a launch/values check (torch-free, imported when parsing)."""
+    """argparse type from a config/script_values check (torch-free, imported when parsing)."""
     def parse(text: str) -> str:
-        from finetune.launch import values
+        from finetune.config import script_values as values
 
         problem = getattr(values, problem_of)(text)
         if problem:
@@ -45,7 +45,7 @@ def _checked(problem_of):
 
 
 def _time_limit(text: str) -> str:
-    from finetune.launch.values import time_seconds
+    from finetune.config.script_values import time_seconds
 
     try:
         time_seconds(text)
@@ -63,7 +63,7 @@ def _add_experiment_args(parser: argparse.ArgumentParser) -> None:
 
 def _validate(args: argparse.Namespace) -> int:
     from finetune.config import load_experiment
-    from finetune.rundir import resolved_yaml
+    from finetune.render.bundle import resolved_yaml
 
     experiment = load_experiment(args.config, args.overrides)
     if args.print:
@@ -78,11 +78,11 @@ def _train(args: argparse.Namespace) -> int:
     import os
     import time
 
-    launched = time.time()  # before the heavy imports: see build/prepare.py, _wait
+    launched = time.time()  # before the heavy imports: see data/prepare.py, _wait
 
     from finetune.config import load_experiment
     from finetune.launch.environment import rank_of
-    from finetune.rundir import prepare_run_dir
+    from finetune.render.bundle import prepare_run_dir
 
     experiment = load_experiment(args.config, args.overrides)
     experiment, run_dir, plan = prepare_run_dir(experiment, rank=rank_of(os.environ))
@@ -172,10 +172,11 @@ def _launch(args: argparse.Namespace) -> int:
 
     from finetune import checkpoints
     from finetune.errors import RunError
-    from finetune.launch.command import launch_argv, wait_for_main
+    from finetune.launch.rendezvous import wait_for_main
+    from finetune.render.scripts import launch_argv
     from finetune.launch.environment import parallel_note
     from finetune.launch.forward import run_forwarding
-    from finetune.rundir import prepare_run_dir
+    from finetune.render.bundle import prepare_run_dir
 
     overrides = [*args.overrides, *_launch_overrides(args)]
     experiment = _load_here(args.config, overrides)
@@ -208,10 +209,10 @@ def _slurm(args: argparse.Namespace) -> int:
 
     from finetune.config import load_experiment
     from finetune.errors import RunError
-    from finetune.launch.slurm import sbatch_script
-    from finetune.launch.values import time_seconds
+    from finetune.render.scripts import sbatch_script
+    from finetune.config.script_values import time_seconds
     from finetune.render.bundle import write_file
-    from finetune.rundir import prepare_run_dir
+    from finetune.render.bundle import prepare_run_dir
 
     if args.signal_seconds >= time_seconds(args.time):  # both checked by argparse
         raise RunError(f"--signal-seconds {args.signal_seconds} is not before the time limit "

@@ -2,7 +2,7 @@
 
 A checkpoint is only worth resuming from with the experiment that wrote it: another model,
 data, method, seed or global batch would silently make a different run. Data is its
-settings and the content of every local training file (see content_digest): a file
+settings and the content of every local training file (data/files.content_digest): a file
 replaced at the same path is a change. The fingerprint
 holds those settings; the layout (processes, per-device batch, accumulation) is kept apart,
 since the same global batch over another layout continues the same data order. Everything
@@ -11,16 +11,13 @@ else (logging, saving, evaluation, total steps, output) may change between attem
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import stat
 from pathlib import Path
 from typing import Any
 
-from finetune.build.data_files import list_data_files
 from finetune.config import trl_fields
 from finetune.config.rules import is_local
 from finetune.config.schema import Experiment
+from finetune.data.files import content_digest, list_data_files
 from finetune.errors import DataError
 
 SECTIONS = ("method", "model", "tokenizer", "peft", "precision", "dpo")
@@ -29,8 +26,6 @@ METHOD_SECTIONS = {"classify": ("classify",), "grpo": ("rewards",), "ppo": ("rew
 DATA_KEYS = ("train", "eval_fraction", "format", "weight_column")
 LAYOUT_KEYS = ("per_device_train_batch_size", "gradient_accumulation_steps")
 CONTENT = "data content "  # + a training file's path
-HASHED_WHOLE = 16 * 2**20  # bytes; a larger file is hashed from SAMPLES spread samples
-SAMPLES, SAMPLE_BYTES = 64, 64 * 2**10
 # Training keys that do not change which samples are seen or what a step computes.
 HARMLESS_PREFIXES = ("logging_", "save_", "eval_", "hub_", "push_to_hub", "log_level",
                      "dataloader_num_workers", "dataloader_pin_memory",
@@ -68,40 +63,8 @@ def layout(experiment: Experiment) -> dict[str, int]:
     return result
 
 
-@functools.lru_cache(maxsize=4096)
-def _digest(path: str, size: int, mtime_ns: int, inode: int, ctime_ns: int) -> str:
-    # Cached per stat, ctime included: an edit in place that restores size and mtime
-    # (cp -p, touch -r) still changes the ctime, which no user can set.
-    digest = hashlib.sha256(str(size).encode())
-    with open(path, "rb") as handle:
-        if size <= HASHED_WHOLE:
-            for block in iter(lambda: handle.read(2**20), b""):
-                digest.update(block)
-            return f"{size} bytes, sha256 {digest.hexdigest()[:16]}"
-        for i in range(SAMPLES):  # the first and the last bytes included
-            handle.seek((size - SAMPLE_BYTES) * i // (SAMPLES - 1))
-            digest.update(handle.read(SAMPLE_BYTES))
-    return f"{size} bytes, sampled sha256 {digest.hexdigest()[:16]}"
-
-
-def content_digest(path: Path) -> str:
-    """What a data file holds, independent of its modification time (a copy or a touch is
-    no change). Files up to HASHED_WHOLE: SHA-256 of every byte. Larger ones: of their
-    size and SAMPLES blocks spread from the first byte to the last, so at most 4 MiB are
-    read per file on every rank at every start; an edit that keeps the size and misses
-    every sample goes unnoticed, any edit that adds or removes a byte does not."""
-    try:
-        status = path.stat()
-        if not stat.S_ISREG(status.st_mode):  # a FIFO would block the read forever
-            return "not a regular file"
-        return _digest(str(path), status.st_size, status.st_mtime_ns, status.st_ino,
-                       status.st_ctime_ns)
-    except OSError as exc:
-        return f"unreadable ({exc.strerror or exc})"
-
-
 def _training_files(experiment: Experiment) -> list[Path]:
-    """The local files training reads (a directory: its data files, as build/data.py)."""
+    """The local files training reads (a directory: its data files, as data/load.py)."""
     files = []
     for source in experiment.data.train:
         if not is_local(source.path):

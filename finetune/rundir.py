@@ -23,16 +23,11 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
 
-import yaml
-
-from finetune import __version__
 from finetune.config.schema import Experiment
-from finetune.config.secrets import CREDENTIALS, redact
+from finetune.config.script_values import control_problem
+from finetune.config.secrets import CREDENTIALS
 from finetune.errors import RunError
-from finetune.launch.values import control_problem
-from finetune.resume import ResumePlan, plan_resume
 
 # What finetune writes there, by kind (the list above): one of the wrong kind (a directory
 # where a file goes, say) would fail a write halfway through a run, so it is refused first.
@@ -40,12 +35,6 @@ FILES = ("experiment.yaml", "accelerate.yaml", "deepspeed.json", "launch.sh", "j
          "environment.json", "training_args.json", "metrics.jsonl", "summary.json", "loss.png",
          "stopped.json")
 DIRECTORIES = ("checkpoints", "final", ".final.partial", "init-model")
-
-
-def resolved_yaml(experiment: Experiment) -> str:
-    body = redact(experiment.model_dump(mode="json"))
-    header = f"# resolved by finetune {__version__}; secrets redacted\n"
-    return header + yaml.safe_dump(body, sort_keys=False, allow_unicode=True)
 
 
 def run_dir_of(experiment: Experiment) -> Path:
@@ -124,23 +113,3 @@ def make_run_dir(run_dir: Path) -> None:
     except OSError as exc:  # permissions, a read-only or full file system
         raise RunError(f"cannot create the run directory {run_dir}: {exc.strerror} "
                        "(output.dir)") from None
-
-
-def prepare_run_dir(experiment: Experiment, rank: int = 0) -> tuple[Experiment, Path, ResumePlan]:
-    """Fix the run directory (and a resume path) in the experiment, decide where training
-    starts, and on rank 0 write the run bundle. Nothing already in the directory is
-    overwritten unless the run continues from it (see resume.py)."""
-    from finetune.render.bundle import write_bundle
-
-    run_dir = run_dir_of(experiment)
-    check_run_dir(run_dir)
-    update: dict[str, Any] = {"output": experiment.output.model_copy(update={"dir": str(run_dir)})}
-    if experiment.resume not in ("auto", "never"):
-        update["resume"] = str(Path(experiment.resume).absolute())
-    experiment = experiment.model_copy(update=update)
-    plan = plan_resume(experiment, run_dir)  # a finished run is done, whatever is there
-    check_entries(run_dir)
-    if rank == 0:
-        write_bundle(experiment, run_dir)
-    make_run_dir(run_dir)
-    return experiment, run_dir, plan

@@ -15,11 +15,11 @@ from typing import Any, Callable
 from transformers import TrainerCallback
 
 from finetune import checkpoints
-from finetune.build.device import Hardware, checkpointing_decision, resolve_hardware
-from finetune.build.model import count_parameters, initial_weights, load_model
-from finetune.build.peft import apply_peft, match_adapter_precision
-from finetune.build.prepare import prepared_data
-from finetune.build.tokenizer import load_tokenizer
+from finetune.hardware import Hardware, checkpointing_decision, resolve_hardware
+from finetune.model.load import count_parameters, initial_weights, load_model
+from finetune.model.peft import apply_peft, match_adapter_precision
+from finetune.data.prepare import prepared_data
+from finetune.model.tokenizer import load_tokenizer
 from finetune.callbacks import (EndAtLastStep, LossWindow, MetricsFile, NothingLeftToTrain,
                                 SealCheckpoints, read_metrics, truncate_metrics)
 from finetune.config import trl_fields
@@ -215,7 +215,7 @@ def train(experiment: Experiment, run_dir: Path, plan: ResumePlan,
     if experiment.distributed.strategy == "fsdp" and hw.device != "cuda":
         raise RunError(FSDP_NEEDS_CUDA)  # device auto on a machine without CUDA
     tokenizer = load_tokenizer(experiment)
-    # Before any process group exists: see build/prepare.py.
+    # Before any process group exists: see data/prepare.py.
     data = prepared_data(experiment, tokenizer, run_dir, launched or started)
     seed = trl_fields.training_value(experiment.method, experiment.training, "seed")
     initial = initial_weights(experiment, hw, tokenizer, run_dir, seed, rank)

@@ -1,4 +1,4 @@
-"""finetune_varlen (build/varlen.py), proven on the CPU: the glue that turns a flattened
+"""finetune_varlen (model/varlen.py), proven on the CPU: the glue that turns a flattened
 batch into cu_seqlens runs here with the reference kernel in place of PyTorch's CUDA flash
 varlen kernel, and must give what sdpa gives on the same rows padded."""
 
@@ -14,7 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
 from conftest import DATA, TINY_MODEL, run_cli
-from finetune.build import varlen
+from finetune.model import varlen
 from finetune.config import attention
 
 ROWS = [

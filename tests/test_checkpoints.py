@@ -362,7 +362,7 @@ def test_a_checkpoint_from_before_data_content_was_recorded_still_resumes(write,
 
 
 def test_a_large_data_file_is_hashed_from_samples(tmp_path):
-    from finetune.fingerprint import HASHED_WHOLE, content_digest
+    from finetune.data.files import HASHED_WHOLE, content_digest
 
     big = tmp_path / "big.jsonl"
     big.write_bytes(b"x" * (HASHED_WHOLE + 1))

@@ -10,7 +10,7 @@ import yaml
 from conftest import MINIMAL_SFT as BASE, DATA, TINY_MODEL
 from finetune.config import load_experiment
 from finetune.errors import ConfigError
-from finetune.rundir import resolved_yaml
+from finetune.render.bundle import resolved_yaml
 
 
 

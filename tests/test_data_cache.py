@@ -21,8 +21,8 @@ import pytest
 
 import finetune
 from conftest import REPO, TINY_MODEL
-from finetune.build.prepare import META, cache_key, cache_root, entry_problem, prepared_data
-from finetune.build.tokenizer import load_tokenizer
+from finetune.data.prepare import META, cache_key, cache_root, entry_problem, prepared_data
+from finetune.model.tokenizer import load_tokenizer
 from finetune.config import load_experiment
 from finetune.errors import RunError
 
@@ -33,8 +33,8 @@ import sys
 import time
 from pathlib import Path
 launched = time.time()
-from finetune.build.prepare import prepared_data
-from finetune.build.tokenizer import load_tokenizer
+from finetune.data.prepare import prepared_data
+from finetune.model.tokenizer import load_tokenizer
 from finetune.config import load_experiment
 experiment = load_experiment(sys.argv[1])
 splits = prepared_data(experiment, load_tokenizer(experiment), Path(sys.argv[2]), launched,
@@ -232,8 +232,8 @@ import signal
 import sys
 from pathlib import Path
 from datasets import Dataset
-from finetune.build.data import Splits
-from finetune.build.prepare import _save
+from finetune.data.load import Splits
+from finetune.data.prepare import _save
 
 class KilledWhileSaving:  # the second part's save is where the writer dies
     def save_to_disk(self, path):
@@ -290,7 +290,7 @@ def test_an_unreadable_entry_file_is_damage_not_a_traceback(config, tmp_path):
                 pytest.skip("root without setpriv: no user to whom the file is unreadable")
             code = str(Path(finetune.__file__).parent.parent)  # the finetune under test
             check = (f"import sys; sys.path.insert(0, {code!r}); from pathlib import Path; "
-                     "from finetune.build.prepare import entry_problem; "
+                     "from finetune.data.prepare import entry_problem; "
                      f"print(entry_problem(Path({str(entry)!r})))")
             problem = subprocess.run(
                 ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",

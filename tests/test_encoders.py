@@ -124,7 +124,7 @@ def test_custom_code_without_trust_remote_code_is_one_line(bert, write, tmp_path
 
 
 def test_a_custom_tokenizer_is_refused_before_loading(bert, tmp_path):
-    from finetune.build.tokenizer import load_tokenizer
+    from finetune.model.tokenizer import load_tokenizer
     from finetune.config.schema import Experiment
     from finetune.errors import RunError
 

@@ -270,9 +270,9 @@ def _held_bytes(model) -> int:
 @pytest.mark.parametrize("case", list(CASES))
 def test_model_states_exact_against_real_tensors(case, tiny_model, tmp_path):
     torch = pytest.importorskip("torch")
-    from finetune.build.device import Hardware
-    from finetune.build.model import load_model
-    from finetune.build.peft import apply_peft
+    from finetune.hardware import Hardware
+    from finetune.model.load import load_model
+    from finetune.model.peft import apply_peft
 
     kind, tied, method, peft = CASES[case]
     experiment = _tiny_experiment(tmp_path, tiny_model(kind, tied), method, peft)

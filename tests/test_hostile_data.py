@@ -10,7 +10,7 @@ import math
 import pytest
 
 from conftest import TINY_MODEL, run_cli
-from finetune.build.data import load_data
+from finetune.data.load import load_data
 from finetune.config import load_experiment
 from finetune.errors import DataError
 
@@ -151,7 +151,7 @@ def test_a_fifo_as_data_is_refused_without_blocking(write, tmp_path):
     import signal
 
     from finetune.errors import ConfigError
-    from finetune.fingerprint import content_digest
+    from finetune.data.files import content_digest
 
     fifo = tmp_path / "pipe.jsonl"
     os.mkfifo(fifo)

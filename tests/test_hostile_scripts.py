@@ -20,9 +20,8 @@ from conftest import DATA, TINY_MODEL, run_cli
 from finetune import cli
 from finetune.config import load_experiment
 from finetune.errors import RunError
-from finetune.launch.command import launch_argv, launch_script
-from finetune.launch.slurm import sbatch_script
-from finetune.launch.values import host_problem, slurm_time, time_seconds
+from finetune.render.scripts import launch_argv, launch_script, sbatch_script
+from finetune.config.script_values import host_problem, slurm_time, time_seconds
 from finetune.rundir import check_run_dir
 
 # Legal directory names that a careless script would run: none may run anything.
@@ -251,7 +250,7 @@ def test_render_out_that_is_a_file_or_holds_a_directory_named_like_a_file(tmp_pa
     assert code == 2 and "cannot write" in err and "launch.sh" in err, err
     (tmp_path / "runs" / "e" / "job.sbatch").mkdir(parents=True)
     code, err = _main(["slurm", str(config), "--nodes", "1", "--time", "10"], capsys)
-    assert code == 2 and "cannot write" in err and "job.sbatch" in err, err
+    assert code == 2 and "job.sbatch is a directory, not a file" in err, err
 
 
 def test_a_run_directory_that_cannot_be_created_is_one_error(tmp_path, capsys, monkeypatch):

@@ -1,4 +1,4 @@
-"""What preparing the data (build/prepare.py: read, validate, let the method tokenize or
+"""What preparing the data (data/prepare.py: read, validate, let the method tokenize or
 check) refuses, for every method, as one DataError naming the data file and row: a chat
 template that fails on a later row, pairs that all exceed max_length, grpo/ppo prompts
 longer than the model's context, rows with nothing to train. Errors found while
@@ -12,9 +12,9 @@ import json
 import pytest
 
 from conftest import REPO, TINY_MODEL, run_cli
-from finetune.build.data import ORIGIN
-from finetune.build.prepare import prepare
-from finetune.build.tokenizer import load_tokenizer
+from finetune.data.load import ORIGIN
+from finetune.data.prepare import prepare
+from finetune.model.tokenizer import load_tokenizer
 from finetune.config import load_experiment
 from finetune.errors import ConfigError, DataError
 

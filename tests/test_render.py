@@ -13,7 +13,7 @@ import yaml
 from conftest import DATA, REPO, TINY_MODEL, run_cli
 from finetune.config import load_experiment
 from finetune.errors import ConfigError
-from finetune.launch.command import launch_argv
+from finetune.render.scripts import launch_argv
 from finetune.render.bundle import write_bundle
 from finetune.render.presets import render_presets
 

@@ -9,7 +9,7 @@ from datasets import Dataset
 from transformers import AutoTokenizer
 
 from conftest import TINY_MODEL
-from finetune.build.sft_tokens import IGNORE, Masking, tokenize
+from finetune.data.sft_tokens import IGNORE, Masking, tokenize
 from finetune.errors import DataError
 
 CHAT = [{"role": "user", "content": "sort cat apple"},

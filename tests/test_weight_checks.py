@@ -8,7 +8,7 @@ import json
 import pytest
 
 from conftest import TINY_MODEL, run_cli
-from finetune.build.data import load_data
+from finetune.data.load import load_data
 from finetune.config import load_experiment
 from finetune.errors import ConfigError, DataError
 from finetune.trainers.classify import balanced_weights

@@ -8,7 +8,7 @@ import re
 from importlib.util import find_spec
 from pathlib import Path
 
-# finetune's own attention function (build/varlen.py), registered with transformers'
+# finetune's own attention function (model/varlen.py), registered with transformers'
 # AttentionInterface before a model is built: PyTorch's flash varlen kernel, no install.
 VARLEN = "finetune_varlen"
 # What transformers 5.x accepts by name (`["eager"] + ALL_ATTENTION_FUNCTIONS.valid_keys()`;

@@ -12,7 +12,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from finetune.config import attention
-from finetune.launch.values import (MAX_LENGTH, MAX_MACHINES, MAX_PROCESSES,
+from finetune.config.script_values import (MAX_LENGTH, MAX_MACHINES, MAX_PROCESSES,
                                     MAX_PROCESSES_PER_MACHINE, control_problem, host_problem)
 
 Method = Literal["sft", "reward", "dpo", "classify", "grpo", "ppo"]

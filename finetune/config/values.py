@@ -10,7 +10,7 @@ from typing import Any, Iterator
 
 from finetune.config import attention, trl_fields
 from finetune.config.schema import Experiment
-from finetune.launch.values import MAX_LENGTH
+from finetune.config.script_values import MAX_LENGTH
 
 Problem = tuple[tuple, str]
 

@@ -1,6 +1,6 @@
 """Every tensor the model holds, with its dtype and whether it trains: the exact part.
 
-Mirrors what finetune.build.model/peft (and TRL) do to the weights:
+Mirrors what finetune.model.load/peft (and TRL) do to the weights:
 - full fine-tuning loads fp32 master weights (autocast does the mixed precision);
 - (Q)LoRA loads the frozen base in the compute dtype (bf16/fp16; fp32 in fp32 runs);
 - QLoRA quantizes every nn.Linear inside the decoder layers with bitsandbytes; the

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from finetune.build.data import Splits
-from finetune.build.device import Hardware
+from finetune.data.load import Splits
+from finetune.hardware import Hardware
 from finetune.config.schema import Experiment
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from transformers import DataCollatorWithPadding
 
-from finetune.build.data import WEIGHT, Splits
+from finetune.data.load import WEIGHT, Splits
 from finetune.config.schema import Experiment
 from finetune.methods import Job
 from finetune.trainers.classify import ClassifyTrainer, balanced_weights, classification_metrics
@@ -24,7 +24,7 @@ def _tokenized(dataset, tokenizer, max_length: int):
 
 
 def prepare(splits: Splits, tokenizer, experiment: Experiment) -> Splits:
-    """Tokenized rows (run once by build/prepare.py, cached)."""
+    """Tokenized rows (run once by data/prepare.py, cached)."""
     return splits.tokenized(
         lambda rows, _: _tokenized(rows, tokenizer, experiment.classify.max_length))
 

@@ -13,8 +13,8 @@ from transformers import AutoModelForCausalLM
 from trl import DPOTrainer
 from trl.data_utils import common_prefix_length, extract_prompt
 
-from finetune.build.data import ORIGIN, Splits
-from finetune.build.tokenizer import render_chat
+from finetune.data.load import ORIGIN, Splits
+from finetune.model.tokenizer import render_chat
 from finetune.config.schema import Experiment
 from finetune.config.trl_fields import training_value
 from finetune.errors import DataError

@@ -40,8 +40,8 @@ import torch
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOTrainer
 
-from finetune.build.prompts import checked_prompts
-from finetune.build.rewards import (reward_call_error, reward_functions, reward_model,
+from finetune.data.prompts import checked_prompts
+from finetune.model.rewards import (reward_call_error, reward_functions, reward_model,
                                     reward_problem, reward_weights, unique_names)
 from finetune.errors import ConfigError, RunError
 from finetune.methods import Job
@@ -168,7 +168,7 @@ def _reference_source(job: Job):
 
 
 def prepare(splits, tokenizer, experiment):
-    """Every prompt rendered and counted against the context (build/prompts.py)."""
+    """Every prompt rendered and counted against the context (data/prompts.py)."""
     return checked_prompts(splits, tokenizer, experiment)
 
 

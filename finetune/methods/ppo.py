@@ -4,7 +4,7 @@ its PPOTrainer in 1.13.
 The reference is the starting policy: under LoRA/QLoRA the same model with its adapters
 disabled, otherwise a frozen copy made here, before any checkpoint is loaded. The value
 model is a copy of the policy's base (or ppo.value_model_path) with a scalar head, or a
-head on the policy itself (value_model: shared). Rewards: finetune.build.rewards.
+head on the policy itself (value_model: shared). Rewards: finetune.model.rewards.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from finetune.build.prompts import checked_prompts
-from finetune.build.rewards import reward_functions, reward_model, reward_weights
+from finetune.data.prompts import checked_prompts
+from finetune.model.rewards import reward_functions, reward_model, reward_weights
 from finetune.errors import RunError
 from finetune.methods import Job
 from finetune.trainers.ppo import PPOTrainer
@@ -50,7 +50,7 @@ def _value_source(job: Job) -> tuple[str, str | None]:
 
 
 def prepare(splits, tokenizer, experiment):
-    """Every prompt rendered and counted against the context (build/prompts.py)."""
+    """Every prompt rendered and counted against the context (data/prompts.py)."""
     return checked_prompts(splits, tokenizer, experiment)
 
 

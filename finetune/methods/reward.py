@@ -4,7 +4,7 @@ weighted (WeightedRewardTrainer).
 
 The pairs are tokenized here, as RewardTrainer would (prompt + answer, an EOS after plain
 text; the chat template for messages) except for encoders, whose tokenizer frames each
-text itself ([CLS] ... [SEP]) and gets no EOS (build/tokenizer.py end_marker), once per machine and cached (build/prepare.py):
+text itself ([CLS] ... [SEP]) and gets no EOS (model/tokenizer.py end_marker), once per machine and cached (data/prepare.py):
 RewardTrainer recognises tokenized rows and only filters them by max_length."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from typing import Any
 
 from trl import RewardTrainer
 
-from finetune.build.data import ORIGIN, Splits
-from finetune.build.tokenizer import end_marker, render_chat
+from finetune.data.load import ORIGIN, Splits
+from finetune.model.tokenizer import end_marker, render_chat
 from finetune.config.schema import Experiment
 from finetune.config.trl_fields import training_value
 from finetune.errors import DataError

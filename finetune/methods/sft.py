@@ -1,6 +1,6 @@
 """Supervised fine-tuning through TRL's SFTTrainer (messages, prompt/completion or text).
 
-finetune tokenizes the rows itself (build/sft_tokens.py, run once by build/prepare.py and
+finetune tokenizes the rows itself (data/sft_tokens.py, run once by data/prepare.py and
 cached), with TRL's meaning of assistant_only_loss, completion_only_loss, max_length,
 truncation_mode and packing, and hands SFTTrainer the tokenized rows. With per-sample
 weights (data.weight_column) or per-turn weights (`weight` on assistant messages) the
@@ -14,8 +14,8 @@ from typing import Any
 
 from trl import SFTTrainer
 
-from finetune.build import sft_tokens
-from finetune.build.data import Splits
+from finetune.data import sft_tokens
+from finetune.data.load import Splits
 from finetune.config.schema import Experiment
 from finetune.config.trl_fields import training_value
 from finetune.errors import ConfigError

@@ -9,7 +9,7 @@ from typing import Any, Callable
 import torch
 from torch.utils.data import Sampler
 
-from finetune.build.rewards import reward_call_error, reward_problem, unique_names
+from finetune.model.rewards import reward_call_error, reward_problem, unique_names
 from finetune.errors import RunError
 
 

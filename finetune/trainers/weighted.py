@@ -87,7 +87,7 @@ def trained_token_weights(batch: dict[str, Any]) -> torch.Tensor:
 
 
 class WeightedSFTTrainer(WeightedLoss, SFTTrainer):
-    """SFT on rows tokenized by finetune.build.sft_tokens: every trained token carries a
+    """SFT on rows tokenized by finetune.data.sft_tokens: every trained token carries a
     weight (its row's weight x its turn's weight)."""
 
     def batch_weight(self, batch):

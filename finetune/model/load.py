@@ -11,7 +11,7 @@ import torch
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification,
                           BitsAndBytesConfig, PreTrainedModel, PreTrainedTokenizerBase)
 
-from finetune.build.device import Hardware
+from finetune.hardware import Hardware
 from finetune.config import attention
 from finetune.config.schema import Experiment
 from finetune.render.training_args import attention_implementation
@@ -123,7 +123,7 @@ def attention_of(experiment: Experiment, hw: Hardware, config) -> str | None:
         config.model_type in NO_VARLEN
     if unsupported and experiment.model.attn_implementation == "auto":
         return None
-    from finetune.build import varlen
+    from finetune.model import varlen
 
     varlen.register()
     return implementation

@@ -2,7 +2,7 @@
 that tokenize in finetune (sft, reward, classify), tokenized.
 
 The cache entry's key hashes everything the result depends on: the data files (path and
-content, as fingerprint.content_digest hashes it; a hub dataset: its id, subset, split
+content, as data/files.content_digest hashes it; a hub dataset: its id, subset, split
 and revision), the tokenizer's saved files, the method, the data section, the settings
 that change tokenization (for grpo and ppo, the prompt length the model's context leaves),
 and the library versions.
@@ -42,13 +42,13 @@ import pyarrow as pa
 from datasets import load_from_disk
 
 from finetune import __version__, checkpoints
-from finetune.build.data import FORMATS, Splits, load_data
-from finetune.build.data_files import list_data_files, one_line
-from finetune.build.tokenizer import require_chat_template
+from finetune.data.load import FORMATS, Splits, load_data
+from finetune.data.files import list_data_files, one_line
+from finetune.model.tokenizer import require_chat_template
 from finetune.config.rules import REWARDED, is_local
 from finetune.config.schema import Experiment
 from finetune.errors import FAILED_MARKER, DataError, RunError, first_line
-from finetune.fingerprint import content_digest
+from finetune.data.files import content_digest
 
 VERSION = 2  # bump when what is stored changes
 META = "meta.json"  # written last: its presence marks a complete entry
@@ -111,10 +111,10 @@ def cache_key(experiment: Experiment, tokenizer) -> str:
 
 
 def _prompt_limit(experiment: Experiment) -> int | None:
-    """grpo and ppo refuse prompts the model's context cannot hold (build/prompts.py)."""
+    """grpo and ppo refuse prompts the model's context cannot hold (data/prompts.py)."""
     if experiment.method not in REWARDED:
         return None
-    from finetune.build.prompts import prompt_limit
+    from finetune.data.prompts import prompt_limit
 
     return prompt_limit(experiment)
 

@@ -1,10 +1,10 @@
 """Training and eval data: read local files or hub datasets, rename columns, detect the
 row format, check every row (a bad one is reported with its file and row number), and
-split off eval rows. Tokenizing is the method's (see build/prepare.py).
+split off eval rows. Tokenizing is the method's (see data/prepare.py).
 
 Every row carries its origin ("FILE row N") in the ORIGIN column through the split and the
 method's tokenization, so an error found there names the file and row too;
-build/prepare.py removes the column before the data reaches a trainer or the cache."""
+data/prepare.py removes the column before the data reaches a trainer or the cache."""
 
 from __future__ import annotations
 
@@ -18,15 +18,15 @@ import pyarrow as pa
 from datasets import (Dataset, Features, LargeList, List, Value, concatenate_datasets,
                       load_dataset)
 
-from finetune.build.data_files import check_file, diagnose_json, list_data_files, one_line
-from finetune.build.data_rows import (CANDIDATES, FORMATS, WEIGHT, check_row,
+from finetune.data.files import check_file, diagnose_json, list_data_files, one_line
+from finetune.data.rows import (CANDIDATES, FORMATS, WEIGHT, check_row,
                                     preference_problem)
 from finetune.config.rules import is_local
 from finetune.config.schema import DataSource, Experiment
 from finetune.config.trl_fields import training_value
 from finetune.errors import DataError
 
-ORIGIN = "__origin__"  # "FILE row N" of every row, until build/prepare.py removes it
+ORIGIN = "__origin__"  # "FILE row N" of every row, until data/prepare.py removes it
 BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 
 
@@ -85,7 +85,7 @@ def _read_file(path: Path) -> Dataset:
     try:
         # datasets keys its own cache of a local file by path and mtime only: an edit that
         # keeps the mtime (cp -p, touch -r) would read the old rows. finetune caches the
-        # prepared data by content (build/prepare.py), so the file is converted afresh.
+        # prepared data by content (data/prepare.py), so the file is converted afresh.
         return load_dataset(builder, data_files=str(path), split="train",
                             download_mode="force_redownload")
     except Exception as exc:  # datasets raises many types; the user needs file and cause

@@ -6,8 +6,8 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from finetune.build.data_files import one_line
-from finetune.build.model import refuse_remote_code, remote_code_error
+from finetune.data.files import one_line
+from finetune.model.load import refuse_remote_code, remote_code_error
 from finetune.config.schema import Experiment
 from finetune.errors import DataError, RunError, first_line
 

@@ -1,4 +1,4 @@
-"""What a valid row is, per format: the checks behind "FILE row N: problem" (build/data.py
+"""What a valid row is, per format: the checks behind "FILE row N: problem" (data/load.py
 reads the files and reports)."""
 
 from __future__ import annotations

@@ -10,9 +10,9 @@ positions (a 600k-token prompt ran for minutes and took 8 GB before failing)."""
 
 from __future__ import annotations
 
-from finetune.build.data import ORIGIN, Splits
-from finetune.build.model import context_length
-from finetune.build.tokenizer import render_chat
+from finetune.data.load import ORIGIN, Splits
+from finetune.model.load import context_length
+from finetune.model.tokenizer import render_chat
 from finetune.config.schema import Experiment
 from finetune.config.trl_fields import training_value
 from finetune.errors import ConfigError, DataError

@@ -6,6 +6,8 @@ names no line, and turns NaN in a JSON row into null (a NaN turn weight would tr
 from __future__ import annotations
 
 import codecs
+import functools
+import hashlib
 import json
 import math
 import stat
@@ -25,6 +27,8 @@ MAX_DEPTH = 64
 # The non-standard numbers Python's json, pyarrow and ujson write or read. "Inf" finds
 # "Infinity" too; a line that only mentions them in text parses cleanly and passes.
 NON_FINITE_TOKENS = (b"NaN", b"Inf")
+HASHED_WHOLE = 16 * 2**20  # bytes; a larger file is hashed from SAMPLES spread samples
+SAMPLES, SAMPLE_BYTES = 64, 64 * 2**10
 
 
 def not_regular(path: Path) -> str | None:
@@ -137,7 +141,7 @@ def _has_lone_surrogate(text: str) -> bool:
 def value_problem(row: Any) -> str | None:
     """Nesting beyond MAX_DEPTH, non-finite numbers inside a column's value (a turn's
     weight) and lone surrogate escapes, in one parsed row. A column's own NaN reaches the
-    row checks as NaN or null, and they name it (build/data.py)."""
+    row checks as NaN or null, and they name it (data/load.py)."""
     for path, item, depth in _walk(row):
         if depth > MAX_DEPTH:
             return f"nested more than {MAX_DEPTH} levels deep (at `{one_line(path)}`)"
@@ -227,3 +231,35 @@ def diagnose_json(path: Path) -> str | None:
     if not any(line.strip() for _, line in _lines(path)):
         return f"{path}: the file is empty (blank lines only)"
     return _lines_problem(path)
+
+
+@functools.lru_cache(maxsize=4096)
+def _digest(path: str, size: int, mtime_ns: int, inode: int, ctime_ns: int) -> str:
+    # Cached per stat, ctime included: an edit in place that restores size and mtime
+    # (cp -p, touch -r) still changes the ctime, which no user can set.
+    digest = hashlib.sha256(str(size).encode())
+    with open(path, "rb") as handle:
+        if size <= HASHED_WHOLE:
+            for block in iter(lambda: handle.read(2**20), b""):
+                digest.update(block)
+            return f"{size} bytes, sha256 {digest.hexdigest()[:16]}"
+        for i in range(SAMPLES):  # the first and the last bytes included
+            handle.seek((size - SAMPLE_BYTES) * i // (SAMPLES - 1))
+            digest.update(handle.read(SAMPLE_BYTES))
+    return f"{size} bytes, sampled sha256 {digest.hexdigest()[:16]}"
+
+
+def content_digest(path: Path) -> str:
+    """What a data file holds, independent of its modification time (a copy or a touch is
+    no change). Files up to HASHED_WHOLE: SHA-256 of every byte. Larger ones: of their
+    size and SAMPLES blocks spread from the first byte to the last, so at most 4 MiB are
+    read per file on every rank at every start; an edit that keeps the size and misses
+    every sample goes unnoticed, any edit that adds or removes a byte does not."""
+    try:
+        status = path.stat()
+        if not stat.S_ISREG(status.st_mode):  # a FIFO would block the read forever
+            return "not a regular file"
+        return _digest(str(path), status.st_size, status.st_mtime_ns, status.st_ino,
+                       status.st_ctime_ns)
+    except OSError as exc:
+        return f"unreadable ({exc.strerror or exc})"

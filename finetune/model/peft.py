@@ -6,7 +6,7 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model, prepare_model_for_kbit_training
 from transformers import PreTrainedModel
 
-from finetune.build.model import HEADS
+from finetune.model.load import HEADS
 from finetune.config.schema import Experiment
 
 

@@ -18,8 +18,8 @@ from typing import Any
 
 from datasets import Dataset
 
-from finetune.build.data import ORIGIN, WEIGHT
-from finetune.build.tokenizer import render_chat
+from finetune.data.load import ORIGIN, WEIGHT
+from finetune.model.tokenizer import render_chat
 from finetune.errors import DataError
 
 IGNORE = -100
