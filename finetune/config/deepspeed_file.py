@@ -1,43 +1,14 @@
-"""A hand-written DeepSpeed JSON (distributed.deepspeed.config_file): read safely and
-checked against the experiment, whose training arguments stay the source of truth for
-batch, accumulation, clipping and precision. Torch-free."""
+"""A hand-written DeepSpeed JSON (distributed.deepspeed.config_file), as config/deepspeed.py
+reads it, checked against the experiment, whose training arguments stay the source of
+truth for batch, accumulation, clipping and precision. Torch-free."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
+from finetune.config.deepspeed import read
 from finetune.config.schema import Experiment
 from finetune.config.trl_fields import training_value
-
-MAX_BYTES = 1024 * 1024
-# Sections finetune reads, each a JSON object when present.
-SECTIONS = ("zero_optimization", "zero_optimization.offload_optimizer", "bf16", "fp16")
-
-
-def read(path: str) -> tuple[dict[str, Any] | None, str | None]:
-    """(config, None), or (None, why it cannot be used)."""
-    try:
-        with open(path, "rb") as handle:
-            raw = handle.read(MAX_BYTES + 1)
-    except OSError as exc:
-        return None, f"cannot read {path}: {exc.strerror or exc}"
-    if len(raw) > MAX_BYTES:
-        return None, f"{path} is more than {MAX_BYTES:,} bytes; not a DeepSpeed config"
-    try:
-        config = json.loads(raw)
-    except (ValueError, RecursionError) as exc:  # not UTF-8, not JSON, nested too deeply
-        return None, f"cannot read {path} as JSON: {str(exc) or type(exc).__name__}"
-    if not isinstance(config, dict):
-        return None, f"{path}: a DeepSpeed config is a JSON object, not {type(config).__name__}"
-    for dotted in SECTIONS:
-        node: Any = config
-        for key in dotted.split("."):
-            node = node.get(key, {}) if isinstance(node, dict) else node
-        if not isinstance(node, dict):
-            return None, f"{path}: {dotted} must be a JSON object, not {type(node).__name__}"
-    return config, None
 
 
 def contradictions(config: dict[str, Any], experiment: Experiment, where: str,

@@ -17,7 +17,7 @@ from finetune.config.schema import Experiment
 from finetune.config.secrets import redact
 from finetune.errors import RunError
 from finetune.render.accelerate import accelerate_config
-from finetune.render.deepspeed import deepspeed_dict
+from finetune.config.deepspeed import deepspeed_dict
 from finetune.render.scripts import launch_script, script_safe
 from finetune.resume import ResumePlan, plan_resume
 from finetune.rundir import check_entries, check_run_dir, make_run_dir, run_dir_of

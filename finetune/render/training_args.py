@@ -10,7 +10,7 @@ from typing import Any
 
 from finetune.config import attention
 from finetune.config.schema import Experiment
-from finetune.render.deepspeed import deepspeed_dict
+from finetune.config.deepspeed import deepspeed_dict
 
 # Our defaults where TRL's do not suit a tool that writes its own run directory.
 DEFAULTS: dict[str, Any] = {

@@ -1,14 +1,43 @@
-"""Experiment -> DeepSpeed JSON. Batch size, accumulation, clipping and precision are
+"""Experiment -> DeepSpeed config. Batch size, accumulation, clipping and precision are
 "auto": transformers fills them from the training arguments, which stay the one source
-of truth. A hand-written file is used as it is (config/deepspeed_file.py checks it)."""
+of truth. A hand-written file is read safely and used as it is (config/deepspeed_file.py
+checks it against the experiment). Torch-free."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
-from finetune.config import deepspeed_file
 from finetune.config.schema import DeepSpeedSection, Experiment
 from finetune.errors import RunError
+
+MAX_BYTES = 1024 * 1024
+# Sections finetune reads, each a JSON object when present.
+SECTIONS = ("zero_optimization", "zero_optimization.offload_optimizer", "bf16", "fp16")
+
+
+def read(path: str) -> tuple[dict[str, Any] | None, str | None]:
+    """(config, None), or (None, why it cannot be used)."""
+    try:
+        with open(path, "rb") as handle:
+            raw = handle.read(MAX_BYTES + 1)
+    except OSError as exc:
+        return None, f"cannot read {path}: {exc.strerror or exc}"
+    if len(raw) > MAX_BYTES:
+        return None, f"{path} is more than {MAX_BYTES:,} bytes; not a DeepSpeed config"
+    try:
+        config = json.loads(raw)
+    except (ValueError, RecursionError) as exc:  # not UTF-8, not JSON, nested too deeply
+        return None, f"cannot read {path} as JSON: {str(exc) or type(exc).__name__}"
+    if not isinstance(config, dict):
+        return None, f"{path}: a DeepSpeed config is a JSON object, not {type(config).__name__}"
+    for dotted in SECTIONS:
+        node: Any = config
+        for key in dotted.split("."):
+            node = node.get(key, {}) if isinstance(node, dict) else node
+        if not isinstance(node, dict):
+            return None, f"{path}: {dotted} must be a JSON object, not {type(node).__name__}"
+    return config, None
 
 
 def _offload(device: str, nvme_path: str | None) -> dict[str, Any]:
@@ -49,7 +78,7 @@ def deepspeed_dict(experiment: Experiment) -> dict[str, Any]:
     """The DeepSpeed config of a run: the user's file when given, else the generated one."""
     spec = experiment.distributed.deepspeed
     if spec.config_file:
-        config, why = deepspeed_file.read(spec.config_file)  # checked by validate
+        config, why = read(spec.config_file)  # checked by validate
         if why:
             raise RunError(f"distributed.deepspeed.config_file: {why}")
         return config
