@@ -14,15 +14,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from finetune.config import trl_fields
+from finetune.config.effective import class_default, record, value
 from finetune.config.rules import is_local
 from finetune.config.schema import Experiment
 from finetune.data.files import content_digest, list_data_files
 from finetune.errors import DataError
 
+# With the sections the run's method owns (its record). dpo is recorded for every method,
+# as fingerprints always held it (its ref_model is None elsewhere): dropping it would make
+# every earlier checkpoint differ.
 SECTIONS = ("method", "model", "tokenizer", "peft", "precision", "dpo")
-# Sections that only the methods named here read.
-METHOD_SECTIONS = {"classify": ("classify",), "grpo": ("rewards",), "ppo": ("rewards", "ppo")}
 DATA_KEYS = ("train", "eval_fraction", "format", "weight_column")
 LAYOUT_KEYS = ("per_device_train_batch_size", "gradient_accumulation_steps")
 CONTENT = "data content "  # + a training file's path
@@ -55,9 +56,8 @@ def _flatten(value: Any, prefix: str) -> dict[str, Any]:
 
 
 def layout(experiment: Experiment) -> dict[str, int]:
-    value = lambda key: trl_fields.training_value(experiment.method, experiment.training, key)
     result = {"processes": experiment.distributed.world_size,
-              **{key: value(key) for key in LAYOUT_KEYS}}
+              **{key: value(experiment, key) for key in LAYOUT_KEYS}}
     result["global_batch"] = (result["processes"] * result["per_device_train_batch_size"]
                               * result["gradient_accumulation_steps"])
     return result
@@ -79,7 +79,7 @@ def _training_files(experiment: Experiment) -> list[Path]:
 def fingerprint(experiment: Experiment) -> dict[str, Any]:
     dumped = experiment.model_dump(mode="json")
     flat: dict[str, Any] = {}
-    for section in SECTIONS + METHOD_SECTIONS.get(experiment.method, ()):
+    for section in dict.fromkeys(SECTIONS + record(experiment).sections):
         flat.update(_flatten(dumped[section], section))
     for key in DATA_KEYS:
         flat.update(_flatten(dumped["data"][key], f"data.{key}"))
@@ -101,11 +101,11 @@ def fingerprint(experiment: Experiment) -> dict[str, Any]:
 
 
 def _default(method: str, key: str) -> Any:
-    """The value a key has when it is not set: TRL's default for training keys."""
+    """The value a key has when it is not set: the method's default for training keys."""
     if key.startswith("training."):
         try:
-            return trl_fields.training_value(method, {}, key.removeprefix("training."))
-        except KeyError:  # a hand-edited fingerprint: no method, or a key TRL lacks
+            return class_default(method, key.removeprefix("training."))
+        except KeyError:  # a hand-edited fingerprint: no method, or a key its class lacks
             pass
     return "<not set>"
 

@@ -7,8 +7,11 @@ from dataclasses import dataclass
 
 import torch
 
+from finetune.config.effective import checkpointing_setting, resolve_precision
 from finetune.config.schema import Experiment
 from finetune.errors import ConfigError, RunError
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 @dataclass(frozen=True)
@@ -19,7 +22,8 @@ class Hardware:
 
     @property
     def dtype(self) -> torch.dtype:
-        return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[self.precision]
+        """The compute dtype."""
+        return DTYPES[self.precision]
 
 
 def resolve_hardware(experiment: Experiment) -> Hardware:
@@ -30,14 +34,13 @@ def resolve_hardware(experiment: Experiment) -> Hardware:
     elif device == "cuda" and not cuda:
         raise RunError("distributed.device is cuda, but no CUDA device is visible here")
 
-    precision = experiment.precision
     bf16_ok = device == "cpu" or torch.cuda.is_bf16_supported()
-    if precision == "auto":
-        precision = "fp32" if device == "cpu" else ("bf16" if bf16_ok else "fp16")
-    elif precision == "fp16" and device == "cpu":
+    precision = resolve_precision(experiment, device, bf16_ok)
+    # What auto becomes always runs here; a precision set by hand may not.
+    if precision == "fp16" and device == "cpu":
         raise RunError("precision fp16 needs a CUDA device; this run is on the CPU "
                        "(use fp32, or bf16)")
-    elif precision == "bf16" and not bf16_ok:
+    if precision == "bf16" and not bf16_ok:
         name = torch.cuda.get_device_name()
         raise RunError(f"precision bf16 is not supported by {name}; use fp16 or auto")
     return Hardware(device=device, precision=precision,
@@ -58,7 +61,6 @@ def checkpointing_decision(experiment: Experiment, hw: Hardware) -> tuple[bool |
     against this device; (None, None) when the experiment decides itself. Without an
     estimate (an architecture the estimator does not know) it stays on, the safe side."""
     from finetune.estimate import estimate
-    from finetune.render.training_args import checkpointing_setting
 
     if checkpointing_setting(experiment) != "auto":
         return None, None

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from finetune import __version__
+from finetune.config.effective import record, setting
 from finetune.errors import RunError
 
 PACKAGES = ("torch", "transformers", "accelerate", "peft", "trl", "datasets", "deepspeed",
@@ -71,18 +72,19 @@ def start_summary(job, trainable: int, total: int) -> str:
         f"= {effective} effective; {length}, learning rate {args.learning_rate:g}",
         f"  speed      {_speed(job)}",
     ]
-    if exp.method == "classify":
-        lines.insert(6, f"  labels     {label_ids(exp.classify.labels)}")
+    listed = record(exp).labels  # the setting that lists the classes, if any
+    if listed:
+        lines.insert(6, f"  labels     {label_ids(setting(exp, listed), listed)}")
     lines += [f"             {note}" for note in job.notes]
     return "\n".join(lines)
 
 
-def label_ids(labels: list[str], shown: int = 12) -> str:
+def label_ids(labels: list[str], where: str, shown: int = 12) -> str:
     """Which id each class name trains as (data rows give a name or its id; the saved
-    model's id2label is the same list)."""
+    model's id2label is the same list). where: the setting that lists them."""
     pairs = ", ".join(f"{i} {name}" for i, name in enumerate(labels[:shown]))
-    return pairs + (f", ... ({len(labels)} classes, classify.labels)" if len(labels) > shown
-                    else " (classify.labels)")
+    return pairs + (f", ... ({len(labels)} classes, {where})" if len(labels) > shown
+                    else f" ({where})")
 
 
 def _speed(job) -> str:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from finetune import checkpoints
-from finetune.config import trl_fields
+from finetune.config.effective import value
 from finetune.config.schema import Experiment
 from finetune.errors import RunError, RunFinished
 from finetune.fingerprint import differences, fingerprint, layout, layout_note
@@ -62,7 +62,7 @@ def _finished_step(run_dir: Path) -> int | None:
 
 def _finished(experiment: Experiment, run_dir: Path, step: int) -> Exception:
     """Done when it ran what is asked; an error when more steps are asked for."""
-    asked = trl_fields.training_value(experiment.method, experiment.training, "max_steps")
+    asked = value(experiment, "max_steps")
     if isinstance(asked, int) and asked > step:
         return RunError(f"{run_dir} holds a finished run (summary.json, step {step}) and "
                         f"training.max_steps is {asked}; nothing was changed. To train it "

@@ -22,7 +22,7 @@ from finetune.data.prepare import prepared_data
 from finetune.model.tokenizer import load_tokenizer
 from finetune.callbacks import (EndAtLastStep, LossWindow, MetricsFile, NothingLeftToTrain,
                                 SealCheckpoints, read_metrics, truncate_metrics)
-from finetune.config import trl_fields
+from finetune.config.effective import arguments, record, value
 from finetune.config.schema import Experiment
 from finetune.errors import ConfigError, RunError
 from finetune.evaluation import exact_match
@@ -31,7 +31,6 @@ from finetune.launch.environment import (launch_problems, parallel_note,
                                          process_group_problems, rank_of)
 from finetune.methods import Job, build_trainer
 from finetune.preemption import Preempted, StopOnSignal
-from finetune.render.training_args import training_kwargs
 from finetune.report import (attention_name, end_summary, environment, plot_loss,
                              start_summary, write_json)
 from finetune.resume import ResumePlan
@@ -49,9 +48,9 @@ def make_training_args(experiment: Experiment, run_dir: Path, hw: Hardware,
         import deepspeed  # ZeRO-3 model creation needs the gloo group before the arguments
 
         deepspeed.init_distributed(dist_backend="gloo")
-    module, name = trl_fields.CONFIG_CLASSES[experiment.method]
+    module, name = record(experiment).config_class
     cls = getattr(importlib.import_module(module), name)
-    kwargs = training_kwargs(experiment, run_dir, hw.device, hw.precision, checkpointing)
+    kwargs = arguments(experiment, hw.device, hw.precision, run_dir, checkpointing)
     _hand_secrets_to_hub(kwargs)
     try:
         args = cls(**kwargs)
@@ -217,7 +216,7 @@ def train(experiment: Experiment, run_dir: Path, plan: ResumePlan,
     tokenizer = load_tokenizer(experiment)
     # Before any process group exists: see data/prepare.py.
     data = prepared_data(experiment, tokenizer, run_dir, launched or started)
-    seed = trl_fields.training_value(experiment.method, experiment.training, "seed")
+    seed = value(experiment, "seed")
     initial = initial_weights(experiment, hw, tokenizer, run_dir, seed, rank)
     checkpointing, checkpointing_note = checkpointing_decision(experiment, hw)
     args = make_training_args(experiment, run_dir, hw, checkpointing)

@@ -258,7 +258,7 @@ def test_attention_accepts_what_transformers_accepts(write):
     ("flash_attention_2", "cuda", True),
 ])
 def test_padding_free_by_default_only_where_it_is_fast(write, attn, device, padding_free):
-    from finetune.render.training_args import training_kwargs
+    from finetune.config.effective import arguments
 
     def experiment(*overrides):
         # validate refuses flash_attention_2 where flash_attn is missing (as here, on CPU)
@@ -268,8 +268,7 @@ def test_padding_free_by_default_only_where_it_is_fast(write, attn, device, padd
 
     exp = experiment()
     precision = "bf16" if device == "cuda" else "fp32"
-    kwargs = training_kwargs(exp, write("run/x", "").parent, device, precision)
+    kwargs = arguments(exp, device, precision)
     assert kwargs.get("padding_free", False) is padding_free
     explicit = experiment("training.padding_free=true")
-    assert training_kwargs(explicit, write("run/x", "").parent, device,
-                           precision)["padding_free"] is True
+    assert arguments(explicit, device, precision)["padding_free"] is True

@@ -7,8 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 from finetune.config.deepspeed import read
+from finetune.config.effective import value
 from finetune.config.schema import Experiment
-from finetune.config.trl_fields import training_value
 
 
 def contradictions(config: dict[str, Any], experiment: Experiment, where: str,
@@ -18,7 +18,7 @@ def contradictions(config: dict[str, Any], experiment: Experiment, where: str,
     found = []
 
     def ours(key: str):
-        return training_value(experiment.method, experiment.training, key)
+        return value(experiment, key)
 
     def differs(key: str, theirs: Any, ours: Any, owner: str) -> None:
         if theirs not in (None, "auto") and theirs != ours:

@@ -17,6 +17,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from finetune.config import models, paths, rules, trl_fields, yamltext
+from finetune.config.methods import METHODS
 from finetune.config.schema import Experiment
 from finetune.config.secrets import REDACTED, is_secret, scrub
 from finetune.errors import ConfigError
@@ -302,7 +303,7 @@ def _load_experiment(path: Path, overrides: list[str] | tuple[str, ...]) -> Expe
     # the file is reported in one go.
     training = data.get("training")
     method = data.get("method")
-    if isinstance(method, str) and method in trl_fields.CONFIG_CLASSES and \
+    if isinstance(method, str) and method in METHODS and \
             isinstance(training, dict):
         data["training"], training_problems = trl_fields.check_training(method, training)
         problems += [_problem(origins, ("training", key), msg, str(path))

@@ -9,6 +9,7 @@ from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
 from finetune.config import yamltext
+from finetune.config.methods import METHODS
 from finetune.config.schema import Experiment, Section
 
 
@@ -41,13 +42,16 @@ def _rows(model: type[BaseModel], prefix: str) -> list[str]:
     return rows
 
 
+def _config_classes() -> str:
+    return ", ".join(dict.fromkeys(".".join(m.config_class) for m in METHODS.values()))
+
+
 def markdown() -> str:
     lines = ["# Experiment reference", "",
              "Generated from finetune/config/schema.py by `finetune reference`.",
              "Unknown keys are errors. `extends:` (a file or a list, relative to the file) "
-             "merges bases under the file. `training:` takes any field of the method's TRL config "
-             "class (trl.SFTConfig, trl.RewardConfig, trl.DPOConfig) except those finetune "
-             "sets from another section; validate checks the ranges and combinations "
+             "merges bases under the file. `training:` takes any field of the method's config "
+             f"class ({_config_classes()}) except those finetune sets from another section; validate checks the ranges and combinations "
              "training would refuse (batch sizes, accumulation, finite learning rate, seeds "
              "in [0, 2**32 - 1], positive lengths and epochs, GRPO's batch arithmetic) and the "
              "packages `report_to` and `model.attn_implementation` need.", "",

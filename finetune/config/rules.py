@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import re
+import typing
 from pathlib import Path
 from typing import Iterator
 
 from pydantic import BaseModel
 
 from finetune.config import deepspeed_file, models, paths, values
+from finetune.config.effective import record, value
+from finetune.config.methods import names_where, sections, spoken
 from finetune.config.schema import Experiment, PeftSection
 from finetune.config.secrets import CREDENTIALS, is_secret
 
@@ -16,15 +19,6 @@ Problem = tuple[tuple, str]
 
 DATA_SUFFIXES = (".json", ".jsonl", ".csv", ".parquet")
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
-FORMATS = {
-    "sft": ("auto", "messages", "prompt_completion", "text"),
-    "reward": ("auto", "preference"),
-    "dpo": ("auto", "preference"),
-    "classify": ("auto", "classification"),
-    "grpo": ("auto", "prompt"),
-    "ppo": ("auto", "prompt"),
-}
-REWARDED = ("grpo", "ppo")
 FUNCTION_RE = re.compile(r"^(?:[A-Za-z_][\w.]*|.+\.py):[A-Za-z_]\w*$")
 
 
@@ -99,36 +93,51 @@ def _peft(exp: Experiment) -> Iterator[Problem]:
             yield ("peft", name), "only applies to peft.type lora or qlora (type is none)"
 
 
+def _methods(wanted) -> str:
+    """'method sft' or 'methods grpo and ppo': those whose record satisfies wanted(record)."""
+    names = names_where(wanted)
+    return f"method{'s' if len(names) > 1 else ''} {spoken(names)}"
+
+
 def _data(exp: Experiment) -> Iterator[Problem]:
+    own = record(exp)
     if exp.data.eval is not None and exp.data.eval_fraction is not None:
         yield ("data", "eval_fraction"), "give data.eval or data.eval_fraction, not both"
-    if exp.data.format not in FORMATS[exp.method]:
-        yield ("data", "format"), f"method {exp.method} takes {', '.join(FORMATS[exp.method])}"
+    accepted = ("auto",) + own.formats
+    if exp.data.format not in accepted:
+        yield ("data", "format"), f"method {exp.method} takes {', '.join(accepted)}"
     has_eval = exp.data.eval is not None or exp.data.eval_fraction is not None
-    strategy = exp.training.get("eval_strategy", "no")
-    if strategy != "no" and not has_eval:
+    if value(exp, "eval_strategy") != "no" and not has_eval:
         yield ("training", "eval_strategy"), "needs held-out data: set data.eval or " \
                                              "data.eval_fraction"
     if exp.evaluation.exact_match:
-        if exp.method != "sft":
-            yield ("evaluation", "exact_match"), "only for method sft"
+        if not own.exact_match:
+            yield ("evaluation", "exact_match"), f"only for {_methods(lambda m: m.exact_match)}"
         elif exp.data.format == "text":
             yield ("evaluation", "exact_match"), "needs prompts and answers, not format text"
         if not has_eval:
             yield ("evaluation", "exact_match"), "needs data.eval or data.eval_fraction"
-    if exp.training.get("assistant_only_loss") and exp.data.format in ("text", "prompt_completion"):
+    if exp.data.weight_column is not None and not own.weights:
+        why = ": its samples are weighted by their rewards" if own.rewarded else ""
+        yield ("data", "weight_column"), f"not used by method {exp.method}{why}"
+    yield from _tokenization(exp)
+
+
+def _tokenization(exp: Experiment) -> Iterator[Problem]:
+    """Settings of the rows' tokenization (the keys exist only where they apply)."""
+    setting = lambda key: value(exp, key, default=None)
+    if setting("assistant_only_loss") and exp.data.format in ("text", "prompt_completion"):
         yield ("training", "assistant_only_loss"), "needs conversational data (format messages)"
     for name in ("packing", "padding_free"):
-        if exp.data.weight_column and exp.training.get(name):
+        if exp.data.weight_column and setting(name):
             yield ("training", name), "not supported with loss weights (data.weight_column)"
-    if exp.method == "sft":
-        mode = exp.training.get("truncation_mode", "keep_start")
+    if record(exp).tokenizes:  # finetune truncates (data/sft_tokens.py): its two modes
+        mode = setting("truncation_mode") or "keep_start"
         if mode not in ("keep_start", "keep_end"):
             yield ("training", "truncation_mode"), f"{mode!r} is not keep_start or keep_end"
-        if exp.training.get("packing") and "max_length" in exp.training and \
-                exp.training["max_length"] is None:
-            yield ("training", "packing"), "needs training.max_length (the packed length)"
-    if exp.training.get("completion_only_loss") and exp.data.format in ("text", "messages"):
+    if setting("packing") and "max_length" in exp.training and exp.training["max_length"] is None:
+        yield ("training", "packing"), "needs training.max_length (the packed length)"
+    if setting("completion_only_loss") and exp.data.format in ("text", "messages"):
         yield ("training", "completion_only_loss"), "needs prompt/completion data; for " \
                                                     "messages use assistant_only_loss"
 
@@ -139,18 +148,28 @@ def _precision(exp: Experiment) -> Iterator[Problem]:
 
 
 def _method_sections(exp: Experiment) -> Iterator[Problem]:
-    for section in Experiment.METHOD_SECTIONS:
-        value = getattr(exp, section)
-        if section != exp.method and value is not None and changed(value):
-            yield (section,), f"options for method {section}, but method is {exp.method}"
-    if exp.method == "classify" and exp.classify is None:
-        yield ("classify",), "method classify needs classify.labels"
-    if exp.method not in REWARDED and changed(exp.rewards):
-        yield ("rewards",), f"options for methods grpo and ppo, but method is {exp.method}"
+    own = record(exp)
+    for section in sections():
+        given = getattr(exp, section)
+        if section not in own.sections and given is not None and changed(given):
+            owners = _methods(lambda m: section in m.sections)
+            yield (section,), f"options for {owners}, but method is {exp.method}"
+    for section in own.sections:
+        if getattr(exp, section) is None:
+            yield (section,), f"method {exp.method} needs {_required(section)}"
+
+
+def _required(section: str) -> str:
+    """The keys of an optional section that have no default, as section.key."""
+    annotation = Experiment.model_fields[section].annotation
+    model = next(a for a in typing.get_args(annotation)
+                 if isinstance(a, type) and issubclass(a, BaseModel))
+    return ", ".join(f"{section}.{name}" for name, field in model.model_fields.items()
+                     if field.is_required())
 
 
 def _rewards(exp: Experiment) -> Iterator[Problem]:
-    if exp.method not in REWARDED:
+    if not record(exp).rewarded:
         return
     spec = exp.rewards
     if spec.model is None and not spec.functions:
@@ -166,21 +185,19 @@ def _rewards(exp: Experiment) -> Iterator[Problem]:
     if spec.weights is not None and len(spec.weights) != sources:
         yield ("rewards", "weights"), f"{len(spec.weights)} weights for {sources} reward " \
                                       "source(s) (the model first, then each function)"
-    if exp.data.weight_column is not None:
-        yield ("data", "weight_column"), f"not used by method {exp.method}: its samples " \
-                                         "are weighted by their rewards"
-    if exp.method == "grpo" and exp.training.get("use_vllm"):
+    if exp.training.get("use_vllm"):  # GRPOConfig's
         yield ("training", "use_vllm"), "not supported: completions are generated by the trainer"
-    if exp.method == "ppo":
-        if exp.ppo.value_model_path and exp.ppo.value_model == "shared":
-            yield ("ppo", "value_model_path"), "only for value_model: separate"
-        if exp.distributed.strategy in ("deepspeed", "fsdp"):
-            yield ("distributed", "strategy"), "ppo runs with strategy none or ddp"
+
+
+def _ppo(exp: Experiment) -> Iterator[Problem]:
+    # Unset unless the method owns the section (_method_sections).
+    if exp.ppo.value_model_path and exp.ppo.value_model == "shared":
+        yield ("ppo", "value_model_path"), "only for value_model: separate"
 
 
 def _classify(exp: Experiment) -> Iterator[Problem]:
     spec = exp.classify
-    if exp.method != "classify" or spec is None:
+    if "classify" not in record(exp).sections or spec is None:
         return
     if len(spec.labels) < 2:
         yield ("classify", "labels"), "at least two classes"
@@ -199,6 +216,10 @@ def _distributed(exp: Experiment) -> Iterator[Problem]:
     dist = exp.distributed
     given = changed(dist)
     world = dist.world_size
+    strategies = record(exp).strategies
+    if dist.strategy not in strategies:
+        yield ("distributed", "strategy"), f"{exp.method} runs with strategy " \
+                                           f"{spoken(strategies, 'or')}"
     # strategy none over N > 1 processes is DDP (launch/environment.parallel_note).
     if world % dist.num_machines:
         yield ("distributed", "num_processes"), f"{world} processes do not divide evenly over " \
@@ -278,8 +299,8 @@ def _credentials(exp: Experiment) -> Iterator[Problem]:
                         "~/.netrc) instead")
 
 
-RULES = (_credentials, _paths, _peft, _data, _precision, _method_sections, _rewards, _classify,
-         _distributed, _resume, values.check)
+RULES = (_credentials, _paths, _peft, _data, _precision, _method_sections, _rewards, _ppo,
+         _classify, _distributed, _resume, values.check)
 
 
 def check(exp: Experiment) -> list[Problem]:

@@ -11,11 +11,11 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from finetune.config import attention
+from finetune.config import attention, methods
 from finetune.config.script_values import (MAX_LENGTH, MAX_MACHINES, MAX_PROCESSES,
                                     MAX_PROCESSES_PER_MACHINE, control_problem, host_problem)
 
-Method = Literal["sft", "reward", "dpo", "classify", "grpo", "ppo"]
+Method = Literal[methods.NAMES]  # type: ignore[valid-type]
 
 
 # A branch, tag or commit as the hub names them (git's ref rules, simplified).
@@ -124,8 +124,20 @@ def _as_source_list(value: Any) -> Any:
     return [{"path": item} if isinstance(item, str) else item for item in items]
 
 
-DataFormat = Literal["auto", "messages", "prompt_completion", "text", "preference", "prompt",
-                     "classification"]
+DataFormat = Literal[("auto",) + methods.formats()]  # type: ignore[valid-type]
+
+
+def _by_method(describe) -> str:
+    """'sft: A; reward and dpo: B; ...': describe(record) per group of methods sharing it."""
+    groups: dict[str, list[str]] = {}
+    for record in methods.METHODS.values():
+        groups.setdefault(describe(record), []).append(record.name)
+    return "; ".join(f"{methods.spoken(names)}: {text}" for text, names in groups.items())
+
+
+def _for_methods(wanted) -> str:
+    """'sft, reward: ' for the methods whose record satisfies wanted(record)."""
+    return ", ".join(methods.names_where(wanted)) + ": "
 
 
 class DataSection(Section):
@@ -136,13 +148,13 @@ class DataSection(Section):
         None, gt=0, lt=1, description="Hold out this fraction of the training rows "
         "(shuffled with training.seed) when no eval data is given.")
     format: DataFormat = Field(
-        "auto", description="Row format; 'auto' detects it from the columns. sft: messages, "
-        "prompt_completion or text; reward and dpo: preference; classify: classification "
-        "(text, label); grpo and ppo: prompt (prompt as text or messages, plus any columns "
-        "the reward functions read).")
+        "auto", description="Row format; 'auto' detects it from the columns. "
+        + _by_method(lambda m: methods.spoken(m.formats, "or"))
+        + ". classification rows are text and label; prompt rows a prompt (text or "
+        "messages) plus any columns the reward functions read.")
     weight_column: str | None = Field(
-        None, description="sft, reward, dpo, classify: a numeric column of per-sample loss "
-        "weights (>= 0 and <= 1e6: weights are relative, so scale larger ones down). The loss "
+        None, description=_for_methods(lambda m: m.weights) + "a numeric column of per-sample "
+        "loss weights (>= 0 and <= 1e6: weights are relative, so scale larger ones down). The loss "
         "is sum(w x loss) / sum(w) over the global batch, the same under gradient "
         "accumulation and data parallelism. sft messages may also carry a `weight` on "
         "assistant messages (same bounds): a per-token weight for that turn's tokens.")
@@ -169,13 +181,14 @@ class DPOSection(Section):
 
 class RewardsSection(Section):
     model: str | None = Field(
-        None, description="grpo, ppo: a reward model: the run directory of a `method: reward` "
-        "run (its final/ model or adapter is used) or a model directory / hub id with a "
-        "one-logit sequence-classification head.")
+        None, description=_for_methods(lambda m: m.rewarded) + "a reward model: the run "
+        "directory of a `method: reward` run (its final/ model or adapter is used) or a model "
+        "directory / hub id with a one-logit sequence-classification head.")
     functions: list[str] = Field(
         default_factory=list,
-        description="grpo, ppo: Python reward functions as 'module:function' (an importable "
-        "module, or a .py file relative to the YAML file). Called as f(prompts=[...], "
+        description=_for_methods(lambda m: m.rewarded) + "Python reward functions as "
+        "'module:function' (an importable module, or a .py file relative to the YAML file). "
+        "Called as f(prompts=[...], "
         "completions=[...], completion_ids=[...], trainer_state=..., **columns) and "
         "returning one float per completion (None: grpo skips it; ppo stops with an error).")
     weights: list[float] | None = Field(
@@ -242,8 +255,9 @@ class EvaluationSection(Section):
     before_training: bool = Field(
         True, description="Evaluate once before training, so the summary shows the change.")
     exact_match: bool = Field(
-        False, description="sft: greedy-generate answers for the eval prompts and report "
-        "the fraction that equals the reference exactly (after stripping whitespace).")
+        False, description=_for_methods(lambda m: m.exact_match) + "greedy-generate answers "
+        "for the eval prompts and report the fraction that equals the reference exactly "
+        "(after stripping whitespace).")
     max_new_tokens: int = Field(64, gt=0, le=MAX_LENGTH,
                                 description="exact_match: generation length limit.")
     max_samples: int = Field(256, gt=0, le=MAX_LENGTH,
@@ -351,9 +365,8 @@ class Experiment(Section):
         "supports it, fp16 on older GPUs, fp32 on CPU.")
     training: dict[str, Any] = Field(
         default_factory=dict,
-        description="Passed to the method's config class (sft: SFTConfig, reward: "
-        "RewardConfig, dpo: DPOConfig, grpo: GRPOConfig; classify and ppo: transformers' "
-        "TrainingArguments): any of its fields under its own name.")
+        description="Passed to the method's config class (" + _by_method(
+            lambda m: ".".join(m.config_class)) + "): any of its fields under its own name.")
     evaluation: EvaluationSection = Field(default_factory=EvaluationSection)
     dpo: DPOSection = Field(default_factory=DPOSection)
     classify: ClassifySection | None = Field(
@@ -386,6 +399,3 @@ class Experiment(Section):
             raise ValueError("use letters, digits, '.', '_' and '-' only, starting with a "
                              "letter or digit")
         return value
-
-    # Sections that configure one method only.
-    METHOD_SECTIONS: ClassVar[tuple[str, ...]] = ("dpo", "ppo", "classify")

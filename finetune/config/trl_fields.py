@@ -21,20 +21,10 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from finetune.config.methods import METHODS, method as method_record
 from finetune.config.secrets import is_secret
 
 MANIFEST = Path(__file__).with_name("trl_fields.json")
-
-# method -> (module, class)
-CONFIG_CLASSES: dict[str, tuple[str, str]] = {
-    "sft": ("trl", "SFTConfig"),
-    "reward": ("trl", "RewardConfig"),
-    "dpo": ("trl", "DPOConfig"),
-    "grpo": ("trl", "GRPOConfig"),
-    # Our own trainers take transformers' arguments; their options are in their sections.
-    "classify": ("transformers", "TrainingArguments"),
-    "ppo": ("transformers", "TrainingArguments"),
-}
 
 # Fields finetune sets itself from another section: setting them in `training:` would
 # make two sources of truth, so it is an error that says where the value belongs.
@@ -60,7 +50,7 @@ OWNED: dict[str, str] = {
 
 # Values finetune decides itself, accepted on top of the field's own type.
 FINETUNE_VALUES: dict[str, tuple[Any, ...]] = {
-    # auto: off where the run's memory estimate fits the device (render/training_args.py)
+    # auto: off where the run's memory estimate fits the device (config/effective.py)
     "activation_checkpointing": ("auto",),
 }
 
@@ -121,7 +111,7 @@ def generate() -> dict[str, Any]:
     import importlib
 
     classes = {}
-    for module_name, class_name in CONFIG_CLASSES.values():
+    for module_name, class_name in dict.fromkeys(m.config_class for m in METHODS.values()):
         cls = getattr(importlib.import_module(module_name), class_name)
         hints = typing.get_type_hints(cls)
         fields = {}
@@ -209,9 +199,8 @@ def check_training(method: str, training: dict[str, Any]) -> tuple[dict[str, Any
 
     Returns the values with numbers converted, and (key, problem) pairs.
     """
-    module, class_name = CONFIG_CLASSES[method]
-    where = f"{module}.{class_name}"
-    fields = load_manifest()["classes"][class_name]["fields"]
+    where = ".".join(method_record(method).config_class)
+    fields = fields_of(method)
     checked: dict[str, Any] = {}
     problems: list[tuple[str, str]] = []
     for key, value in training.items():
@@ -233,12 +222,10 @@ def check_training(method: str, training: dict[str, Any]) -> tuple[dict[str, Any
     return checked, problems
 
 
-def training_value(method: str, training: dict[str, Any], key: str) -> Any:
-    """A training setting as the trainer will see it: the experiment's value, else the
-    TRL class's own default (so no module repeats TRL's defaults)."""
-    if key in training:
-        return training[key]
-    return load_manifest()["classes"][CONFIG_CLASSES[method][1]]["fields"][key].get("default")
+def fields_of(method: str) -> dict[str, dict[str, Any]]:
+    """The fields of the method's config class: name -> {types, choices, default}.
+    Values as a run sees them are config/effective.py's (finetune's defaults first)."""
+    return load_manifest()["classes"][method_record(method).config_class[1]]["fields"]
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from importlib.util import find_spec
 from typing import Any, Iterator
 
 from finetune.config import attention, trl_fields
+from finetune.config.effective import value as effective_value
 from finetune.config.schema import Experiment
 from finetune.config.script_values import MAX_LENGTH
 
@@ -103,7 +104,7 @@ def _ranges(training: dict[str, Any]) -> Iterator[Problem]:
 def _schedule(exp: Experiment) -> Iterator[Problem]:
     """Cross-field checks of TrainingArguments.__post_init__ (transformers 5)."""
     def value(key: str) -> Any:
-        return trl_fields.training_value(exp.method, exp.training, key)
+        return effective_value(exp, key)
 
     evaluates = value("eval_strategy") not in ("no", None)
     if value("lr_scheduler_type") in ("reduce_lr_on_plateau", "greedy") and not evaluates:
@@ -120,13 +121,15 @@ def _schedule(exp: Experiment) -> Iterator[Problem]:
         yield ("training", "dataloader_prefetch_factor"), "needs dataloader_num_workers > 0"
 
 
-def _grpo(exp: Experiment) -> Iterator[Problem]:
+def _generation_batches(exp: Experiment) -> Iterator[Problem]:
     """GRPOConfig.__post_init__'s batch arithmetic: a generation batch holds whole groups
-    of num_generations completions of one prompt."""
-    if exp.method != "grpo":
+    of num_generations completions of one prompt. Only a config class with generation
+    batches has these fields."""
+    if "num_generations" not in trl_fields.fields_of(exp.method):
         return
+
     def value(key: str) -> Any:
-        return trl_fields.training_value("grpo", exp.training, key)
+        return effective_value(exp, key)
 
     keys = ("per_device_train_batch_size", "gradient_accumulation_steps",
             "generation_batch_size", "steps_per_generation", "num_generations",
@@ -138,8 +141,8 @@ def _grpo(exp: Experiment) -> Iterator[Problem]:
     step = got["per_device_train_batch_size"] * world
     generation, steps = got["generation_batch_size"], got["steps_per_generation"]
     if value("auto_find_batch_size"):
-        yield ("training", "auto_find_batch_size"), "not supported by grpo (a batch holds " \
-                                                    "whole groups of num_generations)"
+        yield ("training", "auto_find_batch_size"), f"not supported by {exp.method} (a batch " \
+                                                    "holds whole groups of num_generations)"
     if generation is not None and steps is not None:
         yield ("training", "generation_batch_size"), "give it or steps_per_generation, not both"
         return
@@ -181,5 +184,5 @@ def _attention(exp: Experiment) -> Iterator[Problem]:
 
 
 def check(exp: Experiment) -> list[Problem]:
-    return [*_ranges(exp.training), *_schedule(exp), *_grpo(exp), *_report_to(exp.training),
-            *_attention(exp)]
+    return [*_ranges(exp.training), *_schedule(exp), *_generation_batches(exp),
+            *_report_to(exp.training), *_attention(exp)]

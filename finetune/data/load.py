@@ -19,11 +19,11 @@ from datasets import (Dataset, Features, LargeList, List, Value, concatenate_dat
                       load_dataset)
 
 from finetune.data.files import check_file, diagnose_json, list_data_files, one_line
-from finetune.data.rows import (CANDIDATES, FORMATS, WEIGHT, check_row,
-                                    preference_problem)
+from finetune.data.rows import FORMATS, WEIGHT, check_row, preference_problem
+from finetune.config.methods import method as method_record
 from finetune.config.rules import is_local
 from finetune.config.schema import DataSource, Experiment
-from finetune.config.trl_fields import training_value
+from finetune.config.effective import record, value
 from finetune.errors import DataError
 
 ORIGIN = "__origin__"  # "FILE row N" of every row, until data/prepare.py removes it
@@ -127,7 +127,7 @@ def _read_source(source: DataSource, where: str) -> list[tuple[str, Dataset]]:
 
 def detect_format(columns: Iterable[str], method: str, label: str) -> str:
     columns = set(columns)
-    candidates = CANDIDATES[method]
+    candidates = method_record(method).formats
     for name in candidates:
         if set(FORMATS[name][0]) <= columns:
             return name
@@ -163,12 +163,13 @@ def _validated(label: str, ds: Dataset, fmt: str, experiment: Experiment) -> Dat
             ds.data.column("prompt").null_count == len(ds):
         ds = ds.remove_columns("prompt")  # null on every row: no prompt, for reward and dpo
     has_prompt = "prompt" in ds.column_names
+    shared_prompt = record(experiment).shared_prompt
     labels = experiment.classify.labels if experiment.classify else None
     number = 0
     try:
         for number, row in enumerate(ds, 1):
             problem = check_row(row, fmt, labels) or (
-                preference_problem(row, has_prompt, experiment.method)
+                preference_problem(row, has_prompt, shared_prompt)
                 if fmt == "preference" else None)
             if problem:
                 raise DataError(f"{label} row {number}: {problem}")
@@ -257,6 +258,6 @@ def load_data(experiment: Experiment) -> Splits:
     if spec.eval is not None:
         evaluation, _ = _load_split(spec.eval, "eval", experiment, fmt)
     elif spec.eval_fraction is not None:
-        seed = training_value(experiment.method, experiment.training, "seed")
+        seed = value(experiment, "seed")
         train, evaluation = _held_out(train, spec.eval_fraction, seed)
     return Splits(train=train, eval=evaluation, format=fmt)

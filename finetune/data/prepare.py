@@ -1,11 +1,11 @@
 """Training data, prepared once and cached on disk: read, validated and, for the methods
-that tokenize in finetune (sft, reward, classify), tokenized.
+that tokenize in finetune (config/methods.py `tokenizes`), tokenized.
 
 The cache entry's key hashes everything the result depends on: the data files (path and
 content, as data/files.content_digest hashes it; a hub dataset: its id, subset, split
 and revision), the tokenizer's saved files, the method, the data section, the settings
-that change tokenization (for grpo and ppo, the prompt length the model's context leaves),
-and the library versions.
+that change tokenization (for generating methods, the prompt length the model's context
+leaves), and the library versions.
 A second run with the same key loads the entry instead of preparing again.
 
 Within a run, the main process of each machine (LOCAL_RANK 0) prepares; the other ranks
@@ -45,7 +45,8 @@ from finetune import __version__, checkpoints
 from finetune.data.load import FORMATS, Splits, load_data
 from finetune.data.files import list_data_files, one_line
 from finetune.model.tokenizer import require_chat_template
-from finetune.config.rules import REWARDED, is_local
+from finetune.config.effective import record
+from finetune.config.rules import is_local
 from finetune.config.schema import Experiment
 from finetune.errors import FAILED_MARKER, DataError, RunError, first_line
 from finetune.data.files import content_digest
@@ -111,8 +112,8 @@ def cache_key(experiment: Experiment, tokenizer) -> str:
 
 
 def _prompt_limit(experiment: Experiment) -> int | None:
-    """grpo and ppo refuse prompts the model's context cannot hold (data/prompts.py)."""
-    if experiment.method not in REWARDED:
+    """Generating methods refuse prompts the model's context cannot hold (data/prompts.py)."""
+    if not record(experiment).generates:
         return None
     from finetune.data.prompts import prompt_limit
 
@@ -120,9 +121,7 @@ def _prompt_limit(experiment: Experiment) -> int | None:
 
 
 def _method_prepare(experiment: Experiment) -> Callable | None:
-    from finetune.methods import METHODS
-
-    module = importlib.import_module(f"finetune.methods.{METHODS[experiment.method]}")
+    module = importlib.import_module(record(experiment).module)
     return getattr(module, "prepare", None)
 
 

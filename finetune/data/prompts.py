@@ -14,16 +14,14 @@ from finetune.data.load import ORIGIN, Splits
 from finetune.model.load import context_length
 from finetune.model.tokenizer import render_chat
 from finetune.config.schema import Experiment
-from finetune.config.trl_fields import training_value
+from finetune.config import effective
 from finetune.errors import ConfigError, DataError
 
 
 def completion_budget(experiment: Experiment) -> tuple[str, int]:
     """(setting, tokens): how many tokens a completion may add to its prompt."""
-    if experiment.method == "ppo":
-        return "ppo.max_new_tokens", experiment.ppo.max_new_tokens
-    value = training_value("grpo", experiment.training, "max_completion_length")
-    return "training.max_completion_length", value or 0
+    path = effective.record(experiment).completion_length
+    return path, effective.setting(experiment, path) or 0
 
 
 def prompt_limit(experiment: Experiment) -> int | None:

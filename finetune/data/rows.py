@@ -15,9 +15,6 @@ FORMATS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "classification": (("text", "label"), ()),
     "prompt": (("prompt",), ()),  # every other column is kept for the reward functions
 }
-CANDIDATES = {"sft": ("messages", "prompt_completion", "text"), "reward": ("preference",),
-              "dpo": ("preference",), "classify": ("classification",), "grpo": ("prompt",),
-              "ppo": ("prompt",)}
 WEIGHT = "weight"  # the per-sample weight column, whatever data.weight_column names
 # Weights are relative (the loss is sum(w x loss) / sum(w)); beyond this, w x loss summed
 # over a batch nears float32's range (3.4e38) and the model trains to NaN.
@@ -125,14 +122,15 @@ def _shared_turns(chosen: list, rejected: list) -> int:
     return min(shared, min(len(chosen), len(rejected)) - 1)
 
 
-def preference_problem(row: dict[str, Any], has_prompt: bool, method: str) -> str | None:
+def preference_problem(row: dict[str, Any], has_prompt: bool, shared_prompt: bool) -> str | None:
     """Across a file's preference rows: `prompt` on every row or on none (DPOTrainer
-    fails on a null one among them, reward would read it as empty); and dpo's prompt,
-    when not given, is the leading turns chosen and rejected share."""
+    fails on a null one among them, reward would read it as empty); and, for a method
+    whose prompt is otherwise the leading turns chosen and rejected share
+    (shared_prompt: dpo), they share one."""
     if has_prompt and row.get("prompt") is None:
         return "`prompt` is missing (null) while other rows of this file have one: give " \
                "every row a prompt, or none"
-    if method == "dpo" and not has_prompt and isinstance(row["chosen"], list) and \
+    if shared_prompt and not has_prompt and isinstance(row["chosen"], list) and \
             _shared_turns(row["chosen"], row["rejected"]) < 1:
         return "`chosen` and `rejected` share no leading turn: without `prompt`, both must " \
                "start with the same prompt turns (dpo takes those as the prompt); or give " \

@@ -116,11 +116,12 @@ def _not_counted(settings: Settings) -> list[str]:
     out = ["evaluation batches (per_device_eval_batch_size) and generation during evaluation",
            "host memory to load the model", "DeepSpeed communication buckets (about hidden^2 "
            "elements)"]
-    if settings.method in ("grpo", "ppo"):
+    own = settings.record
+    if own.generates:
         out.insert(0, f"{settings.method}: generation (KV cache, sampling), rollout buffers and "
                       "any reward model (rewards.model)")
-    if settings.method == "dpo" and settings.reference == "copy":
-        out.append("dpo.ref_model: assumed to have the policy's architecture")
+    if own.reference and own.reference.setting and settings.reference == "copy":
+        out.append(f"{own.reference.setting}: assumed to have the policy's architecture")
     return out
 
 
@@ -165,7 +166,7 @@ def estimate(experiment: Experiment, gpus: int | None = None, gpu_memory: int | 
                 "GPU): training.activation_checkpointing=false saves its recomputation, "
                 "about a quarter of the step's compute")
     logits = next(size for key, _, size in configured.rows if key == "logits")
-    if logits > 0.25 * configured.total and settings.method != "ppo":
+    if logits > 0.25 * configured.total and settings.record.fused_loss:
         recommendation.append(f"  the logits and loss take {_gib(logits)} per GPU: "
                               "training.use_liger_kernel=true computes the loss without them")
     if checkpointing_note:

@@ -153,9 +153,10 @@ def evaluate(shape: Shape, settings: Settings, tensors: list[Tensor], value: lis
 
 def ladder_layouts(settings: Settings) -> list[Layout]:
     """Cheapest first: plain data parallel, ZeRO-1, -2, -3, then offload. Only layouts
-    finetune accepts for the experiment (rules.py: ppo none/ddp, qlora not with ZeRO-3)."""
+    finetune accepts for the experiment (rules.py: the method's strategies, qlora not with
+    ZeRO-3)."""
     base = Layout("ddp" if settings.world > 1 else "none")
-    if settings.method == "ppo":
+    if "deepspeed" not in settings.record.strategies:
         return [base]
     if settings.peft.type == "qlora":
         return [base, Layout("deepspeed", 1), Layout("deepspeed", 2),

@@ -9,7 +9,7 @@ from typing import Mapping
 
 from finetune.config import deepspeed_file
 from finetune.config.schema import Experiment
-from finetune.config.trl_fields import training_value
+from finetune.config.effective import value
 from finetune.render.accelerate import MIXED_PRECISION
 
 _TRUE = ("1", "true", "yes")
@@ -52,7 +52,7 @@ def launch_problems(experiment: Experiment, env: Mapping[str, str], precision: s
             problems.append(f"launched with {strategy} by the Accelerate config, but "
                             f"distributed.strategy is {dist.strategy}")
     accumulation = env.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS")
-    ours = training_value(experiment.method, experiment.training, "gradient_accumulation_steps")
+    ours = value(experiment, "gradient_accumulation_steps")
     if accumulation is not None and int(accumulation) != ours:
         problems.append(f"the Accelerate launch says gradient_accumulation_steps "
                         f"{accumulation}, but training.gradient_accumulation_steps is {ours}")

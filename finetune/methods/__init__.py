@@ -1,16 +1,18 @@
-"""Training methods: each builds its trainer from a Job, registered by name."""
+"""Training methods: each module builds its trainer from a Job; its record
+(config/methods.py) names the module."""
 
 from __future__ import annotations
 
 import importlib
-
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
+from finetune.config.methods import method
+from finetune.config.schema import Experiment
 from finetune.data.load import Splits
 from finetune.hardware import Hardware
-from finetune.config.schema import Experiment
 
 
 @dataclass
@@ -28,12 +30,11 @@ class Job:
     notes: list[str] = field(default_factory=list)  # decisions the start summary reports
 
 
-# method -> module of finetune.methods with a build_trainer(job); imported on use, so a
-# run pays only for its own method's imports.
-METHODS = {"sft": "sft", "reward": "reward", "dpo": "dpo", "classify": "classify",
-           "grpo": "grpo", "ppo": "ppo"}
+def _module(experiment: Experiment) -> ModuleType:
+    """The method's module (its record names it), imported on use: a run pays only for
+    its own method's imports."""
+    return importlib.import_module(method(experiment.method).module)
 
 
 def build_trainer(job: Job) -> Any:
-    module = importlib.import_module(f"finetune.methods.{METHODS[job.experiment.method]}")
-    return module.build_trainer(job)
+    return _module(job.experiment).build_trainer(job)

@@ -16,7 +16,7 @@ from trl.data_utils import common_prefix_length, extract_prompt
 from finetune.data.load import ORIGIN, Splits
 from finetune.model.tokenizer import render_chat
 from finetune.config.schema import Experiment
-from finetune.config.trl_fields import training_value
+from finetune.config.effective import value as effective_value
 from finetune.errors import DataError
 from finetune.methods import Job
 
@@ -45,7 +45,7 @@ def prepare(splits: Splits, tokenizer, experiment: Experiment) -> Splits:
     """Checked, not tokenized (DPOTrainer does that): every chat row renders, and some row
     is left once DPOTrainer drops those whose prompt alone fills max_length
     (truncation_mode keep_start; keep_end drops none)."""
-    value = lambda key: training_value("dpo", experiment.training, key)
+    value = lambda key: effective_value(experiment, key)
     max_length = value("max_length") if value("truncation_mode") == "keep_start" else None
     for split, rows in (("train", splits.train), ("eval", splits.eval)):
         lengths = [(_prompt_length(tokenizer, row), row[ORIGIN]) for row in rows or ()]

@@ -16,7 +16,7 @@ from trl import RewardTrainer
 from finetune.data.load import ORIGIN, Splits
 from finetune.model.tokenizer import end_marker, render_chat
 from finetune.config.schema import Experiment
-from finetune.config.trl_fields import training_value
+from finetune.config.effective import value
 from finetune.errors import DataError
 from finetune.methods import Job
 
@@ -64,7 +64,7 @@ def _tokenized(dataset, tokenizer, max_length: int | None, split: str = "train")
 
 
 def prepare(splits: Splits, tokenizer, experiment: Experiment) -> Splits:
-    max_length = training_value("reward", experiment.training, "max_length")
+    max_length = value(experiment, "max_length")
     return splits.tokenized(lambda rows, split: _tokenized(rows, tokenizer, max_length, split))
 
 

@@ -17,12 +17,18 @@ from trl import SFTTrainer
 from finetune.data import sft_tokens
 from finetune.data.load import Splits
 from finetune.config.schema import Experiment
-from finetune.config.trl_fields import training_value
+from finetune.config.effective import value as effective_value
 from finetune.errors import ConfigError
 from finetune.methods import Job
 
+
+def _value(experiment: Experiment):
+    """key -> the training argument the run will have (config/effective.py)."""
+    return lambda key: effective_value(experiment, key)
+
+
 def _masking(splits: Splits, experiment: Experiment) -> sft_tokens.Masking:
-    value = lambda key: training_value("sft", experiment.training, key)
+    value = _value(experiment)
     weighted = experiment.data.weight_column is not None or \
         sft_tokens.uses_token_weights(splits.train, splits.format)
     # What depends on the rows; the settings alone were checked by config/rules.py.
@@ -46,7 +52,7 @@ def _masking(splits: Splits, experiment: Experiment) -> sft_tokens.Masking:
 def _packed(dataset, experiment: Experiment):
     from trl import pack_dataset
 
-    value = lambda key: training_value("sft", experiment.training, key)
+    value = _value(experiment)
     if value("shuffle_dataset"):  # before packing, as TRL does: packs mix the whole data
         dataset = dataset.shuffle(seed=value("seed"))
     return pack_dataset(dataset, value("max_length"), value("packing_strategy"))
@@ -57,7 +63,7 @@ def prepare(splits: Splits, tokenizer, experiment: Experiment) -> Splits:
     masking = _masking(splits, experiment)
     out = splits.tokenized(
         lambda rows, split: sft_tokens.tokenize(rows, tokenizer, splits.format, masking, split))
-    value = lambda key: training_value("sft", experiment.training, key)
+    value = _value(experiment)
     if value("packing"):
         out.train = _packed(out.train, experiment)
         if out.eval is not None and value("eval_packing") is not False:

@@ -13,22 +13,22 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequence
 
 from finetune.hardware import Hardware
 from finetune.config import attention
+from finetune.config.effective import attention_implementation, record, setting
 from finetune.config.schema import Experiment
-from finetune.render.training_args import attention_implementation
 from finetune.errors import RunError, first_line
 
 # Architectures whose attention passes sinks (s_aux), which finetune_varlen cannot run.
 NO_VARLEN = ("gpt_oss",)
 
-# Which head each method trains, and the PEFT task type that matches it.
+# A method's head (config/methods.py): the model class, and the PEFT task type that matches.
 HEADS = {
-    "sft": (AutoModelForCausalLM, "CAUSAL_LM"),
-    "dpo": (AutoModelForCausalLM, "CAUSAL_LM"),
-    "reward": (AutoModelForSequenceClassification, "SEQ_CLS"),
-    "classify": (AutoModelForSequenceClassification, "SEQ_CLS"),
-    "grpo": (AutoModelForCausalLM, "CAUSAL_LM"),
-    "ppo": (AutoModelForCausalLM, "CAUSAL_LM"),
+    "lm": (AutoModelForCausalLM, "CAUSAL_LM"),
+    "score": (AutoModelForSequenceClassification, "SEQ_CLS"),
 }
+
+
+def head(experiment: Experiment) -> tuple[type, str]:
+    return HEADS[record(experiment).head]
 
 
 def _quantization(experiment: Experiment, hw: Hardware) -> BitsAndBytesConfig | None:
@@ -94,11 +94,7 @@ def context_length(experiment: Experiment) -> int | None:
 def _config(experiment: Experiment, tokenizer: PreTrainedTokenizerBase):
     spec = experiment.model
     refuse_remote_code(experiment, spec.name_or_path, "model.name_or_path")
-    extra = {"num_labels": 1} if experiment.method == "reward" else {}
-    if experiment.method == "classify":
-        labels = experiment.classify.labels
-        extra = {"num_labels": len(labels), "id2label": dict(enumerate(labels)),
-                 "label2id": {name: i for i, name in enumerate(labels)}}
+    extra = _head_labels(experiment)
     try:
         config = AutoConfig.from_pretrained(spec.name_or_path, revision=spec.revision,
                                             trust_remote_code=spec.trust_remote_code, **extra)
@@ -111,8 +107,21 @@ def _config(experiment: Experiment, tokenizer: PreTrainedTokenizerBase):
     return config
 
 
+def _head_labels(experiment: Experiment) -> dict:
+    """A score head's logits: one per class name of the method's labels setting (with
+    id2label), else one; nothing for an LM head."""
+    own = record(experiment)
+    if own.head != "score":
+        return {}
+    if own.labels is None:
+        return {"num_labels": 1}
+    labels = setting(experiment, own.labels)
+    return {"num_labels": len(labels), "id2label": dict(enumerate(labels)),
+            "label2id": {name: i for i, name in enumerate(labels)}}
+
+
 def attention_of(experiment: Experiment, hw: Hardware, config) -> str | None:
-    """The attention implementation for this hardware (render/training_args.py decides
+    """The attention implementation for this hardware (config/effective.py decides
     auto); finetune's own varlen function is registered with transformers before it is
     named. `auto` does not pick it for a model whose attention it cannot run (logit
     softcapping, attention sinks): transformers' default then."""
@@ -148,7 +157,7 @@ def initial_weights(experiment: Experiment, hw: Hardware, tokenizer: PreTrainedT
     from transformers import set_seed
 
     set_seed(seed)
-    auto_class, _ = HEADS[experiment.method]
+    auto_class, _ = head(experiment)
     # Drawn where the model will train: on a GPU, seconds of CPU random numbers (~8 s for
     # 0.5B) become milliseconds. The seeded CUDA generator makes it as reproducible.
     config = _config(experiment, tokenizer)
@@ -189,7 +198,7 @@ def load_model(experiment: Experiment, hw: Hardware, tokenizer: PreTrainedTokeni
     if quantization is not None:
         kwargs["quantization_config"] = quantization
         kwargs["device_map"] = {"": 0} if hw.device == "cuda" else {"": "cpu"}
-    return HEADS[experiment.method][0].from_pretrained(
+    return head(experiment)[0].from_pretrained(
         source, config=config, revision=revision,
         dtype=_load_dtype(experiment, hw), **kwargs)
 

@@ -6,13 +6,13 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model, prepare_model_for_kbit_training
 from transformers import PreTrainedModel
 
-from finetune.model.load import HEADS
+from finetune.model.load import head
 from finetune.config.schema import Experiment
 
 
 def lora_config(experiment: Experiment) -> LoraConfig:
     spec = experiment.peft
-    _, task_type = HEADS[experiment.method]
+    _, task_type = head(experiment)
     return LoraConfig(
         r=spec.r, lora_alpha=spec.alpha, lora_dropout=spec.dropout,
         target_modules=spec.target_modules, modules_to_save=spec.modules_to_save,

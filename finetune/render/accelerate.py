@@ -8,17 +8,16 @@ from __future__ import annotations
 
 from typing import Any
 
+from finetune.config.effective import assumed_device, resolve_precision
 from finetune.config.schema import Experiment
 
 MIXED_PRECISION = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
 
 
 def static_precision(experiment: Experiment) -> str:
-    """The precision a config file can state before the hardware is known: 'auto' is fp32
-    on CPU and bf16 elsewhere (the worker stops with a clear error if the GPU lacks bf16)."""
-    if experiment.precision != "auto":
-        return experiment.precision
-    return "fp32" if experiment.distributed.device == "cpu" else "bf16"
+    """The precision a config file can state before the hardware is known: 'auto' as on a
+    GPU with bf16 (the worker stops with a clear error if the GPU lacks bf16)."""
+    return resolve_precision(experiment, assumed_device(experiment))
 
 
 def _fsdp(experiment: Experiment) -> dict[str, Any]:

@@ -1,0 +1,155 @@
+"""Every training method as one torch-free record: all that the rest of finetune needs to
+know about a method, in one place.
+
+The config layer, the data layer, the model loader, the estimate, the fingerprint and the
+worker read these records instead of tables of their own, so adding a method is its
+record here, its module in finetune/methods/ (`build_trainer`, and `prepare` where it
+prepares its rows), and a data format in data/rows.py if it reads a new one.
+tests/test_methods.py checks every record against the TRL field manifest, the data
+layer, the schema and its module.
+
+Settings are named by their dotted path in the experiment ("training.max_length",
+"ppo.max_new_tokens"); config/effective.py `setting` reads them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+ALL_STRATEGIES = ("none", "ddp", "fsdp", "deepspeed")
+
+
+@dataclass(frozen=True)
+class Reference:
+    """A frozen reference the policy is compared against: a copy of the starting policy,
+    or, under (Q)LoRA, the policy itself with its adapters disabled (nothing extra)."""
+
+    # A training key whose value 0 means no reference at all (grpo's beta).
+    switch: str | None = None
+    # A setting naming another reference model; when set it is loaded even under (Q)LoRA.
+    setting: str | None = None
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    # (module, class) of the config class `training:` passes through to.
+    config_class: tuple[str, str]
+    # Data formats it reads (data/rows.py FORMATS), in the order `auto` tries them.
+    formats: tuple[str, ...]
+    # "lm": a causal LM; "score": a sequence-classification head.
+    head: str
+    # The module of finetune.methods with build_trainer(job) and, optionally,
+    # prepare(splits, tokenizer, experiment).
+    module: str
+    # Experiment sections that only the methods owning them read.
+    sections: tuple[str, ...] = ()
+    # score head: the setting listing the class names (one logit each, with id2label);
+    # None: a single logit.
+    labels: str | None = None
+    # The setting that bounds a training sequence (None: generating methods, whose
+    # prompts are bounded by the model's context).
+    max_length: str | None = None
+    # Generating methods: the setting that bounds a completion.
+    completion_length: str | None = None
+    # Sequences per sample: 2 for chosen and rejected of a preference pair.
+    sequences: int = 1
+    reference: Reference | None = None
+    # Trains a value model besides the policy: the setting choosing a separate one or a
+    # head on the policy's backbone ("separate" or "shared").
+    value_model: str | None = None
+    # finetune tokenizes its rows while preparing them (kept in the data cache).
+    tokenizes: bool = False
+    # Takes per-sample loss weights (data.weight_column).
+    weights: bool = True
+    # A preference pair without `prompt` takes the turns chosen and rejected share as
+    # its prompt (TRL's extract_prompt), so they must share one.
+    shared_prompt: bool = False
+    # Supports evaluation.exact_match (greedy answers to the eval prompts).
+    exact_match: bool = False
+    # Trains flattened rows (padding-free or packed) where a varlen kernel runs them.
+    flattens: bool = False
+    # use_liger_kernel is a speed default on CUDA when liger_kernel is installed.
+    liger_default: bool = False
+    # use_liger_kernel's fused linear cross-entropy computes its loss (not our own loss).
+    fused_loss: bool = True
+    # distributed.strategy values it runs under.
+    strategies: tuple[str, ...] = ALL_STRATEGIES
+    # Training arguments of its own, over finetune's defaults, under the experiment's.
+    defaults: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    @property
+    def rewarded(self) -> bool:
+        """Trained on rewards (the rewards section) rather than on labelled data."""
+        return "rewards" in self.sections
+
+    @property
+    def generates(self) -> bool:
+        """Generates its completions while training."""
+        return self.completion_length is not None
+
+    @property
+    def logits(self) -> str:
+        """Which positions of a sequence get LM logits and a loss: none (a score head
+        reads one position), the completion's, or every position of the sequence."""
+        if self.head == "score":
+            return "none"
+        return "completion" if self.generates else "sequence"
+
+    @property
+    def trl_trainer(self) -> bool:
+        """Trained by TRL's own trainer (its config class is TRL's)."""
+        return self.config_class[0] == "trl"
+
+
+METHODS: dict[str, Method] = {m.name: m for m in (
+    Method("sft", ("trl", "SFTConfig"), ("messages", "prompt_completion", "text"), "lm",
+           "finetune.methods.sft", max_length="training.max_length", tokenizes=True,
+           exact_match=True, flattens=True, liger_default=True),
+    Method("reward", ("trl", "RewardConfig"), ("preference",), "score",
+           "finetune.methods.reward", max_length="training.max_length", sequences=2,
+           tokenizes=True),
+    Method("dpo", ("trl", "DPOConfig"), ("preference",), "lm", "finetune.methods.dpo",
+           sections=("dpo",), max_length="training.max_length", sequences=2,
+           reference=Reference(setting="dpo.ref_model"), shared_prompt=True),
+    # Our own trainers take transformers' arguments; their options are in their sections.
+    Method("classify", ("transformers", "TrainingArguments"), ("classification",), "score",
+           "finetune.methods.classify", sections=("classify",), labels="classify.labels",
+           max_length="classify.max_length", tokenizes=True),
+    Method("grpo", ("trl", "GRPOConfig"), ("prompt",), "lm", "finetune.methods.grpo",
+           sections=("rewards",), completion_length="training.max_completion_length",
+           reference=Reference(switch="beta"), weights=False),
+    Method("ppo", ("transformers", "TrainingArguments"), ("prompt",), "lm",
+           "finetune.methods.ppo", sections=("ppo", "rewards"),
+           completion_length="ppo.max_new_tokens", reference=Reference(),
+           value_model="ppo.value_model",
+           weights=False, fused_loss=False, strategies=("none", "ddp")),
+)}
+NAMES = tuple(METHODS)
+
+
+def method(name: str) -> Method:
+    """The record of a method name (validated by the schema)."""
+    return METHODS[name]
+
+
+def names_where(wanted) -> list[str]:
+    """Names of the methods whose record satisfies wanted(record), in record order."""
+    return [m.name for m in METHODS.values() if wanted(m)]
+
+
+def spoken(names: list[str] | tuple[str, ...], word: str = "and") -> str:
+    """['a'] -> 'a'; ['a', 'b'] -> 'a and b'; ['a', 'b', 'c'] -> 'a, b and c'."""
+    names = list(names)
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} {word} {names[-1]}"
+
+
+def formats() -> tuple[str, ...]:
+    """Every data format some method reads, in record order."""
+    return tuple(dict.fromkeys(f for m in METHODS.values() for f in m.formats))
+
+
+def sections() -> tuple[str, ...]:
+    """Every experiment section some method owns."""
+    return tuple(dict.fromkeys(s for m in METHODS.values() for s in m.sections))
