@@ -29,7 +29,7 @@ from finetune.evaluation import exact_match
 from finetune.fingerprint import fingerprint, layout
 from finetune.launch.environment import (launch_problems, parallel_note,
                                          process_group_problems, rank_of)
-from finetune.methods import Job, build_trainer
+from finetune.methods import Job, build_trainer, preparation
 from finetune.preemption import Preempted, StopOnSignal
 from finetune.report import (attention_name, end_summary, environment, plot_loss,
                              start_summary, write_json)
@@ -215,7 +215,8 @@ def train(experiment: Experiment, run_dir: Path, plan: ResumePlan,
         raise RunError(FSDP_NEEDS_CUDA)  # device auto on a machine without CUDA
     tokenizer = load_tokenizer(experiment)
     # Before any process group exists: see data/prepare.py.
-    data = prepared_data(experiment, tokenizer, run_dir, launched or started)
+    data = prepared_data(experiment, tokenizer, preparation(experiment), run_dir,
+                         launched or started)
     seed = value(experiment, "seed")
     initial = initial_weights(experiment, hw, tokenizer, run_dir, seed, rank)
     checkpointing, checkpointing_note = checkpointing_decision(experiment, hw)

@@ -22,6 +22,7 @@ import pytest
 import finetune
 from conftest import REPO, TINY_MODEL
 from finetune.data.prepare import META, cache_key, cache_root, entry_problem, prepared_data
+from finetune.methods import preparation
 from finetune.model.tokenizer import load_tokenizer
 from finetune.config import load_experiment
 from finetune.errors import RunError
@@ -34,11 +35,12 @@ import time
 from pathlib import Path
 launched = time.time()
 from finetune.data.prepare import prepared_data
+from finetune.methods import preparation
 from finetune.model.tokenizer import load_tokenizer
 from finetune.config import load_experiment
 experiment = load_experiment(sys.argv[1])
-splits = prepared_data(experiment, load_tokenizer(experiment), Path(sys.argv[2]), launched,
-                       {"LOCAL_RANK": "1", "RANK": "1"})
+splits = prepared_data(experiment, load_tokenizer(experiment), preparation(experiment),
+                       Path(sys.argv[2]), launched, {"LOCAL_RANK": "1", "RANK": "1"})
 print("rows", len(splits.train), "eval rows", len(splits.eval_rows), flush=True)
 """
 
@@ -81,7 +83,7 @@ def test_entry_reused_and_keyed_by_what_it_depends_on(config, tmp_path, capsys):
     run_dir.mkdir(parents=True)
     experiment = load_experiment(config)
     tokenizer = load_tokenizer(experiment)
-    first = prepared_data(experiment, tokenizer, run_dir, time.time(), {})
+    first = prepared_data(experiment, tokenizer, preparation(experiment), run_dir, time.time(), {})
     assert "data prepared and cached" in capsys.readouterr().out
     assert len(first.train) == 30 and len(first.eval) == 10 and len(first.eval_rows) == 10
     assert max(len(ids) for ids in first.train["input_ids"]) == 16
@@ -96,10 +98,11 @@ def test_entry_reused_and_keyed_by_what_it_depends_on(config, tmp_path, capsys):
         path.mkdir()
         os.utime(path, (time.time() - 2 * 86400,) * 2)
     shutil.rmtree(root / _entries(experiment, run_dir)[0])
-    prepared_data(experiment, tokenizer, run_dir, time.time(), {})  # prepares again
+    # prepares again
+    prepared_data(experiment, tokenizer, preparation(experiment), run_dir, time.time(), {})
     assert not abandoned.exists() and other.exists()
 
-    again = prepared_data(experiment, tokenizer, run_dir, time.time(), {})
+    again = prepared_data(experiment, tokenizer, preparation(experiment), run_dir, time.time(), {})
     assert "data loaded from the cache" in capsys.readouterr().out
     assert again.train["input_ids"] == first.train["input_ids"]
     assert again.eval_rows["messages"] == first.eval_rows["messages"]
@@ -108,18 +111,19 @@ def test_entry_reused_and_keyed_by_what_it_depends_on(config, tmp_path, capsys):
     # Another max_length is another entry; the data file rewritten with the same bytes
     # is not (the key holds its content), one edited is.
     longer = load_experiment(config, ["training.max_length=32"])
-    prepared_data(longer, tokenizer, run_dir, time.time(), {})
+    prepared_data(longer, tokenizer, preparation(longer), run_dir, time.time(), {})
     data = tmp_path / "train.jsonl"
     time.sleep(0.01)
     data.write_text(data.read_text())
-    prepared_data(experiment, tokenizer, run_dir, time.time(), {})
+    prepared_data(experiment, tokenizer, preparation(experiment), run_dir, time.time(), {})
     assert len(_entries(experiment, run_dir)) == 2
     data.write_text(data.read_text().replace("q 1", "q 9"))
-    prepared_data(experiment, tokenizer, run_dir, time.time(), {})
+    prepared_data(experiment, tokenizer, preparation(experiment), run_dir, time.time(), {})
     assert len(_entries(experiment, run_dir)) == 3
 
     off = load_experiment(config, ["data.cache=false"])
-    assert len(prepared_data(off, tokenizer, run_dir, time.time(), {}).train) == 30
+    assert len(prepared_data(off, tokenizer, preparation(off), run_dir, time.time(),
+                             {}).train) == 30
     assert len(_entries(experiment, run_dir)) == 3
 
 
@@ -134,7 +138,8 @@ def test_other_ranks_wait_for_the_main_process_then_share_its_entry(config, tmp_
     experiment = load_experiment(config)
     assert not cache_root(experiment, run_dir).exists() or not _entries(experiment, run_dir)
 
-    prepared_data(experiment, load_tokenizer(experiment), run_dir, time.time(), {})
+    prepared_data(experiment, load_tokenizer(experiment), preparation(experiment), run_dir,
+                  time.time(), {})
     out, err = waiter.communicate(timeout=60)
     assert waiter.returncode == 0, err[-2000:]
     assert "rows 30 eval rows 10" in out and "prepared" not in out
@@ -211,16 +216,16 @@ def test_a_damaged_entry_is_prepared_again_with_a_line(config, tmp_path, capsys,
     run_dir.mkdir(parents=True)
     experiment = load_experiment(config)
     tokenizer = load_tokenizer(experiment)
-    first = prepared_data(experiment, tokenizer, run_dir, time.time(), {})
+    first = prepared_data(experiment, tokenizer, preparation(experiment), run_dir, time.time(), {})
     entry = cache_root(experiment, run_dir) / _entries(experiment, run_dir)[0]
     damage(entry)
     capsys.readouterr()
-    again = prepared_data(experiment, tokenizer, run_dir, time.time(), {})
+    again = prepared_data(experiment, tokenizer, preparation(experiment), run_dir, time.time(), {})
     out = capsys.readouterr().out
     assert f"the data cache entry {entry} is damaged ({why}" in out, out
     assert "preparing it again" in out and "data prepared and cached" in out
     assert again.train["input_ids"] == first.train["input_ids"]
-    prepared_data(experiment, tokenizer, run_dir, time.time(), {})
+    prepared_data(experiment, tokenizer, preparation(experiment), run_dir, time.time(), {})
     assert "data loaded from the cache" in capsys.readouterr().out
     leftovers = [p.name for p in entry.parent.iterdir() if p.name != entry.name]
     assert leftovers == []
@@ -264,7 +269,7 @@ def test_a_writer_killed_mid_write_leaves_nothing_after_the_next_run(config, tmp
     waiters.append(live)
     working = root / f".{entry.name}.{live.pid}@{socket.gethostname()}.abc123"
     working.mkdir()
-    prepared_data(experiment, tokenizer, run_dir, time.time(), {})
+    prepared_data(experiment, tokenizer, preparation(experiment), run_dir, time.time(), {})
     out = capsys.readouterr().out
     assert f"removed {left}, left by a data preparation that did not finish" in out
     assert not left.exists() and working.exists()
@@ -278,7 +283,8 @@ def test_an_unreadable_entry_file_is_damage_not_a_traceback(config, tmp_path):
     try:
         cache.chmod(0o777)
         experiment = load_experiment(config, [f"data.cache_dir={cache}"])
-        prepared_data(experiment, load_tokenizer(experiment), tmp_path, time.time(), {})
+        prepared_data(experiment, load_tokenizer(experiment), preparation(experiment),
+                      tmp_path, time.time(), {})
         [entry] = [p for p in cache.iterdir() if (p / META).exists()]
         for path in [entry, *entry.rglob("*")]:  # readable to all (mkdtemp made it 0700)...
             path.chmod(0o755 if path.is_dir() else 0o644)
@@ -307,14 +313,14 @@ def test_an_edit_that_keeps_size_and_mtime_is_another_entry(config, tmp_path, ca
     run_dir.mkdir(parents=True)
     experiment = load_experiment(config)
     tokenizer = load_tokenizer(experiment)
-    first = prepared_data(experiment, tokenizer, run_dir, time.time(), {})
+    first = prepared_data(experiment, tokenizer, preparation(experiment), run_dir, time.time(), {})
     data = tmp_path / "train.jsonl"
     stat = data.stat()
     data.write_text(data.read_text().replace('"q 3"', '"a 3"'))
     os.utime(data, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     assert data.stat().st_size == stat.st_size and data.stat().st_mtime_ns == stat.st_mtime_ns
     capsys.readouterr()
-    again = prepared_data(experiment, tokenizer, run_dir, time.time(), {})
+    again = prepared_data(experiment, tokenizer, preparation(experiment), run_dir, time.time(), {})
     assert "data prepared and cached" in capsys.readouterr().out
     assert len(_entries(experiment, run_dir)) == 2
     tokens = lambda splits: sorted([*splits.train["input_ids"], *splits.eval["input_ids"]])
@@ -328,4 +334,5 @@ def test_a_cache_that_cannot_be_written_is_one_error(config, tmp_path):
     experiment = load_experiment(config, [f"data.cache_dir={tmp_path / 'afile'}"])
     with pytest.raises(RunError, match=r"cannot write the data cache entry .*afile.*"
                                        r"data\.cache: false"):
-        prepared_data(experiment, load_tokenizer(experiment), tmp_path / "runs" / "a", 0.0)
+        prepared_data(experiment, load_tokenizer(experiment), preparation(experiment),
+                      tmp_path / "runs" / "a", 0.0)

@@ -14,6 +14,7 @@ import pytest
 from conftest import REPO, TINY_MODEL, run_cli
 from finetune.data.load import ORIGIN
 from finetune.data.prepare import prepare
+from finetune.methods import preparation
 from finetune.model.tokenizer import load_tokenizer
 from finetune.config import load_experiment
 from finetune.errors import ConfigError, DataError
@@ -52,7 +53,7 @@ def experiment(write, method, train, extra=""):
 
 
 def prepared(exp):
-    return prepare(exp, load_tokenizer(exp))
+    return prepare(exp, load_tokenizer(exp), preparation(exp))
 
 
 def refused(exp) -> str:

@@ -1,5 +1,7 @@
-"""Training data, prepared once and cached on disk: read, validated and, for the methods
-that tokenize in finetune (config/methods.py `tokenizes`), tokenized.
+"""Training data, prepared once and cached on disk: read, validated and handed to the
+method's own preparation (its module's `prepare`, which the worker passes in): the
+methods that tokenize in finetune (config/methods.py `tokenizes`) tokenize there, the
+others check their rows.
 
 The cache entry's key hashes everything the result depends on: the data files (path and
 content, as data/files.content_digest hashes it; a hub dataset: its id, subset, split
@@ -26,7 +28,6 @@ another host's are removed after a day.
 from __future__ import annotations
 
 import hashlib
-import importlib
 import json
 import os
 import re
@@ -120,17 +121,15 @@ def _prompt_limit(experiment: Experiment) -> int | None:
     return prompt_limit(experiment)
 
 
-def _method_prepare(experiment: Experiment) -> Callable | None:
-    module = importlib.import_module(record(experiment).module)
-    return getattr(module, "prepare", None)
+# The method's preparation: prepare(splits, tokenizer, experiment) -> splits, or None.
+MethodPrepare = Callable[[Splits, Any, Experiment], Splits] | None
 
 
-def prepare(experiment: Experiment, tokenizer) -> Splits:
+def prepare(experiment: Experiment, tokenizer, method_prepare: MethodPrepare) -> Splits:
     """Read and validate the rows, then let the method tokenize (or check) them. The rows'
     origins go once the method has used them for its errors."""
     splits = load_data(experiment)
     require_chat_template(splits, tokenizer, experiment)
-    method_prepare = _method_prepare(experiment)
     if method_prepare:
         splits = method_prepare(splits, tokenizer, experiment)
     return splits.without_origin()
@@ -335,13 +334,14 @@ def _cached(entry: Path) -> tuple[Splits | None, str | None]:
     return None, damage
 
 
-def prepared_data(experiment: Experiment, tokenizer, run_dir: Path, launched: float,
-                  env: dict[str, str] | None = None) -> Splits:
+def prepared_data(experiment: Experiment, tokenizer, method_prepare: MethodPrepare,
+                  run_dir: Path, launched: float, env: dict[str, str] | None = None) -> Splits:
     """This rank's data: from the cache, prepared by this machine's main process.
+    method_prepare: the method's own preparation (finetune.methods.preparation);
     `launched`: when this process started (time.time())."""
     env = os.environ if env is None else env
     if not experiment.data.cache:
-        return prepare(experiment, tokenizer)
+        return prepare(experiment, tokenizer, method_prepare)
     entry = cache_root(experiment, run_dir) / cache_key(experiment, tokenizer)
     rank = int(env.get("RANK", "0"))
     if int(env.get("LOCAL_RANK", "0")) != 0:
@@ -363,7 +363,7 @@ def prepared_data(experiment: Experiment, tokenizer, run_dir: Path, launched: fl
         print(f"finetune: the data cache entry {entry} is damaged ({damage}); preparing it "
               "again", flush=True)
         _discard(entry)
-    splits = prepare(experiment, tokenizer)
+    splits = prepare(experiment, tokenizer, method_prepare)
     try:
         _save(splits, entry)
     except OSError as exc:  # not writable, not a directory, a full disk

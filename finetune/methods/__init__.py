@@ -1,5 +1,5 @@
-"""Training methods: each module builds its trainer from a Job; its record
-(config/methods.py) names the module."""
+"""Training methods: each module prepares its rows and builds its trainer from a Job; its
+record (config/methods.py) names the module."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import importlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, Callable
 
 from finetune.config.methods import method
 from finetune.config.schema import Experiment
@@ -34,6 +34,12 @@ def _module(experiment: Experiment) -> ModuleType:
     """The method's module (its record names it), imported on use: a run pays only for
     its own method's imports."""
     return importlib.import_module(method(experiment.method).module)
+
+
+def preparation(experiment: Experiment) -> Callable | None:
+    """The method's prepare(splits, tokenizer, experiment), which data/prepare.py runs on
+    the validated rows (None: the rows are used as read)."""
+    return getattr(_module(experiment), "prepare", None)
 
 
 def build_trainer(job: Job) -> Any:
