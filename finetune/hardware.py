@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from finetune.config.effective import checkpointing_setting, resolve_precision
+from finetune.config.effective import checkpointing_setting, model_precision, resolve_precision
 from finetune.config.schema import Experiment
 from finetune.errors import ConfigError, RunError
 
@@ -24,6 +24,11 @@ class Hardware:
     def dtype(self) -> torch.dtype:
         """The compute dtype."""
         return DTYPES[self.precision]
+
+    def model_dtype(self, experiment: Experiment, role: str) -> torch.dtype:
+        """The dtype a model of the run is loaded in: role policy, reference, reward or
+        value (the rule: config/effective.py model_precision)."""
+        return DTYPES[model_precision(role, experiment.peft.type, self.precision)]
 
 
 def resolve_hardware(experiment: Experiment) -> Hardware:

@@ -1,5 +1,6 @@
 """The settings a run will use, derived in one place: the keyword arguments of the method's
-config class, the precision `auto` becomes and the attention kernel. Torch-free.
+config class, the precision `auto` becomes, the attention kernel, and the dtype of every
+model it loads. Torch-free.
 
 The worker builds its training arguments from `arguments`; the rules, the fingerprint,
 resume, the launch checks, the methods and `finetune estimate` read single values through
@@ -48,6 +49,24 @@ def resolve_precision(experiment: Experiment, device: str, bf16_supported: bool 
     if device == "cpu":
         return "fp32"
     return "bf16" if bf16_supported else "fp16"
+
+
+def model_precision(role: str, peft_type: str, precision: str) -> str:
+    """The precision each model of a run is loaded in, `precision` being the run's:
+    - policy: fp32 under full fine-tuning (fp32 master weights; autocast computes in 16
+      bits); under (Q)LoRA the frozen base sits in the compute precision, half the memory.
+    - reference: the policy's, so that it equals the starting policy (grpo's, built by
+      TRL from the policy's own dtype, is the same).
+    - reward: the compute precision: it only scores, without gradients.
+    - value: fp32: ppo's separate value model is trained in full, like the full policy.
+    """
+    if role in ("policy", "reference"):
+        return "fp32" if peft_type == "none" else precision
+    if role == "reward":
+        return precision
+    if role == "value":
+        return "fp32"
+    raise ValueError(f"no model role {role!r}")
 
 
 def flattens(experiment: Experiment) -> bool:

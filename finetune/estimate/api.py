@@ -136,7 +136,7 @@ def estimate(experiment: Experiment, gpus: int | None = None, gpu_memory: int | 
     tensors = census(shape, settings)
     value = []
     if settings.value_model == "separate":
-        value = value_census(shape)
+        value = value_census(shape, settings)
     elif settings.value_model == "shared":
         tensors = tensors + value_head(shape)
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from finetune.config.effective import model_precision
 from finetune.errors import ConfigError
 from finetune.estimate.settings import Settings
 from finetune.estimate.shapes import Linear, Param, Shape, linears, module_names, parameters
@@ -188,12 +189,14 @@ def _to_bf16(t: Tensor) -> Tensor:
     return Tensor(t.name, t.numel, t.numel * 2, t.trainable, "bf16", t.role, t.matmul, t.shape2d)
 
 
-def value_census(shape: Shape) -> list[Tensor]:
-    """PPO's separate value model: the policy's backbone (no head) in fp32, all trainable,
-    plus a linear value head with a bias (finetune.trainers.ppo_model)."""
+def value_census(shape: Shape, settings: Settings) -> list[Tensor]:
+    """PPO's separate value model: the policy's backbone (no head) in the value model's
+    precision (fp32), all trainable, plus a linear value head with a bias
+    (finetune.trainers.ppo_model)."""
     params = [p for p in parameters(shape, "score", 1) if p.role != "head"]
-    out = [Tensor(f"value.{p.name}", p.numel, p.numel * 4, True, "fp32", "value", _matmul(p))
-           for p in params]
+    dtype = model_precision("value", settings.peft.type, settings.precision)
+    out = [Tensor(f"value.{p.name}", p.numel, p.numel * BYTES[dtype], True, dtype, "value",
+                  _matmul(p)) for p in params]
     return out + value_head(shape)
 
 

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from finetune.estimate.census import Tensor
+from finetune.config.effective import model_precision
+from finetune.estimate.census import BYTES, Tensor
 from finetune.estimate.optimizers import state_bytes
 from finetune.estimate.settings import Layout, Settings
 from finetune.estimate.shapes import Shape
@@ -183,7 +184,7 @@ def model_states(tensors: list[Tensor], value: list[Tensor], shape: Shape, setti
             ref = 2 * numel if settings.precision != "fp32" else 4 * numel
             s.reference = _ceil(ref, settings.world) if layout.zero_stage == 3 else ref
         else:
-            elt = 4 if settings.peft.type == "none" else (4 if settings.precision == "fp32" else 2)
-            ref = elt * numel
+            precision = model_precision("reference", settings.peft.type, settings.precision)
+            ref = BYTES[precision] * numel
             s.reference = _ceil(ref, settings.world) if layout.strategy == "fsdp" else ref
     return s

@@ -63,7 +63,7 @@ def _reference(job: Job):
     spec = job.experiment
     if spec.dpo.ref_model:
         ref = AutoModelForCausalLM.from_pretrained(
-            spec.dpo.ref_model, dtype=job.model.dtype,
+            spec.dpo.ref_model, dtype=job.hardware.model_dtype(spec, "reference"),
             trust_remote_code=spec.model.trust_remote_code)
     elif spec.peft.type != "none":
         return None

@@ -180,7 +180,7 @@ def build_trainer(job: Job) -> GRPOTrainer:
     functions = reward_functions(spec)  # ConfigError naming rewards.functions[i]
     funcs, processors, names = [], [], []
     if spec.rewards.model is not None:
-        model, tokenizer = reward_model(spec, job.model.dtype)
+        model, tokenizer = reward_model(spec, job.hardware.model_dtype(spec, "reward"))
         funcs.append(model)
         processors.append(tokenizer)
         names.append("reward_model")

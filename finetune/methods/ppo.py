@@ -12,8 +12,6 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
-import torch
-
 from finetune.data.prompts import checked_prompts
 from finetune.model.rewards import reward_functions, reward_model, reward_weights
 from finetune.errors import RunError
@@ -63,7 +61,8 @@ def build_trainer(job: Job) -> PPOTrainer:
     backbone = None
     if spec.ppo.value_model == "separate":
         source, revision = _value_source(job)
-        backbone = value_backbone(source, torch.float32, spec.model.trust_remote_code, revision)
+        backbone = value_backbone(source, job.hardware.model_dtype(spec, "value"),
+                                  spec.model.trust_remote_code, revision)
         if hidden_size(backbone.config) != head.in_features:
             head = new_head(hidden_size(backbone.config), seed=args.seed)
     model = PolicyAndValue(policy, head, backbone)
@@ -75,7 +74,7 @@ def build_trainer(job: Job) -> PPOTrainer:
 
     scorer = None, None
     if spec.rewards.model is not None:
-        scorer = reward_model(spec, job.hardware.dtype)
+        scorer = reward_model(spec, job.hardware.model_dtype(spec, "reward"))
     rewards = Rewards(reward_functions(spec), list(spec.rewards.functions),
                       reward_weights(spec), *scorer)
     return PPOTrainer(model=model, ref_model=ref, spec=spec.ppo, rewards=rewards, args=args,

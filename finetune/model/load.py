@@ -42,12 +42,6 @@ def _quantization(experiment: Experiment, hw: Hardware) -> BitsAndBytesConfig | 
                               bnb_4bit_compute_dtype=hw.dtype)
 
 
-def _load_dtype(experiment: Experiment, hw: Hardware) -> torch.dtype:
-    # Full fine-tuning keeps fp32 master weights and lets autocast do the mixed precision;
-    # under (Q)LoRA the frozen base can sit in the compute dtype and save half the memory.
-    return torch.float32 if experiment.peft.type == "none" else hw.dtype
-
-
 REMOTE_CODE_FILES = ("config.json", "tokenizer_config.json")
 
 
@@ -189,7 +183,7 @@ def load_model(experiment: Experiment, hw: Hardware, tokenizer: PreTrainedTokeni
 
     quantization = _quantization(experiment, hw)
     if initial is not None and quantization is None and not is_deepspeed_zero3_enabled():
-        return initial.to(_load_dtype(experiment, hw))
+        return initial.to(hw.model_dtype(experiment, "policy"))
     source, revision = experiment.model.name_or_path, experiment.model.revision
     if initial is not None:
         source, revision = str(run_dir / "init-model"), None
@@ -200,7 +194,7 @@ def load_model(experiment: Experiment, hw: Hardware, tokenizer: PreTrainedTokeni
         kwargs["device_map"] = {"": 0} if hw.device == "cuda" else {"": "cpu"}
     return head(experiment)[0].from_pretrained(
         source, config=config, revision=revision,
-        dtype=_load_dtype(experiment, hw), **kwargs)
+        dtype=hw.model_dtype(experiment, "policy"), **kwargs)
 
 
 def count_parameters(model: torch.nn.Module) -> tuple[int, int]:

@@ -110,8 +110,9 @@ def _from_run(run_dir: Path) -> tuple[str, str | None]:
 
 
 def reward_model(experiment: Experiment, dtype: torch.dtype) -> tuple[Any, Any]:
-    """(model, tokenizer) of rewards.model, frozen, in eval mode. LoRA reward runs are
-    merged into their base."""
+    """(model, tokenizer) of rewards.model, frozen, in eval mode, loaded in `dtype` (the
+    run's dtype for reward models: Hardware.model_dtype). LoRA reward runs are merged
+    into their base."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     path = Path(experiment.rewards.model)
