@@ -11,7 +11,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from finetune import checkpoints
+from finetune import checkpoints, compat
 from finetune.errors import RunError
 from finetune.preemption import StopOnSignal
 
@@ -97,8 +97,7 @@ class LossWindow(TrainerCallback):
     Trainer starts that window afresh: stopped at step 7 with logging_steps 5, its log at
     step 10 would average steps 8-10, not 6-10. So every checkpoint keeps each rank's open
     window (loss sum and first step), and a resume reopens it: every logged loss equals
-    the uninterrupted run's. This reads and sets two private Trainer attributes
-    (_tr_loss, _globalstep_last_logged); tests/test_resume.py fails if they change."""
+    the uninterrupted run's. The window is private to the Trainer (compat.loss_window)."""
 
     def __init__(self, resume_from: Path | None):
         self.resume_from = resume_from
@@ -112,8 +111,8 @@ class LossWindow(TrainerCallback):
         import torch
 
         checkpoint = checkpoints.directory(args.output_dir, state.global_step)
-        torch.save({"sum": self.trainer._tr_loss.detach().cpu().clone(),
-                    "since": self.trainer._globalstep_last_logged},
+        loss_sum, since = compat.loss_window(self.trainer)
+        torch.save({"sum": loss_sum.detach().cpu().clone(), "since": since},
                    self._file(checkpoint, args.process_index))
 
     def on_train_begin(self, args, state, control, **kwargs):
@@ -125,8 +124,7 @@ class LossWindow(TrainerCallback):
         if not saved.is_file():  # another number of processes: a fresh window
             return
         window = torch.load(saved, weights_only=True)
-        self.trainer._tr_loss = window["sum"].to(self.trainer._tr_loss.device)
-        self.trainer._globalstep_last_logged = int(window["since"])
+        compat.set_loss_window(self.trainer, window["sum"], int(window["since"]))
 
 
 class NothingLeftToTrain(Exception):

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from transformers import Trainer, TrainerCallback
 
+from finetune import checkpoints, compat
 from finetune.errors import RunError
 from finetune.trainers import ppo_math
 from finetune.trainers.ppo_model import PolicyAndValue
@@ -57,8 +58,8 @@ class _SamplerEpoch(TrainerCallback):
         self.trainer = trainer
 
     def on_epoch_begin(self, args, state, control, **kwargs):
-        if self.trainer._sampler is not None:
-            self.trainer._sampler.set_epoch(int(state.epoch or 0))
+        if self.trainer.rollout_sampler is not None:
+            self.trainer.rollout_sampler.set_epoch(int(state.epoch or 0))
 
 
 class PPOTrainer(Trainer):
@@ -67,6 +68,7 @@ class PPOTrainer(Trainer):
 
     def __init__(self, model: PolicyAndValue, ref_model, spec, rewards: Rewards, args,
                  train_dataset, eval_dataset, tokenizer, callbacks):
+        args.remove_unused_columns = False  # prompts and the reward functions' columns stay
         super().__init__(model=model, args=args, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, processing_class=tokenizer,
                          data_collator=_identity, callbacks=callbacks)
@@ -95,25 +97,20 @@ class PPOTrainer(Trainer):
         self._position = 0
         self._stats = torch.zeros(len(TRAIN_STATS), dtype=torch.float64)
         self._stat_steps = 0
-        self._sampler: RolloutSampler | None = None
+        self.rollout_sampler: RolloutSampler | None = None
         self.add_callback(_SamplerEpoch(self))
 
     # ---- data: the whole per-process rollout batch, repeated once per micro-step ----
 
-    def _remove_unused_columns(self, dataset, description=None):
-        return dataset  # prompts and the reward functions' columns stay
-
     def get_train_dataloader(self):
-        return self._get_dataloader(dataset=self.train_dataset, description="Training",
-                                    batch_size=self.rollout_size,
-                                    sampler_fn=self._get_train_sampler, is_training=True)
+        return compat.dataloader(self, self.train_dataset, "Training", self.rollout_size,
+                                 self._new_rollout_sampler, is_training=True)
 
-    def _get_train_sampler(self, train_dataset=None):
-        dataset = train_dataset if train_dataset is not None else self.train_dataset
+    def _new_rollout_sampler(self, dataset) -> RolloutSampler:
         seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
-        self._sampler = RolloutSampler(len(dataset), self.rollout_size * self.args.world_size,
-                                       self.cycle, seed)
-        return self._sampler
+        self.rollout_sampler = RolloutSampler(
+            len(dataset), self.rollout_size * self.args.world_size, self.cycle, seed)
+        return self.rollout_sampler
 
     # ---- rollouts ----
 
@@ -358,8 +355,7 @@ class PPOTrainer(Trainer):
 
     def _save_checkpoint(self, model, trial) -> None:
         super()._save_checkpoint(model, trial)
-        checkpoint = os.path.join(self._get_output_dir(trial=trial),
-                                  f"checkpoint-{self.state.global_step}")
+        checkpoint = checkpoints.directory(self.args.output_dir, self.state.global_step)
         os.makedirs(checkpoint, exist_ok=True)
         rollout = None
         if self.rollout is not None:
