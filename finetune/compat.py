@@ -78,12 +78,6 @@ OVERRIDES = (
     Member("transformers:Trainer", "_load_from_checkpoint", ("resume_from_checkpoint", "model"),
            users="finetune.trainers.ppo:PPOTrainer"),
     Member("transformers:Trainer", "_load_best_model", users="finetune.trainers.ppo:PPOTrainer"),
-    Member("transformers:Trainer", "_save_checkpoint", ("model", "trial"),
-           users="finetune.trainers.ppo:PPOTrainer"),
-    Member("trl:GRPOTrainer", "_save_checkpoint", ("model", "trial"),
-           users="finetune.methods.grpo:ResumableGRPOTrainer"),
-    Member("trl:GRPOTrainer", "_load_optimizer_and_scheduler", ("checkpoint",),
-           users="finetune.methods.grpo:ResumableGRPOTrainer"),
 )
 
 
