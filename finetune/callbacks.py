@@ -1,5 +1,6 @@
 """Trainer callbacks: every log and eval event appended to metrics.jsonl (main process),
-and every checkpoint sealed with a manifest once all ranks have written it."""
+each rank's finetune state kept in every checkpoint and restored on resume, and every
+checkpoint sealed with a manifest once all ranks have written it."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from finetune import checkpoints
+from finetune import checkpoint_state, checkpoints, compat
 from finetune.errors import RunError
 from finetune.preemption import StopOnSignal
 
@@ -92,41 +93,58 @@ def _barrier() -> None:
         dist.barrier()
 
 
-class LossWindow(TrainerCallback):
+class LossWindow:
     """The Trainer logs the mean loss of the steps since its last log, and a resumed
     Trainer starts that window afresh: stopped at step 7 with logging_steps 5, its log at
     step 10 would average steps 8-10, not 6-10. So every checkpoint keeps each rank's open
     window (loss sum and first step), and a resume reopens it: every logged loss equals
-    the uninterrupted run's. This reads and sets two private Trainer attributes
-    (_tr_loss, _globalstep_last_logged); tests/test_resume.py fails if they change."""
+    the uninterrupted run's. The window is private to the Trainer (compat.loss_window)."""
+
+    state_part = "loss_window"
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def state_to_save(self) -> dict:
+        loss_sum, since = compat.loss_window(self.trainer)
+        return {"sum": loss_sum.detach().cpu().clone(), "since": since}
+
+    def restore_state(self, saved: dict | None, own: bool) -> None:
+        if saved is not None and own:  # else another number of processes: a fresh window
+            compat.set_loss_window(self.trainer, saved["sum"], int(saved["since"]))
+
+
+class ResumeState(TrainerCallback):
+    """Each checkpoint keeps this rank's finetune state (checkpoint_state.py): the open
+    logging window, and the trainer's own part where it has one (GRPO's generation
+    window, PPO's rollout: a trainer with a `state_part` name, state_to_save() and
+    restore_state(saved, own)). Written when the Trainer saves, before SealCheckpoints
+    seals the checkpoint; restored as training begins (the Trainer has then loaded the
+    checkpoint's weights, optimizer and state, and taken no step)."""
 
     def __init__(self, resume_from: Path | None):
         self.resume_from = resume_from
         self.trainer = None  # set once the trainer exists
 
-    @staticmethod
-    def _file(checkpoint: Path, rank: int) -> Path:
-        return checkpoint / f"loss_window_{rank}.pt"
+    def _parts(self) -> list:
+        parts = [LossWindow(self.trainer)]
+        if hasattr(self.trainer, "state_part"):
+            parts.append(self.trainer)
+        return parts
 
     def on_save(self, args, state, control, **kwargs):
-        import torch
-
         checkpoint = checkpoints.directory(args.output_dir, state.global_step)
-        torch.save({"sum": self.trainer._tr_loss.detach().cpu().clone(),
-                    "since": self.trainer._globalstep_last_logged},
-                   self._file(checkpoint, args.process_index))
+        checkpoint_state.save(checkpoint, args.process_index,
+                              {part.state_part: part.state_to_save() for part in self._parts()})
 
     def on_train_begin(self, args, state, control, **kwargs):
-        import torch
-
         if self.resume_from is None:
             return
-        saved = self._file(self.resume_from, args.process_index)
-        if not saved.is_file():  # another number of processes: a fresh window
-            return
-        window = torch.load(saved, weights_only=True)
-        self.trainer._tr_loss = window["sum"].to(self.trainer._tr_loss.device)
-        self.trainer._globalstep_last_logged = int(window["since"])
+        saved, own = checkpoint_state.load(self.resume_from, args.process_index), True
+        if saved is None and args.process_index != 0:  # more processes than wrote it
+            saved, own = checkpoint_state.load(self.resume_from, 0), False
+        for part in self._parts():
+            part.restore_state((saved or {}).get(part.state_part), own)
 
 
 class NothingLeftToTrain(Exception):

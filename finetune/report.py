@@ -12,7 +12,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from finetune import __version__
+from finetune import __version__, compat
 from finetune.config.effective import record, setting
 from finetune.errors import RunError
 
@@ -43,7 +43,7 @@ def environment(device: str, precision: str, attention: str | None) -> dict[str,
 
 def attention_name(model) -> str | None:
     """The attention implementation the built model runs (auto resolved)."""
-    return getattr(getattr(model, "config", None), "_attn_implementation", None)
+    return compat.attention_implementation(model)
 
 
 def _count(n: int) -> str:

@@ -20,7 +20,7 @@ from finetune.model.load import count_parameters, initial_weights, load_model
 from finetune.model.peft import apply_peft, match_adapter_precision
 from finetune.data.prepare import prepared_data
 from finetune.model.tokenizer import load_tokenizer
-from finetune.callbacks import (EndAtLastStep, LossWindow, MetricsFile, NothingLeftToTrain,
+from finetune.callbacks import (EndAtLastStep, MetricsFile, NothingLeftToTrain, ResumeState,
                                 SealCheckpoints, read_metrics, truncate_metrics)
 from finetune.config.effective import arguments, record, value
 from finetune.config.schema import Experiment
@@ -231,16 +231,16 @@ def train(experiment: Experiment, run_dir: Path, plan: ResumePlan,
     seal = SealCheckpoints(run_dir, {"fingerprint": fingerprint(experiment),
                                      "layout": layout(experiment)},
                            experiment.training.get("save_total_limit"), stop)
-    window = LossWindow(plan.checkpoint)
+    resume_state = ResumeState(plan.checkpoint)
     job = Job(experiment=experiment, run_dir=run_dir, hardware=hw, tokenizer=tokenizer,
               model=model, data=data, args=args,
-              callbacks=[metrics, stop, window, seal, EndAtLastStep()],
+              callbacks=[metrics, stop, resume_state, seal, EndAtLastStep()],
               notes=[n for n in (parallel_note(experiment, hw.device), checkpointing_note) if n])
     trainer = build_trainer(job)
     if experiment.distributed.strategy == "fsdp" and not trainer.is_fsdp_enabled:
         raise RunError("distributed.strategy is fsdp, but the Trainer runs without FSDP: start "
                        "it with `finetune launch` (its accelerate.yaml turns FSDP on)")
-    window.trainer = trainer
+    resume_state.trainer = trainer
     if experiment.peft.type == "qlora":
         match_adapter_precision(trainer.model, hw.precision)
     main = trainer.is_world_process_zero()

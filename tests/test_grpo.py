@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import DATA, TINY_MODEL, run_cli
-from finetune import checkpoints
+from finetune import checkpoint_state, checkpoints
 from resumable import Run, assert_identical, logged, stopped_by_sigterm
 
 WORDS = "apple rose yak tree goat sun van fish zebra kite wolf egg pen queen".split()
@@ -145,12 +145,12 @@ def test_sigterm_inside_a_generation_window_then_resume_is_bitwise_identical(wri
     run_dir = tmp_path / "runs" / "cut"
     stopped_by_sigterm("train", config, run_dir, tmp_path, 2)
     saved_at = json.loads((run_dir / checkpoints.STOPPED).read_text())["step"]
-    state = torch.load(run_dir / "checkpoints" / f"checkpoint-{saved_at}" / "grpo_state_0.pt",
-                       weights_only=True)
+    checkpoint = run_dir / "checkpoints" / f"checkpoint-{saved_at}"
+    state = checkpoint_state.load(checkpoint, 0)["grpo"]
     assert state["step"] == saved_at and saved_at % 6, saved_at  # mid-window
     assert len(state["buffer"]) == 3  # one slice of the generation per step
-    assert "grpo_state_0.pt" in checkpoints.read_manifest(
-        run_dir / "checkpoints" / f"checkpoint-{saved_at}")["files"]
+    assert checkpoint_state.path(checkpoint, 0).name in \
+        checkpoints.read_manifest(checkpoint)["files"]
 
     second = Run("train", config, tmp_path, 2)
     assert second.wait() == 0, second.text()[-3000:]

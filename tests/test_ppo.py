@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import DATA, TINY_MODEL, run_cli
-from finetune import checkpoints
+from finetune import checkpoint_state, checkpoints
 from finetune.trainers import ppo_math
 from resumable import Run, logged, stopped_by_sigterm
 
@@ -269,8 +269,7 @@ def test_sigterm_mid_rollout_then_resume_is_bitwise_identical(write, tmp_path):
     run_dir = tmp_path / "runs" / "cut"
     stopped_by_sigterm("train", config, run_dir, tmp_path, term_at)
     saved_at = json.loads((run_dir / checkpoints.STOPPED).read_text())["step"]
-    state = torch.load(run_dir / "checkpoints" / f"checkpoint-{saved_at}" / "ppo_state_0.pt",
-                       weights_only=True)
+    state = checkpoint_state.load(run_dir / "checkpoints" / f"checkpoint-{saved_at}", 0)["ppo"]
     assert saved_at % 6, f"step {saved_at} ends a rollout; the test wants one mid-rollout"
     assert state["rollout"] is not None and len(state["rollout"]["prompts"]) == 8
 

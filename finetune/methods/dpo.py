@@ -3,7 +3,7 @@
 The reference model is passed explicitly: under LoRA TRL keeps a frozen copy of the
 starting adapter; otherwise we hand it a frozen copy of the starting policy (or the
 model named in dpo.ref_model). Left to itself TRL would reload the reference from
-model.config._name_or_path, which is empty for a freshly initialised model.
+model.config.name_or_path, which is empty for a freshly initialised model.
 """
 
 import copy

@@ -10,44 +10,39 @@ completion no function scores gets advantage 0 (TRL warns).
 
 Reference model (beta > 0): under LoRA/QLoRA TRL keeps a frozen copy of the starting
 adapter (equal to the adapter-disabled base for a fresh adapter). Without PEFT it
-reloads the policy from model.config._name_or_path, which is empty for `model.init:
+reloads the policy from its config's name_or_path, which is empty for `model.init:
 random`: we point it at the run's init-model/ (the starting weights, saved by rank 0)
-while the trainer is built, and pass the model's revision.
+while the trainer is built (compat.grpo_reference_from), and pass the model's revision.
 
 Exact resume: TRL generates completions for steps_per_generation x num_iterations
-micro-steps at once and keeps them in memory (_buffered_inputs), counting micro-steps in
-_step; a resumed TRL trainer starts with neither, so a checkpoint that falls inside a
-generation window would be continued with fresh, different completions. Every
-checkpoint therefore also holds, per rank, grpo_state_<rank>.pt: _step, the buffer and
-the open window of GRPO's own metrics (reward, kl, ... averaged at each log). It is
-written inside the Trainer's save (before the on_save callbacks seal the checkpoint) and
-read back with the optimizer, so a resumed run continues bitwise like an uninterrupted
-one. A checkpoint of another layout (processes, batch, accumulation, generation window)
-or without the file continues as TRL would, from freshly generated completions, but
-with _step where the uninterrupted run would have it, so later windows stay aligned.
+micro-steps at once and keeps them in memory, counting micro-steps; a resumed TRL
+trainer starts with neither, so a checkpoint that falls inside a generation window would
+be continued with fresh, different completions. Every checkpoint therefore also holds,
+per rank, the micro-step count, the buffer and the open window of GRPO's own metrics
+(reward, kl, ... averaged at each log), read and set through compat.grpo_generation: the
+"grpo" part of finetune's state record (checkpoint_state.py), written when the Trainer
+saves and restored as training begins, so a resumed run continues bitwise like an
+uninterrupted one. A checkpoint of another layout (processes, batch, accumulation,
+generation window) or without the part continues as TRL would, from freshly generated
+completions, but with the micro-step where the uninterrupted run would have it, so later
+windows stay aligned.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
-import os
-from collections import defaultdict
 from contextlib import contextmanager
-from pathlib import Path
 
 import torch
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOTrainer
 
+from finetune import compat
 from finetune.data.prompts import checked_prompts
 from finetune.model.rewards import (reward_call_error, reward_functions, reward_model,
                                     reward_problem, reward_weights, unique_names)
 from finetune.errors import ConfigError, RunError
 from finetune.methods import Job
-
-STATE_FILE = "grpo_state_{rank}.pt"
-STATE_VERSION = 1
 
 
 def _checked(function, where: str):
@@ -86,7 +81,10 @@ def _checked(function, where: str):
 
 
 class ResumableGRPOTrainer(GRPOTrainer):
-    """GRPOTrainer whose checkpoints carry its generation buffer (see the module doc)."""
+    """GRPOTrainer whose checkpoints carry its generation window (see the module doc),
+    as the "grpo" part of finetune's state record (callbacks.ResumeState)."""
+
+    state_part = "grpo"
 
     def _layout(self) -> dict[str, int]:
         args = self.args
@@ -94,77 +92,61 @@ class ResumableGRPOTrainer(GRPOTrainer):
                 "per_device_train_batch_size": args.per_device_train_batch_size,
                 "gradient_accumulation_steps": args.gradient_accumulation_steps,
                 "steps_per_generation": args.steps_per_generation,
-                "num_iterations": self.num_iterations,
-                "num_generations": self.num_generations}
+                "num_iterations": args.num_iterations,
+                "num_generations": args.num_generations}
 
-    def _save_checkpoint(self, model, trial):
-        super()._save_checkpoint(model, trial)
-        folder = os.path.join(self._get_output_dir(trial=trial),
-                              f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-        os.makedirs(folder, exist_ok=True)
-        buffer = self._buffered_inputs
+    def state_to_save(self) -> dict:
+        window = compat.grpo_generation(self)
+        buffer = window.buffer
         if buffer is not None:
             buffer = [{k: (v.detach().cpu() if isinstance(v, torch.Tensor) else v)
                        for k, v in part.items()} for part in buffer]
-        torch.save({"version": STATE_VERSION, "layout": self._layout(), "step": self._step,
-                    "global_step": self.state.global_step, "buffer": buffer,
-                    "metrics": {k: list(v) for k, v in self._metrics["train"].items()}},
-                   os.path.join(folder, STATE_FILE.format(rank=self.args.process_index)))
+        return {"layout": self._layout(), "step": window.step,
+                "global_step": self.state.global_step, "buffer": buffer,
+                "metrics": {k: list(v) for k, v in window.metrics.items()}}
 
-    def _load_optimizer_and_scheduler(self, checkpoint):
-        super()._load_optimizer_and_scheduler(checkpoint)
-        if checkpoint is not None:
-            self._restore_generation_state(Path(checkpoint))
-
-    def _restore_generation_state(self, checkpoint: Path) -> None:
-        path = checkpoint / STATE_FILE.format(rank=self.args.process_index)
-        saved = torch.load(path, weights_only=True, map_location="cpu") if path.is_file() \
-            else None
-        usable = saved is not None and saved["version"] == STATE_VERSION and \
-            saved["layout"] == self._layout() and saved["global_step"] == self.state.global_step
+    def restore_state(self, saved: dict | None, own: bool) -> None:
+        usable = saved is not None and own and saved["layout"] == self._layout() and \
+            saved["global_step"] == self.state.global_step
         if usable:
             device = self.accelerator.device
             buffer = saved["buffer"]
             if buffer is not None:
                 buffer = [{k: (v.to(device) if isinstance(v, torch.Tensor) else v)
                            for k, v in part.items()} for part in buffer]
-            self._step = int(saved["step"])
-            self._buffered_inputs = buffer
-            self._metrics["train"] = defaultdict(list, {k: list(v) for k, v in
-                                                        saved["metrics"].items()})
+            compat.set_grpo_generation(self, compat.GenerationWindow(
+                int(saved["step"]), buffer, {k: list(v) for k, v in saved["metrics"].items()}))
             return
-        # Another layout (or an older checkpoint): continue as TRL does, generating afresh
-        # from the current prompts, with _step where an uninterrupted run would have it.
-        self._step = self.state.global_step * self.args.gradient_accumulation_steps
-        self._buffered_inputs = None
-        generate_every = self.args.steps_per_generation * self.num_iterations
-        if self.args.process_index == 0 and self._step % generate_every:
+        # Another layout (or no state for this rank): continue as TRL does, generating
+        # afresh from the current prompts, with the micro-step where an uninterrupted run
+        # would have it.
+        step = self.state.global_step * self.args.gradient_accumulation_steps
+        compat.set_grpo_generation(self, compat.GenerationWindow(step, None, None))
+        generate_every = self.args.steps_per_generation * self.args.num_iterations
+        if self.args.process_index == 0 and step % generate_every:
             why = "was written with another batch layout" if saved is not None else \
-                f"has no {path.name}"
-            print(f"finetune: {checkpoint.name} {why}: GRPO regenerates the completions of "
-                  "the current generation window, so this resume is not bitwise exact",
-                  flush=True)
+                "has no GRPO generation state"
+            print(f"finetune: the checkpoint at step {self.state.global_step} {why}: GRPO "
+                  "regenerates the completions of the current generation window, so this "
+                  "resume is not bitwise exact", flush=True)
 
 
 @contextmanager
 def _reference_source(job: Job):
     """Without PEFT and with beta > 0, TRL builds the reference by reloading the policy
-    from model.config._name_or_path; make that the starting weights."""
-    config = job.model.config
-    original = getattr(config, "_name_or_path", "")
+    from its config's name_or_path; make that the starting weights."""
     spec = job.experiment
-    if spec.model.init == "random":
-        config._name_or_path = str(job.run_dir / "init-model")
     # TRL loads it with the policy's dtype and attention; revision and remote code are ours.
     extra = {k: v for k, v in (("revision", spec.model.revision if spec.model.init != "random"
                                 else None),
                                ("trust_remote_code", spec.model.trust_remote_code)) if v}
     if extra:
         job.args.model_init_kwargs = {**(job.args.model_init_kwargs or {}), **extra}
-    try:
+    if spec.model.init == "random":
+        with compat.grpo_reference_from(job.model.config, str(job.run_dir / "init-model")):
+            yield
+    else:
         yield
-    finally:
-        config._name_or_path = original
 
 
 def prepare(splits, tokenizer, experiment):

@@ -9,11 +9,9 @@ global batch."""
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-from typing import Any
-
 from trl import SFTTrainer
 
+from finetune import compat
 from finetune.data import sft_tokens
 from finetune.data.load import Splits
 from finetune.config.schema import Experiment
@@ -73,19 +71,6 @@ def prepare(splits: Splits, tokenizer, experiment: Experiment) -> Splits:
     return out
 
 
-@contextmanager
-def _tokenized_by_us(args: Any):
-    """SFTTrainer checks assistant_only_loss against raw rows and refuses padding_free
-    with a max_length it would not enforce; both were applied in prepare(), so they are
-    off while it is built and restored for the record (training_args.json)."""
-    saved = args.assistant_only_loss, args.max_length
-    args.assistant_only_loss, args.max_length = False, None
-    try:
-        yield
-    finally:
-        args.assistant_only_loss, args.max_length = saved
-
-
 def build_trainer(job: Job) -> SFTTrainer:
     args = job.args
     args.dataset_kwargs = {**(args.dataset_kwargs or {}), "skip_prepare_dataset": True}
@@ -98,7 +83,7 @@ def build_trainer(job: Job) -> SFTTrainer:
         args.remove_unused_columns = False  # TRL must keep the column it does not know
         args.padding_free = False  # our default only: prepare() refused it if it was set
         pad_id = job.tokenizer.pad_token_id
-        with _tokenized_by_us(args):
+        with compat.sft_trainer_on_our_tokens(args):
             return WeightedSFTTrainer(**kwargs, data_collator=lambda rows: pad_batch(rows, pad_id))
-    with _tokenized_by_us(args):
+    with compat.sft_trainer_on_our_tokens(args):  # prepare() applied both
         return SFTTrainer(**kwargs)

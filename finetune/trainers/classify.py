@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from transformers import Trainer
 
+from finetune import compat
 from finetune.errors import DataError
 from finetune.trainers.weighted import WeightedLoss
 
@@ -68,9 +69,9 @@ class ClassifyTrainer(WeightedLoss, Trainer):
         self.class_weights = torch.tensor(class_weights, dtype=torch.float32)
         self.focal_gamma, self.label_smoothing = focal_gamma, label_smoothing
 
-    def _set_signature_columns_if_needed(self):
-        if self._signature_columns is None:
-            self._signature_columns = ["input_ids", "attention_mask", "labels", "weight"]
+    def _set_signature_columns_if_needed(self):  # compat.OVERRIDES
+        if compat.signature_columns(self) is None:
+            compat.set_signature_columns(self, ["input_ids", "attention_mask", "labels", "weight"])
 
     def sample_weights(self, batch: dict[str, Any]) -> torch.Tensor:
         labels = batch["labels"]
@@ -87,7 +88,7 @@ class ClassifyTrainer(WeightedLoss, Trainer):
         return losses, self.sample_weights(inputs), outputs
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
-        inputs = self._prepare_inputs(inputs)
+        inputs = compat.prepared_inputs(self, inputs)
         with torch.no_grad(), self.compute_loss_context_manager():
             loss, outputs = self.compute_loss(model, inputs, return_outputs=True)
         if prediction_loss_only:

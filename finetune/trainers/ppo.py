@@ -12,9 +12,9 @@ batch is the whole per-process rollout batch, repeated R times by the sampler
 others take their slice of the buffered rollout.
 
 Every checkpoint keeps, per rank, the rollout buffer, the KL coefficient and the open
-window of logged statistics (ppo_state_<rank>.pt), so a run stopped at any optimizer step,
-mid-cycle too, resumes bitwise (the Trainer restores weights, optimizer, scheduler, RNG
-and the data position).
+window of logged statistics (the "ppo" part of finetune's state record,
+checkpoint_state.py), so a run stopped at any optimizer step, mid-cycle too, resumes
+bitwise (the Trainer restores weights, optimizer, scheduler, RNG and the data position).
 
 evaluate() samples responses for the eval prompts with the rollout's sampler
 (temperature, top_k, top_p) from a fixed seed, in a forked RNG so training's random
@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from transformers import Trainer, TrainerCallback
 
+from finetune import compat
 from finetune.errors import RunError
 from finetune.trainers import ppo_math
 from finetune.trainers.ppo_model import PolicyAndValue
@@ -37,7 +38,6 @@ from finetune.trainers.ppo_rollout import (Rewards, RolloutSampler, eos_ids, fin
                                            sequences, token_entropy, token_logprobs,
                                            tokenize_prompts)
 
-STATE_FILE = "ppo_state_{rank}.pt"
 TRAIN_STATS = ("ppo/policy_loss", "ppo/value_loss", "ppo/clipfrac_policy",
                "ppo/clipfrac_value", "ppo/approx_kl")
 ROLLOUT_TENSORS = ("input_ids", "attention_mask", "position_ids", "response_mask",
@@ -57,16 +57,18 @@ class _SamplerEpoch(TrainerCallback):
         self.trainer = trainer
 
     def on_epoch_begin(self, args, state, control, **kwargs):
-        if self.trainer._sampler is not None:
-            self.trainer._sampler.set_epoch(int(state.epoch or 0))
+        if self.trainer.rollout_sampler is not None:
+            self.trainer.rollout_sampler.set_epoch(int(state.epoch or 0))
 
 
 class PPOTrainer(Trainer):
     # compute_loss divides by the mini-batch's token count (over all ranks) itself.
     loss_is_scaled_for_ga = True
+    state_part = "ppo"  # in finetune's state record (callbacks.ResumeState)
 
     def __init__(self, model: PolicyAndValue, ref_model, spec, rewards: Rewards, args,
                  train_dataset, eval_dataset, tokenizer, callbacks):
+        args.remove_unused_columns = False  # prompts and the reward functions' columns stay
         super().__init__(model=model, args=args, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, processing_class=tokenizer,
                          data_collator=_identity, callbacks=callbacks)
@@ -95,25 +97,20 @@ class PPOTrainer(Trainer):
         self._position = 0
         self._stats = torch.zeros(len(TRAIN_STATS), dtype=torch.float64)
         self._stat_steps = 0
-        self._sampler: RolloutSampler | None = None
+        self.rollout_sampler: RolloutSampler | None = None
         self.add_callback(_SamplerEpoch(self))
 
     # ---- data: the whole per-process rollout batch, repeated once per micro-step ----
 
-    def _remove_unused_columns(self, dataset, description=None):
-        return dataset  # prompts and the reward functions' columns stay
-
     def get_train_dataloader(self):
-        return self._get_dataloader(dataset=self.train_dataset, description="Training",
-                                    batch_size=self.rollout_size,
-                                    sampler_fn=self._get_train_sampler, is_training=True)
+        return compat.dataloader(self, self.train_dataset, "Training", self.rollout_size,
+                                 self._new_rollout_sampler, is_training=True)
 
-    def _get_train_sampler(self, train_dataset=None):
-        dataset = train_dataset if train_dataset is not None else self.train_dataset
+    def _new_rollout_sampler(self, dataset) -> RolloutSampler:
         seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
-        self._sampler = RolloutSampler(len(dataset), self.rollout_size * self.args.world_size,
-                                       self.cycle, seed)
-        return self._sampler
+        self.rollout_sampler = RolloutSampler(
+            len(dataset), self.rollout_size * self.args.world_size, self.cycle, seed)
+        return self.rollout_sampler
 
     # ---- rollouts ----
 
@@ -356,35 +353,30 @@ class PPOTrainer(Trainer):
             self.processing_class.save_pretrained(output_dir)
         torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
 
-    def _save_checkpoint(self, model, trial) -> None:
-        super()._save_checkpoint(model, trial)
-        checkpoint = os.path.join(self._get_output_dir(trial=trial),
-                                  f"checkpoint-{self.state.global_step}")
-        os.makedirs(checkpoint, exist_ok=True)
-        rollout = None
-        if self.rollout is not None:
-            rollout = {k: (v.cpu() if torch.is_tensor(v) else v) for k, v in self.rollout.items()}
-        torch.save({"kl_coef": self.kl_coef, "world_size": self.args.world_size,
-                    "rollout_size": self.rollout_size, "cycle": self.cycle,
-                    "rollout": rollout, "stats": self._stats.clone(),
-                    "stat_steps": self._stat_steps},
-                   os.path.join(checkpoint, STATE_FILE.format(rank=self.args.process_index)))
-
     def _load_best_model(self) -> None:  # load_best_model_at_end: our checkpoint format
         self.model.load(self.state.best_model_checkpoint)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         self.model.load(resume_from_checkpoint)
-        own = os.path.join(resume_from_checkpoint, STATE_FILE.format(rank=self.args.process_index))
-        path = own if os.path.isfile(own) else os.path.join(resume_from_checkpoint,
-                                                            STATE_FILE.format(rank=0))
-        if not os.path.isfile(path):
-            warnings.warn(f"ppo: {resume_from_checkpoint} has no PPO state; the KL coefficient "
-                          "starts from ppo.kl_coef again")
+
+    def state_to_save(self) -> dict[str, Any]:
+        rollout = None
+        if self.rollout is not None:
+            rollout = {k: (v.cpu() if torch.is_tensor(v) else v) for k, v in self.rollout.items()}
+        return {"kl_coef": self.kl_coef, "world_size": self.args.world_size,
+                "rollout_size": self.rollout_size, "cycle": self.cycle,
+                "rollout": rollout, "stats": self._stats.clone(),
+                "stat_steps": self._stat_steps}
+
+    def restore_state(self, saved: dict[str, Any] | None, own: bool) -> None:
+        """`own`: saved by this rank; else by rank 0 (more processes now), whose KL
+        coefficient (the same on every rank) goes on, but not its rollout."""
+        if saved is None:
+            warnings.warn("ppo: the checkpoint has no PPO state; the KL coefficient starts "
+                          "from ppo.kl_coef again")
             return
-        saved = torch.load(path, weights_only=True)
         self.kl_coef = float(saved["kl_coef"])
-        same = (path == own and saved["world_size"] == self.args.world_size
+        same = (own and saved["world_size"] == self.args.world_size
                 and saved["rollout_size"] == self.rollout_size and saved["cycle"] == self.cycle)
         if same and saved["rollout"] is not None:
             device = self.args.device

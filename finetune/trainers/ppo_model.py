@@ -127,8 +127,7 @@ def _load_full(model: nn.Module, directory: Path) -> None:
     state = load_file(str(directory / "model.safetensors"))
     result = model.load_state_dict(state, strict=False)
     tied = set()
-    for name in getattr(model, "all_tied_weights_keys", None) or \
-            getattr(model, "_tied_weights_keys", None) or ():
+    for name in getattr(model, "all_tied_weights_keys", None) or ():
         tied.add(name)
     missing = [k for k in result.missing_keys if k not in tied and not k.endswith("lm_head.weight")]
     if missing or result.unexpected_keys:

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from trl import DPOTrainer, RewardTrainer, SFTTrainer
 from trl.trainer.utils import pad
 
+from finetune import compat
 from finetune.errors import ConfigError, RunError
 
 
@@ -57,7 +58,7 @@ class WeightedLoss:
         return batches, total
 
     def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> None:
-        return None  # evaluation: each batch is normalised by its own weights
+        return None  # evaluation: each batch is normalised by its own weights (compat.OVERRIDES)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         losses, weights, outputs = self.weighted_losses(model, inputs)
@@ -114,10 +115,11 @@ class WithWeights:
 class KeepWeightColumn:
     """TRL drops dataset columns its collator does not know; keep the weights."""
 
-    def _set_signature_columns_if_needed(self):
+    def _set_signature_columns_if_needed(self):  # compat.OVERRIDES
         super()._set_signature_columns_if_needed()
-        if "weight" not in self._signature_columns:
-            self._signature_columns = [*self._signature_columns, "weight"]
+        columns = compat.signature_columns(self)
+        if "weight" not in columns:
+            compat.set_signature_columns(self, [*columns, "weight"])
 
 
 class WeightedRewardTrainer(KeepWeightColumn, WeightedLoss, RewardTrainer):
@@ -141,10 +143,10 @@ class WeightedRewardTrainer(KeepWeightColumn, WeightedLoss, RewardTrainer):
         mode = "train" if model.training else "eval"
         with torch.no_grad():
             accuracy = (chosen > rejected).float().mean()
-            self._metrics[mode]["accuracy"].append(
-                self.accelerator.gather_for_metrics(accuracy).mean().item())
-            self._metrics[mode]["margin"].append(
-                self.accelerator.gather_for_metrics((chosen - rejected).mean()).mean().item())
+            compat.log_metric(self, mode, "accuracy",
+                              self.accelerator.gather_for_metrics(accuracy).mean().item())
+            compat.log_metric(self, mode, "margin", self.accelerator.gather_for_metrics(
+                (chosen - rejected).mean()).mean().item())
         return losses, inputs["weight"], outputs
 
 
@@ -188,10 +190,10 @@ class WeightedDPOTrainer(KeepWeightColumn, WeightedLoss, DPOTrainer):
         losses = -(1 - smoothing) * F.logsigmoid(delta) - smoothing * F.logsigmoid(-delta)
         mode = "train" if model.training else "eval"
         with torch.no_grad():
-            self._metrics[mode]["rewards/accuracies"].append(
-                self.accelerator.gather_for_metrics((delta > 0).float()).mean().item())
-            self._metrics[mode]["rewards/margins"].append(
-                self.accelerator.gather_for_metrics(delta / self.beta).mean().item())
+            gather = self.accelerator.gather_for_metrics
+            compat.log_metric(self, mode, "rewards/accuracies",
+                              gather((delta > 0).float()).mean().item())
+            compat.log_metric(self, mode, "rewards/margins", gather(delta / self.beta).mean().item())
         return losses, inputs["weight"], outputs
 
 
