@@ -8,7 +8,7 @@ import typing
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
-from finetune.config import yamltext
+from finetune.config import trl_fields, yamltext
 from finetune.config.schema import Experiment, Section
 
 
@@ -42,11 +42,13 @@ def _rows(model: type[BaseModel], prefix: str) -> list[str]:
 
 
 def markdown() -> str:
+    classes = ", ".join(f"{method}: {module}.{name}"
+                        for method, (module, name) in trl_fields.CONFIG_CLASSES.items())
     lines = ["# Experiment reference", "",
              "Generated from finetune/config/schema.py by `finetune reference`.",
              "Unknown keys are errors. `extends:` (a file or a list, relative to the file) "
-             "merges bases under the file. `training:` takes any field of the method's TRL config "
-             "class (trl.SFTConfig, trl.RewardConfig, trl.DPOConfig) except those finetune "
+             "merges bases under the file. `training:` takes any field of the method's config "
+             f"class ({classes}) except those finetune "
              "sets from another section; validate checks the ranges and combinations "
              "training would refuse (batch sizes, accumulation, finite learning rate, seeds "
              "in [0, 2**32 - 1], positive lengths and epochs, GRPO's batch arithmetic) and the "
