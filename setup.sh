@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Create .venv and install finetune into it, CPU torch first (a bare `torch` requirement
 # would pull several GB of CUDA packages), at the versions the suite passed with
-# (constraints.txt). Idempotent: re-runs only when pyproject.toml or constraints.txt change.
+# (constraints.txt). Idempotent: re-runs only when pyproject.toml, constraints.txt or
+# finetune's version change.
 #   bash setup.sh           .venv, the tested versions (what CI runs)
 #   bash setup.sh --latest  .venv-latest, the newest versions pyproject.toml allows, to
 #                           check upcoming releases (README, "Dependencies")
@@ -17,7 +18,8 @@ case "${1:-}" in
 esac
 [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
 stamp=$venv/.finetune-install
-want=$(cat pyproject.toml constraints.txt | sha256sum | cut -c1-16)
+# finetune/__init__.py holds the version the install's metadata records.
+want=$(cat pyproject.toml constraints.txt finetune/__init__.py | sha256sum | cut -c1-16)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "setup: installing into $venv (torch==2.13.0, then finetune and its test tools)"
   pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check "${pins[@]}")
