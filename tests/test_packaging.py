@@ -9,8 +9,12 @@ import subprocess
 import sys
 import tomllib
 
+import pytest
+
 import finetune
 from conftest import REPO
+
+pytestmark = pytest.mark.slow  # a virtual environment and a wheel build
 
 
 def test_wheel_builds_with_the_lowest_setuptools_named(tmp_path):

@@ -44,6 +44,7 @@ def test_accelerate_loader_accepts_presets(path):
     assert config.distributed_type.value == yaml.safe_load(path.read_text())["distributed_type"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ds", DS_PRESETS, ids=lambda p: p.name)
 def test_deepspeed_presets_resolve_through_transformers(ds):
     """HfTrainerDeepSpeedConfig fills every "auto" from the training arguments."""
@@ -103,6 +104,7 @@ def test_torchrun_launcher_argv(write, tmp_path):
     assert "--rdzv-conf timeout=30" in joined
 
 
+@pytest.mark.slow
 def test_render_and_dry_run_commands(write, tmp_path):
     config = write("exp.yaml", base("distributed: {strategy: ddp, num_processes: 2}\n"))
     result = run_cli("render", str(config), "--out", str(tmp_path / "bundle"), cwd=tmp_path)
@@ -136,6 +138,7 @@ def test_device_probe_reads_the_driver_and_cuda_visible_devices(tmp_path):
         assert probe_device({"PATH": str(tmp_path)})[0] == "cpu"
 
 
+@pytest.mark.slow
 def test_render_resolves_device_auto_here_and_slurm_leaves_it_to_the_node(write, tmp_path):
     import os
 

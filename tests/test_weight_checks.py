@@ -83,6 +83,7 @@ def test_balanced_class_weights():
         balanced_weights([0, 1], ["a", "b", "c"])
 
 
+@pytest.mark.slow
 def test_all_zero_weights_stop_with_a_clear_error(write, tmp_path):
     rows = [{"messages": CHAT, "w": 0.0}] * 4
     config = write("zero.yaml", f"method: sft\nmodel: {{name_or_path: {TINY_MODEL}, init: random}}\n"

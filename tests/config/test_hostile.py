@@ -121,6 +121,7 @@ def test_secrets_are_not_echoed(capsys, write, text, overrides):
     assert SECRET not in message
 
 
+@pytest.mark.slow
 def test_subprocess_alias_bomb_and_yaml_override(write):
     path = write("exp.yaml", BASE + BOMB)
     start = time.monotonic()
@@ -163,6 +164,7 @@ def test_extends_fan_out_is_bounded(capsys, tmp_path):
     assert "more than 64 experiment files read" in refused(capsys, path, seconds=2)
 
 
+@pytest.mark.slow
 def test_overrides_share_the_experiment_value_budget(capsys, write):
     many = "[" + ",".join(["1"] * 19_000) + "]"
     message = refused(capsys, write("exp.yaml", BASE), *[f"x.a{i}={many}" for i in range(15)],
