@@ -183,6 +183,7 @@ def test_auto_resolution_by_device():
     assert not attention.runs_varlen(None)
 
 
+@pytest.mark.slow
 def test_training_with_varlen_matches_sdpa(write, tmp_path):
     """The worker registers the function before it builds the model: the CLI trains the
     same losses under finetune_varlen as under sdpa (padding-free batches, CPU)."""

@@ -51,6 +51,7 @@ def _child(state, steps) -> list[str]:
     return [sys.executable, "-c", script]
 
 
+@pytest.mark.slow
 def test_peak_is_above_idle_even_after_a_neighbour_that_still_holds_memory(gpu, tmp_path):
     idle = meter.gpu_used_mib()
     assert idle == 500

@@ -74,6 +74,7 @@ def test_unreachable_hub_model_is_a_clear_error(write, tmp_path):
            "and cannot be fetched from the hub offline" in result.stderr
 
 
+@pytest.mark.slow
 def test_trains_from_a_source_tree_without_installing(write, tmp_path):
     """`PYTHONPATH=. python -m finetune`: no distribution metadata for finetune. The
     environment is the installed packages without finetune's own (python -S: no .pth, so

@@ -75,6 +75,7 @@ def assert_bitwise(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> No
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("length", [[], ["training.max_steps=2"]], ids=["epochs", "max_steps"])
 def test_resumed_at_its_last_step_the_run_ends_there_bitwise(run, length):
     """The Trainer resumed at its last step would take one more (its loop checks the
@@ -94,6 +95,7 @@ def test_resumed_at_its_last_step_the_run_ends_there_bitwise(run, length):
     assert [r["step"] for r in records if "eval_loss" in r] == [2]  # evaluated after, once
 
 
+@pytest.mark.slow
 def test_a_damaged_checkpoint_is_moved_aside_and_the_run_goes_on(run):
     """checkpoint-2's manifest says step 1 (edited): damage, not a kill. It is moved aside
     untouched, the run resumes from checkpoint-1 and ends bitwise as it did uninterrupted;
@@ -123,6 +125,7 @@ def test_a_damaged_checkpoint_is_moved_aside_and_the_run_goes_on(run):
     assert [r["loss"] for r in read_metrics(run / "metrics.jsonl") if "loss" in r] == losses
 
 
+@pytest.mark.slow  # `run` copies a finished training run
 def test_entries_of_the_wrong_kind_are_refused_naming_each(run):
     """A directory where finetune writes a file, a file where it writes a directory: each
     would fail a write mid-run (some after training). One error names them all, before

@@ -127,6 +127,7 @@ def test_entry_reused_and_keyed_by_what_it_depends_on(config, tmp_path, capsys):
     assert len(_entries(experiment, run_dir)) == 3
 
 
+@pytest.mark.slow
 def test_other_ranks_wait_for_the_main_process_then_share_its_entry(config, tmp_path,
                                                                      waiters):
     run_dir = tmp_path / "runs" / "a"
@@ -146,6 +147,7 @@ def test_other_ranks_wait_for_the_main_process_then_share_its_entry(config, tmp_
     assert len(_entries(experiment, run_dir)) == 1
 
 
+@pytest.mark.slow
 def test_a_waiting_rank_stops_when_the_main_process_fails(config, tmp_path, waiters):
     run_dir = tmp_path / "runs" / "a"
     run_dir.mkdir(parents=True)
@@ -249,6 +251,7 @@ _save(Splits(train=rows, eval=KilledWhileSaving(), format="text"), Path(sys.argv
 """
 
 
+@pytest.mark.slow
 def test_a_writer_killed_mid_write_leaves_nothing_after_the_next_run(config, tmp_path, capsys,
                                                                      waiters):
     run_dir = tmp_path / "runs" / "a"
@@ -276,6 +279,7 @@ def test_a_writer_killed_mid_write_leaves_nothing_after_the_next_run(config, tmp
     assert sorted(p.name for p in root.iterdir()) == sorted([entry.name, working.name])
 
 
+@pytest.mark.slow
 def test_an_unreadable_entry_file_is_damage_not_a_traceback(config, tmp_path):
     """A file this user cannot read (another user's cache, a wrong umask) is damage: the
     entry is prepared again. As root, a read is refused only to another user."""

@@ -14,6 +14,8 @@ from safetensors.torch import load_file
 
 from conftest import DATA, TINY_MODEL, run_cli
 
+pytestmark = pytest.mark.slow  # training runs on several processes
+
 DATASETS = {"sft": "sft_train", "reward": "pref_train", "dpo": "pref_train"}
 STEPS = 3
 LAYOUTS = {  # name: (processes, per-device batch, accumulation)

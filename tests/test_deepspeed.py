@@ -9,6 +9,8 @@ from safetensors.torch import load_file
 
 from conftest import DATA, TINY_MODEL, run_cli
 
+pytestmark = pytest.mark.slow  # DeepSpeed training runs
+
 VARIANTS = {
     "ddp": "{strategy: ddp",
     "zero2": "{strategy: deepspeed, deepspeed: {zero_stage: 2}",

@@ -49,6 +49,7 @@ def _losses(run: Path) -> list[float]:
     return [r["loss"] for r in records if "loss" in r]
 
 
+@pytest.mark.slow
 def test_an_encoder_trains_a_reward_model_on_plain_text(bert, write, tmp_path):
     data = _jsonl(tmp_path / "pairs.jsonl",
                   [{"prompt": "sort ", "chosen": "apple bread cat", "rejected": "cat bread apple"},
@@ -60,6 +61,7 @@ def test_an_encoder_trains_a_reward_model_on_plain_text(bert, write, tmp_path):
     assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
 
 
+@pytest.mark.slow
 def test_an_encoder_trains_a_classifier_on_plain_text(bert, write, tmp_path):
     data = _jsonl(tmp_path / "texts.jsonl", [{"text": "apple bread cat", "label": "good"},
                                              {"text": "zebra yak van", "label": "bad"}] * 4)
@@ -136,6 +138,7 @@ def test_a_custom_tokenizer_is_refused_before_loading(bert, tmp_path):
         load_tokenizer(experiment)
 
 
+@pytest.mark.slow
 def test_encoder_pairs_are_framed_once_whatever_the_text(bert):
     """Any plain text, prompt or none: one [CLS] first and one [SEP] last, no EOS added."""
     from datasets import Dataset

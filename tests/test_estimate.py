@@ -70,6 +70,7 @@ def test_cli_qwen_lora_json(tmp_path):
         configured["fragmentation_bytes"] + configured["cuda_context_bytes"]
 
 
+@pytest.mark.slow
 def test_cli_user_errors_exit_2(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
     result = run_cli("estimate", str(SFT), "model.name_or_path=nobody/no-such-model", cwd=tmp_path)

@@ -54,6 +54,7 @@ def experiment(fsdp: str, device: str, port: int) -> str:
             "output: {plot: false}\ntraining: {max_steps: 1, activation_checkpointing: false}\n")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("version,port", [(1, 29690), (2, 29691)])
 def test_rendered_config_is_what_accelerate_reads(version, port, write, tmp_path):
     from accelerate.commands.config.config_args import load_config_from_file
@@ -90,6 +91,7 @@ def test_rendered_config_is_what_accelerate_reads(version, port, write, tmp_path
         assert "no available devices found" in out["error"]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_fsdp_without_cuda_stops_with_one_line(write, tmp_path):
     """device auto: launch resolves it on this machine (cpu) and the config rule refuses

@@ -7,6 +7,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from conftest import QUICKSTART, REPO
 from finetune.config import trl_fields
 
@@ -17,6 +19,7 @@ def test_trl_field_manifest_matches_installed_trl():
         "run `python -m finetune.config.trl_fields` and commit finetune/config/trl_fields.json"
 
 
+@pytest.mark.slow
 def test_quickstart_assets_regenerate_identically(tmp_path):
     subprocess.run([sys.executable, str(QUICKSTART / "make_assets.py"),
                     "--out", str(tmp_path)], check=True, capture_output=True)

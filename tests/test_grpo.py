@@ -66,6 +66,7 @@ def rewarded(run_dir) -> list[dict]:
     return [r for r in logged(run_dir) if "reward" in r]
 
 
+@pytest.mark.slow
 def test_grpo_learns_from_a_reward_function(write, tmp_path):
     """LoRA on the random-init tiny Llama (its final norm trained too: with tied
     embeddings of std 0.02 the adapters alone can barely sharpen the output distribution)
@@ -92,6 +93,7 @@ def test_grpo_learns_from_a_reward_function(write, tmp_path):
     assert (final / "adapter_model.safetensors").exists()
 
 
+@pytest.mark.slow
 def test_reward_model_from_a_lora_reward_run_with_a_function_and_weights(write, tmp_path):
     """rewards.model names a LoRA `method: reward` run (its adapter merged into its
     init-model/ base); the policy is fully fine-tuned with beta > 0, so TRL's separate
@@ -124,6 +126,7 @@ def test_reward_model_from_a_lora_reward_run_with_a_function_and_weights(write, 
     assert (tmp_path / "runs" / "both" / "final" / "model.safetensors").exists()
 
 
+@pytest.mark.slow
 def test_sigterm_inside_a_generation_window_then_resume_is_bitwise_identical(write, tmp_path):
     """Completions are generated for steps_per_generation 3 x num_iterations 2 = 6 steps at
     a time and kept in memory; SIGTERM lands inside such a window (and inside a logging
@@ -166,6 +169,7 @@ def test_sigterm_inside_a_generation_window_then_resume_is_bitwise_identical(wri
     assert [r["step"] for r in logged(run_dir) if "loss" in r] == [1, 2, 4, 6, 8, 10, 12, 14]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("function, message", [
     ("rewards.py:nowhere", "error: rewards.functions[0]: rewards.py has no function 'nowhere'"),
     ("rewards.py:broken", "error: rewards.functions[0] (rewards.py:broken) raised ValueError: "
@@ -213,6 +217,7 @@ def test_reward_function_results_are_checked():
             prompts=["p"], completions=["a"], completion_ids=[[1]])
 
 
+@pytest.mark.slow
 def test_grpo_on_two_processes_with_chat_prompts(write, tmp_path):
     """DDP: generations, rewards and the group statistics over 2 processes; chat
     prompts reach the reward function as message lists."""

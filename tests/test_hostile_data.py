@@ -113,6 +113,7 @@ def test_classify_csv_label_names_become_the_ids_of_classify_labels(write, tmp_p
         f"{unknown} row 2: `label` 'negative' is not one of classify.labels (neg, pos)")
 
 
+@pytest.mark.slow
 def test_cli_classify_csv_with_label_names_trains_and_says_the_mapping(write, tmp_path):
     data = tmp_path / "c.csv"
     data.write_text("text,label\nhello there,pos\nawful,neg\nfine,pos\nmeh,neutral\n")
@@ -135,6 +136,7 @@ def test_a_column_name_with_a_line_break_stays_in_one_error_line(write, tmp_path
                        "'\\nerror: injected' (rename with data.<split>[i].columns)")
 
 
+@pytest.mark.slow
 def test_cli_train_on_a_non_utf8_file_is_one_error_line(write, tmp_path):
     data = tmp_path / "latin1.jsonl"
     data.write_bytes(b'{"text": "caf\xe9"}\n')
@@ -277,6 +279,7 @@ def _damaged(data: bytes, damage: tuple) -> bytes:
     return data
 
 
+@pytest.mark.slow
 def test_fuzz_the_data_readers_give_rows_or_one_data_error(write, tmp_path):
     """Generated rows (wrong types, missing fields, NaN/inf weights, long strings) written
     as JSON Lines, a JSON array or CSV, then damaged (bytes inserted, cut short, another

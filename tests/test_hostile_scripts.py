@@ -148,6 +148,7 @@ def test_job_sbatch_with_hostile_paths_runs_only_the_stub(tmp_path):
                       partition=None, signal_seconds=60, python=str(python))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", ["render", "launch", "slurm", "train"])
 @pytest.mark.parametrize("key, value", [
     ("distributed.main_process_ip", "127.0.0.1\ntouch PWNED"),
@@ -285,6 +286,7 @@ def test_hosts_by_whole_pattern():
 TEXT = st.text(st.characters(codec="utf-8", exclude_characters="/"), min_size=1, max_size=40)
 
 
+@pytest.mark.slow
 @settings(max_examples=150, deadline=None, derandomize=True)
 @given(name=TEXT)
 def test_any_run_directory_name_is_refused_or_quoted_whole(tmp_path_factory, name):
@@ -326,6 +328,7 @@ FLAG = st.one_of(st.text(max_size=12),
                  st.from_regex(r"[0-9]{1,3}(-[0-9]{1,2})?(:[0-9]{1,3}){0,2}", fullmatch=True))
 
 
+@pytest.mark.slow
 @settings(max_examples=60, deadline=None, derandomize=True)
 @given(time=FLAG, partition=st.one_of(st.none(), st.text(max_size=10)), nodes=FLAG,
        signal=FLAG, ip=st.text(max_size=12))

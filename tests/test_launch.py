@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
@@ -18,6 +19,8 @@ from safetensors.torch import load_file
 from conftest import DATA, REPO, TINY_MODEL, run_cli
 from finetune import checkpoints
 from finetune.errors import EXIT_PREEMPTED, EXIT_SAVE_TIMEOUT
+
+pytestmark = pytest.mark.slow  # several processes launched for real
 
 
 def experiment(distributed: str, extra: str = "") -> str:

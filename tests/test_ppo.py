@@ -77,6 +77,7 @@ def _records(run_dir) -> list[dict]:
 
 # ---- 1. it learns ----
 
+@pytest.mark.slow
 def test_ppo_raises_the_reward_on_held_out_prompts_with_bounded_kl(write, tmp_path):
     train, held_out = _data(tmp_path)
     rewards = _rewards(tmp_path)
@@ -169,6 +170,7 @@ def test_gae_whitening_and_clipped_losses_match_hand_computations():
     assert ppo_math.adaptive_kl(0.1, 0.9, 1.0, 1000, 64) == pytest.approx(0.1 * (1 - 0.1 * 0.064))
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_leaves_the_updates_unchanged(write, tmp_path):
     """Batch 4 x accumulation 1 and 2 x 2 (fp32, SGD): the rollouts are the same (one
     sampling batch of the whole rollout), and the loss, normalised by the mini-batch's
@@ -252,6 +254,7 @@ def _weights(run_dir) -> dict[str, torch.Tensor]:
     return out
 
 
+@pytest.mark.slow
 def test_sigterm_mid_rollout_then_resume_is_bitwise_identical(write, tmp_path):
     """Stopped by SIGTERM inside a rollout's cycle (its buffer, the adaptive KL
     coefficient and the logging window go into the checkpoint), resumed, and continued
@@ -293,6 +296,7 @@ def test_sigterm_mid_rollout_then_resume_is_bitwise_identical(write, tmp_path):
 
 # ---- 4 + 5. LoRA, shared value head, two processes ----
 
+@pytest.mark.slow
 def test_lora_shared_value_head_on_two_processes(write, tmp_path):
     train, _ = _data(tmp_path, chat=False)
     rewards = _rewards(tmp_path)
@@ -343,6 +347,7 @@ training:
     assert not (final / "value" / "model.safetensors").exists()
 
 
+@pytest.mark.slow
 def test_qlora_policy_with_a_reward_run_as_reward_and_value_model(write, tmp_path):
     """A `method: reward` run directory scores the responses (with a function, weighted)
     and starts the separate value model; the policy is QLoRA."""

@@ -140,6 +140,7 @@ def test_a_chat_completion_without_an_assistant_turn_says_so(write, tmp_path):
                        "assistant turns only, and the completion has none")
 
 
+@pytest.mark.slow
 def test_cli_dpo_with_a_template_failing_on_row_3_is_one_error_line(write, tmp_path):
     good, bad = ROWS["dpo"]
     data = jsonl(tmp_path / "d.jsonl", [good, good, bad, good])

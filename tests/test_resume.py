@@ -20,6 +20,8 @@ from finetune import checkpoints
 from resumable import (Run, assert_identical, experiment, final_weights, losses,
                        stopped_by_sigterm, wait_for_step)
 
+pytestmark = pytest.mark.slow  # every test trains, stops and resumes runs
+
 STEPS = 40
 
 

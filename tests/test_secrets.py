@@ -9,7 +9,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from conftest import DATA, TINY_MODEL
+
+pytestmark = pytest.mark.slow  # training runs in a subprocess
 
 YAML_TOKEN = "hf_FAKEyamlSecret123"
 ENV_TOKEN = "hf_FAKEenvSecret456"

@@ -76,19 +76,3 @@ def test_weights_follow_the_trained_tokens(tokenizer):
     half = len(weights) // 2
     assert weights == [1.0] * half + [2.0] * half
     assert all(w == 0.0 for w, t in zip(row["token_weights"], row["labels"]) if t == IGNORE)
-
-
-@pytest.mark.parametrize("training,message", [
-    ("{truncation_mode: middle}", "training.truncation_mode: 'middle' is not keep_start"),
-    ("{packing: true, max_length: null}", "training.packing: needs training.max_length"),
-])
-def test_impossible_tokenization_settings_are_config_errors(write, training, message):
-    from finetune.config import load_experiment
-    from finetune.errors import ConfigError
-
-    config = write("exp.yaml", f"method: sft\nmodel: {{name_or_path: {TINY_MODEL}}}\n"
-                               f"data: {{train: t.jsonl}}\ntraining: {training}\n")
-    write("t.jsonl", '{"text": "x"}\n')
-    with pytest.raises(ConfigError) as info:
-        load_experiment(config)
-    assert any(message in p for p in info.value.problems), info.value.problems

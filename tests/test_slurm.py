@@ -17,6 +17,8 @@ from safetensors.torch import load_file
 
 from conftest import DATA, REPO, TINY_MODEL, run_cli
 
+pytestmark = pytest.mark.slow  # a SLURM cluster and jobs that train
+
 CLUSTER = REPO / "tests" / "slurm" / "cluster.sh"
 
 

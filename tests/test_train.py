@@ -10,6 +10,8 @@ import yaml
 
 from conftest import DATA, TINY_MODEL, run_cli
 
+pytestmark = pytest.mark.slow  # training runs
+
 DATASETS = {"sft": ("sft_train", "sft_eval"), "reward": ("pref_train", "pref_eval"),
             "dpo": ("pref_train", "pref_eval")}
 STEPS = 3

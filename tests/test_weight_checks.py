@@ -1,5 +1,5 @@
-"""Bad weights, labels and reward settings are clear errors that name the file and row
-(data) or the YAML path (config), never a silent NaN loss."""
+"""Bad weights and labels are clear errors that name the file and row, never a silent NaN
+loss. (The config rules of weights, labels and reward settings: tests/config/test_rules.py.)"""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from conftest import TINY_MODEL, run_cli
 from finetune.data.load import load_data
 from finetune.config import load_experiment
-from finetune.errors import ConfigError, DataError
+from finetune.errors import DataError
 from finetune.trainers.classify import balanced_weights
 
 CHAT = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
@@ -27,12 +27,6 @@ def load(write, method, train, extra=""):
     return load_data(load_experiment(write("exp.yaml", f"method: {method}\nmodel:\n  "
                                                        f"name_or_path: {TINY_MODEL}\ndata:\n"
                                                        f"  train: {train}\n{extra}")))
-
-
-def config_problems(write, text):
-    with pytest.raises(ConfigError) as info:
-        load_experiment(write("exp.yaml", f"model:\n  name_or_path: {TINY_MODEL}\n{text}"))
-    return "\n".join(info.value.problems)
 
 
 @pytest.mark.parametrize("weight,message", [
@@ -89,31 +83,7 @@ def test_balanced_class_weights():
         balanced_weights([0, 1], ["a", "b", "c"])
 
 
-def test_config_rules_for_new_methods(write, tmp_path):
-    data = jsonl(tmp_path, [{"prompt": "x"}])
-    text = config_problems(write, f"method: grpo\ndata: {{train: {data}, weight_column: w}}\n")
-    assert "rewards: method grpo needs a reward" in text
-    assert "data.weight_column: not used by method grpo" in text
-    text = config_problems(write, f"method: ppo\ndata: {{train: {data}}}\nrewards:\n"
-                                  "  functions: [nomodule, missing.py:f]\n  weights: [1]\n")
-    assert "rewards.functions[0]: 'nomodule': write 'module:function'" in text
-    assert "rewards.functions[1]: no such file" in text
-    assert "rewards.weights: 1 weights for 2 reward source(s)" in text
-    text = config_problems(write, f"method: classify\ndata: {{train: {data}}}\n")
-    assert "method classify needs classify.labels" in text
-    text = config_problems(write, f"method: classify\ndata: {{train: {data}}}\nclassify:\n"
-                                  "  labels: [a, b]\n  class_weights: [1, -1, 2]\n")
-    assert "classify.class_weights: 3 weights for 2 labels" in text
-    assert "weights must be >= 0" in text
-    text = config_problems(write, f"method: sft\ndata: {{train: {data}}}\n"
-                                  "rewards: {functions: [m:f]}\nppo: {kl_coef: 0.1}\n")
-    assert "rewards: options for methods grpo and ppo, but method is sft" in text
-    assert "ppo: options for method ppo, but method is sft" in text
-    text = config_problems(write, f"method: sft\ndata: {{train: {data}, weight_column: w}}\n"
-                                  "training: {packing: true}\n")
-    assert "training.packing: not supported with loss weights" in text
-
-
+@pytest.mark.slow
 def test_all_zero_weights_stop_with_a_clear_error(write, tmp_path):
     rows = [{"messages": CHAT, "w": 0.0}] * 4
     config = write("zero.yaml", f"method: sft\nmodel: {{name_or_path: {TINY_MODEL}, init: random}}\n"

@@ -20,6 +20,8 @@ from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassificati
 
 from conftest import TINY_MODEL, run_cli
 
+pytestmark = pytest.mark.slow  # training runs in every layout
+
 LAYOUTS = {"single-1x8": (1, 8, 1), "accum-1x2x4": (1, 2, 4), "ddp-2x2x2": (2, 2, 2)}
 WORDS = "apple cat dog sun moon tree hat lamp van egg owl pen".split()
 LABELS = ["warm", "neutral", "cool"]

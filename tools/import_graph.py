@@ -1,8 +1,12 @@
 """Print finetune's import graph between its packages and top-level modules, and any
 import cycle between modules. Reads the source with ast; imports nothing of finetune.
 
-    python tools/import_graph.py            # edges between packages / top-level modules
-    python tools/import_graph.py --modules  # edges between modules
+    python tools/import_graph.py              # edges between packages / top-level modules
+    python tools/import_graph.py --modules    # edges between modules
+    python tools/import_graph.py --top-level  # only the imports that run when the module
+                                              # is imported (not those inside functions)
+
+tests/test_layers.py asserts the layering on the same reading.
 """
 
 from __future__ import annotations
@@ -21,11 +25,34 @@ def module_of(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def imports(path: Path, module: str, known: set[str]) -> set[str]:
-    """finetune modules `path` imports, at any depth of the file (late imports too)."""
+def _top_level_nodes(body: list[ast.stmt]):
+    """The statements that run when the module is imported: the module's own, and those
+    inside its if/try/with/for/while blocks and class bodies; not function bodies, nor an
+    `if TYPE_CHECKING:` block."""
+    for node in body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            yield from _top_level_nodes(node.orelse)
+            continue
+        yield node
+        for field in ("body", "orelse", "finalbody"):
+            yield from _top_level_nodes(getattr(node, field, None) or [])
+        for handler in getattr(node, "handlers", None) or []:
+            yield from _top_level_nodes(handler.body)
+
+
+def imports(path: Path, module: str, known: set[str], top_level: bool = False,
+            tree: ast.AST | None = None) -> set[str]:
+    """finetune modules `path` imports, at any depth of the file (late imports too), or
+    with `top_level` only those that run when it is imported. `tree`: read this part of
+    the file (a function, say) instead of the whole."""
     found = set()
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    if tree is None:
+        tree = ast.parse(path.read_text(), str(path))
+    nodes = _top_level_nodes(tree.body) if top_level else ast.walk(tree)
+    for node in nodes:
         names: list[str] = []
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
@@ -47,9 +74,16 @@ def imports(path: Path, module: str, known: set[str]) -> set[str]:
     return found
 
 
-def graph() -> dict[str, set[str]]:
-    paths = {module_of(p): p for p in PACKAGE.rglob("*.py")}
-    return {module: imports(path, module, set(paths)) for module, path in paths.items()}
+def modules() -> dict[str, Path]:
+    """finetune.config.schema -> its file, for every module of the package."""
+    return {module_of(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def graph(top_level: bool = False) -> dict[str, set[str]]:
+    """module -> the finetune modules it imports (see `imports`)."""
+    paths = modules()
+    return {module: imports(path, module, set(paths), top_level)
+            for module, path in paths.items()}
 
 
 def unit(module: str) -> str:
@@ -92,7 +126,7 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
 
 
 def main() -> None:
-    edges = graph()
+    edges = graph(top_level="--top-level" in sys.argv)
     if "--modules" in sys.argv:
         for module in sorted(edges):
             for target in sorted(edges[module]):

@@ -42,16 +42,15 @@ def _rows(model: type[BaseModel], prefix: str) -> list[str]:
     return rows
 
 
-def _config_classes() -> str:
-    return ", ".join(dict.fromkeys(".".join(m.config_class) for m in METHODS.values()))
-
-
 def markdown() -> str:
+    classes = ", ".join(f"{name}: {'.'.join(method.config_class)}"
+                        for name, method in METHODS.items())
     lines = ["# Experiment reference", "",
              "Generated from finetune/config/schema.py by `finetune reference`.",
              "Unknown keys are errors. `extends:` (a file or a list, relative to the file) "
              "merges bases under the file. `training:` takes any field of the method's config "
-             f"class ({_config_classes()}) except those finetune sets from another section; validate checks the ranges and combinations "
+             f"class ({classes}) except those finetune "
+             "sets from another section; validate checks the ranges and combinations "
              "training would refuse (batch sizes, accumulation, finite learning rate, seeds "
              "in [0, 2**32 - 1], positive lengths and epochs, GRPO's batch arithmetic) and the "
              "packages `report_to` and `model.attn_implementation` need.", "",

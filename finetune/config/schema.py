@@ -1,7 +1,8 @@
 """The experiment schema: one pydantic model per YAML section, unknown keys rejected.
 
-Descriptions live in Field(description=...) so `finetune validate --schema` and the docs
-come from this file instead of being written twice. Imports no torch.
+Descriptions live in Field(description=...) so the experiment reference (`finetune
+reference`, config/reference.py; docs/experiment.md is its output) comes from this file
+instead of being written twice. Imports no torch.
 """
 
 from __future__ import annotations

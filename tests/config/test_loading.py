@@ -1,4 +1,5 @@
-"""Experiment loading: schema, errors with YAML paths and lines, extends, overrides, rules."""
+"""Experiment loading: schema, errors with YAML paths and lines, extends, overrides, paths,
+defaults, the resolved file. (Cross-field rules and value checks: test_rules.py.)"""
 
 from __future__ import annotations
 
@@ -7,17 +8,11 @@ import textwrap
 import pytest
 import yaml
 
-from conftest import MINIMAL_SFT as BASE, DATA, TINY_MODEL
+from config_errors import problems
+from conftest import MINIMAL_SFT as BASE, DATA
 from finetune.config import load_experiment
 from finetune.errors import ConfigError
 from finetune.render.bundle import resolved_yaml
-
-
-
-def problems(path, *overrides):
-    with pytest.raises(ConfigError) as info:
-        load_experiment(path, overrides)
-    return info.value.problems
 
 
 def test_minimal_experiment_fills_defaults(write):
@@ -136,26 +131,6 @@ def test_yaml_syntax_error_and_duplicate_keys(write):
     assert problems(path) == [f"{path}:7: method: duplicate key"]
 
 
-def test_cross_field_rules(write):
-    path = write("exp.yaml", BASE + "peft:\n  type: lora\n  bits: 8\n"
-                             "distributed:\n  device: cpu\nprecision: fp16\n")
-    found = problems(path)
-    assert any("peft.bits: only applies to peft.type qlora (type is lora)" in p for p in found)
-    assert any("precision: fp16 needs a CUDA device" in p for p in found)
-
-    path = write("e2.yaml", BASE.replace("data:\n", "data:\n  eval_fraction: 0.1\n  eval: x/z\n"))
-    assert any("give data.eval or data.eval_fraction, not both" in p for p in problems(path))
-
-    path = write("e3.yaml", BASE + "training:\n  eval_strategy: steps\n")
-    assert any("training.eval_strategy: needs held-out data" in p for p in problems(path))
-
-    path = write("e4.yaml", BASE + "dpo:\n  ref_model: org/model\n")
-    assert any("dpo: options for method dpo, but method is sft" in p for p in problems(path))
-
-    path = write("e5.yaml", BASE + "evaluation:\n  exact_match: true\n")
-    assert any("evaluation.exact_match: needs data.eval" in p for p in problems(path))
-
-
 def test_hub_ids_validate_without_network(write, online):
     path = write("hub.yaml", "method: sft\nmodel:\n  name_or_path: Qwen/Qwen2.5-0.5B-Instruct\n"
                              "data:\n  train: trl-lib/Capybara\n")
@@ -186,30 +161,6 @@ def test_the_resolved_experiment_validates_to_the_same_experiment(write, tmp_pat
     assert again.model_dump() == exp.model_dump()
 
 
-def test_distributed_rules(write):
-    def found(distributed: str) -> str:
-        return "\n".join(problems(write("d.yaml", BASE + f"distributed: {distributed}\n")))
-
-    # strategy none over 2 processes is DDP (launch/environment.parallel_note), not an error.
-    load_experiment(write("n.yaml", BASE + "distributed: {num_processes: 2}\n"))
-    assert "3 processes do not divide evenly over 2 machines" in found(
-        "{strategy: ddp, num_processes: 3, num_machines: 2}")
-    assert "offload_params: needs zero_stage 3" in found(
-        "{strategy: deepspeed, deepspeed: {zero_stage: 2, offload_params: cpu}}")
-    assert "nvme_path: required for nvme offload" in found(
-        "{strategy: deepspeed, deepspeed: {offload_optimizer: nvme}}")
-    assert "distributed.deepspeed: options for strategy deepspeed, but strategy is ddp" in found(
-        "{strategy: ddp, num_processes: 2, deepspeed: {zero_stage: 3}}")
-    assert "fsdp needs CUDA devices (accelerate runs FSDP only on accelerators)" in found(
-        "{strategy: fsdp, device: cpu}")
-    assert "NO_SHARD needs fsdp version 1" in found(
-        "{strategy: fsdp, device: cuda, fsdp: {sharding_strategy: NO_SHARD}}")
-    load_experiment(write("v1.yaml", BASE + "distributed: {strategy: fsdp, device: cuda, "
-                          "fsdp: {version: 1, sharding_strategy: HYBRID_SHARD}}\n"))
-    assert "strategy fsdp needs launcher accelerate" in found(
-        "{strategy: fsdp, device: cuda, launcher: torchrun}")
-
-
 def test_override_paths_are_relative_to_the_current_directory(write, tmp_path, monkeypatch):
     (tmp_path / "here").mkdir()
     (tmp_path / "here" / "rows.jsonl").write_text('{"text": "a"}\n')
@@ -218,36 +169,6 @@ def test_override_paths_are_relative_to_the_current_directory(write, tmp_path, m
     exp = load_experiment(path, ["data.train=rows.jsonl", "data.eval={path: ./rows.jsonl}"])
     assert exp.data.train[0].path == str(tmp_path / "here" / "rows.jsonl")
     assert exp.data.eval[0].path == str(tmp_path / "here" / "rows.jsonl")
-
-
-def test_resume_rules(write, tmp_path, monkeypatch):
-    path = write("exp.yaml", BASE)
-    monkeypatch.chdir(tmp_path)
-    assert load_experiment(path).resume == "auto" and not load_experiment(path).force_resume
-    found = problems(path, "resume=runs/x/checkpoints/checkpoint-9")
-    assert found == ["command line: resume: no such checkpoint directory: "
-                     "runs/x/checkpoints/checkpoint-9 (auto, never, or a path relative to the "
-                     "current directory)"]
-    found = problems(path, "training.resume_from_checkpoint=true")
-    assert any("training.resume_from_checkpoint" in p and "finetune sets it from `resume`" in p
-               for p in found), found
-    found = problems(path, "training.save_only_model=true")
-    assert any("training.save_only_model:" in p and "resume: never" in p
-               for p in found), found
-    assert load_experiment(path, ["training.save_only_model=true", "resume=never"])
-    assert "preemption.save_timeout" in problems(path, "preemption.save_timeout=0")[0]
-
-
-def test_attention_accepts_what_transformers_accepts(write):
-    # flash_attention_3 and hub kernels need packages: tests/test_hostile_config.py
-    for name in ("flex_attention", "finetune_varlen", "eager"):
-        exp = load_experiment(write("exp.yaml", BASE), [f"model.attn_implementation={name}"])
-        assert exp.model.attn_implementation == name
-    path = write("exp.yaml", BASE.replace("init: random\n",
-                                          "init: random\n  attn_implementation: flash_attn2\n"))
-    [problem] = problems(path)
-    assert problem.startswith(f"{path}:5: model.attn_implementation: 'flash_attn2' is not an "
-                              "attention implementation: use one of auto, finetune_varlen")
 
 
 @pytest.mark.parametrize("attn, device, padding_free", [

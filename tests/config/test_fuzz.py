@@ -128,6 +128,7 @@ def outcome(root: Path, case, capsys) -> tuple[int | None, str, float]:
     return code, capsys.readouterr().err, time.monotonic() - start
 
 
+@pytest.mark.slow
 @settings(max_examples=1500, deadline=None, derandomize=True, database=None,
           suppress_health_check=list(HealthCheck))
 @given(case=cases())
@@ -183,6 +184,7 @@ def plausible(draw):
                                                  for k in keys]
 
 
+@pytest.mark.slow
 @settings(max_examples=400, deadline=None, derandomize=True, database=None,
           suppress_health_check=list(HealthCheck))
 @given(case=plausible(), command=st.sampled_from(COMMANDS))
