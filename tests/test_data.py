@@ -11,7 +11,7 @@ import pytest
 from conftest import TINY_MODEL
 from finetune.build.data import ORIGIN, load_data
 from finetune.config import load_experiment
-from finetune.errors import DataError
+from finetune.errors import ConfigError, DataError
 
 
 def experiment(write, method, train, extra=""):
@@ -107,11 +107,19 @@ def test_preference_rows(write, tmp_path):
         load_data(experiment(write, "dpo", mixed))
 
 
-def test_unreachable_hub_dataset_is_a_clear_error(write):
-    # The suite runs offline: a hub id cannot load, and says so with the YAML path.
+def test_unreachable_hub_dataset_is_a_clear_error(write, monkeypatch):
+    # The suite runs offline: validate refuses a hub dataset that is not cached...
+    with pytest.raises(ConfigError, match=r"data.train\[0\].path: 'trl-lib/Capybara' is not "
+                                          r"a local path, and cannot be fetched"):
+        experiment(write, "sft", "trl-lib/Capybara")
+    # ...and where it cannot load anyway (datasets read its offline flag at import), the
+    # reader says so with the YAML path.
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.delenv("HF_DATASETS_OFFLINE")
+    exp = experiment(write, "sft", "trl-lib/Capybara")
     with pytest.raises(DataError, match=r"data.train\[0\]: cannot load hub dataset "
                                         r"'trl-lib/Capybara'"):
-        load_data(experiment(write, "sft", "trl-lib/Capybara"))
+        load_data(exp)
 
 
 @pytest.mark.parametrize("rows,fraction,left", [(1, 0.05, 0), (3, 0.99, 0)])

@@ -251,7 +251,7 @@ def test_render_out_that_is_a_file_or_holds_a_directory_named_like_a_file(tmp_pa
     assert code == 2 and "cannot write" in err and "launch.sh" in err, err
     (tmp_path / "runs" / "e" / "job.sbatch").mkdir(parents=True)
     code, err = _main(["slurm", str(config), "--nodes", "1", "--time", "10"], capsys)
-    assert code == 2 and "cannot write" in err and "job.sbatch" in err, err
+    assert code == 2 and "job.sbatch is a directory, not a file" in err, err
 
 
 def test_a_run_directory_that_cannot_be_created_is_one_error(tmp_path, capsys, monkeypatch):
