@@ -17,6 +17,7 @@ import os
 import re
 import shutil
 import stat
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -68,14 +69,29 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+_UMASK = os.umask(0)  # read once, at import (single-threaded), and put back at once
+os.umask(_UMASK)
+
+
 def write_atomic(path: Path, text: str) -> None:
-    """Write, flush to disk, then rename over `path`: readers see the old or the new."""
-    staging = path.with_name(f".{path.name}.tmp")
-    with staging.open("w") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(staging, path)
+    """Write, flush to disk, then rename over `path`: readers see the old or the new. The
+    staging file's name is new each time, so nothing left behind by a kill can block it.
+    A RunError names `path` when it cannot be written (a directory there, a full disk)."""
+    try:
+        handle, staging = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp",
+                                           dir=path.parent)
+    except OSError as exc:
+        raise RunError(f"cannot write {path}: {exc.strerror or exc}") from None
+    try:
+        os.chmod(staging, 0o666 & ~_UMASK)  # as open() would create it, not mkstemp's 0600
+        with os.fdopen(handle, "w") as file:
+            file.write(text)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(staging, path)
+    except OSError as exc:
+        Path(staging).unlink(missing_ok=True)
+        raise RunError(f"cannot write {path}: {exc.strerror or exc}") from None
     _fsync_dir(path.parent)
 
 

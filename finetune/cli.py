@@ -116,7 +116,7 @@ def _record_failure(run_dir: Path, exc: Exception) -> None:
     import os
 
     from finetune.checkpoints import write_atomic
-    from finetune.errors import FAILED_MARKER
+    from finetune.errors import FAILED_MARKER, RunError
     from finetune.launch.environment import rank_of
 
     problems = getattr(exc, "problems", None) or [str(exc)]
@@ -124,7 +124,7 @@ def _record_failure(run_dir: Path, exc: Exception) -> None:
     try:
         write_atomic(run_dir / FAILED_MARKER.replace(".json", f"-{rank}.json"),
                      json.dumps({"rank": rank, "errors": problems}))
-    except OSError:
+    except RunError:
         pass  # a full or read-only disk: the error itself is still printed
 
 

@@ -160,7 +160,4 @@ def write_json(path: Path, value: Any) -> None:
     """Whole or not at all (summary.json half-written by a kill would block every rerun)."""
     from finetune.checkpoints import write_atomic
 
-    try:
-        write_atomic(path, json.dumps(value, indent=2, default=str) + "\n")
-    except OSError as exc:  # a directory where the file should be, a full disk
-        raise RunError(f"cannot write {path}: {exc.strerror or exc}") from None
+    write_atomic(path, json.dumps(value, indent=2, default=str) + "\n")  # RunError naming it

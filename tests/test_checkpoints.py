@@ -384,3 +384,23 @@ def test_cli_a_damaged_summary_is_one_error_line(write, tmp_path):
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
     assert result.stderr.startswith(f"error: {summary}: damaged (Expecting value")
     assert sorted(p.name for p in summary.parent.iterdir()) == ["summary.json"]
+
+
+def test_write_atomic_is_not_blocked_by_leftovers_and_names_what_it_cannot_write(tmp_path):
+    """A kill can leave a staging file (or a user a directory named like one) behind: the
+    next write does not trip over it; a directory where the file goes is one RunError."""
+    import os
+    import stat as stat_module
+
+    target = tmp_path / "summary.json"
+    (tmp_path / ".summary.json.tmp").mkdir()
+    checkpoints.write_atomic(target, "{}\n")
+    assert target.read_text() == "{}\n"
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat_module.S_IMODE(target.stat().st_mode) == 0o666 & ~umask  # as open() makes it
+    (tmp_path / "metrics.jsonl").mkdir()
+    with pytest.raises(RunError, match=r"cannot write .*metrics\.jsonl"):
+        checkpoints.write_atomic(tmp_path / "metrics.jsonl", "x\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".summary.json.tmp", "metrics.jsonl",
+                                                          "summary.json"]

@@ -193,6 +193,18 @@ def test_an_empty_file_and_a_lone_surrogate_are_named(write, tmp_path):
         "without its pair), which is not a character")
 
 
+@pytest.mark.parametrize("name, text, where, got", [
+    ("numbers.jsonl", "1\n2\n", "line 1", "got int 1"),
+    ("mixed.jsonl", json.dumps(CHAT) + '\n"x"\n', "line 2", "got str 'x'"),
+    ("array.json", json.dumps([CHAT, 3]), "row 2", "got int 3"),
+])
+def test_a_row_that_is_not_an_object_is_named(write, tmp_path, name, text, where, got):
+    path = tmp_path / name
+    path.write_text(text)
+    assert refused(write, path) == f"{path} {where}: a row must be a JSON object " \
+                                   f'({{"column": value, ...}}), {got}'
+
+
 # --- Fuzzing the readers: generated rows, then generated damage to their bytes ----------
 
 from hypothesis import HealthCheck, given, settings  # noqa: E402

@@ -9,11 +9,20 @@ import json
 from typing import Any
 
 from finetune.config.schema import DeepSpeedSection, Experiment
+from finetune.config.secrets import CREDENTIALS
 from finetune.errors import RunError
 
 MAX_BYTES = 1024 * 1024
 # Sections finetune reads, each a JSON object when present.
 SECTIONS = ("zero_optimization", "zero_optimization.offload_optimizer", "bf16", "fp16")
+
+
+def _strings(value: Any) -> list[str]:
+    if isinstance(value, dict):
+        return [text for key, sub in value.items() for text in (str(key), *_strings(sub))]
+    if isinstance(value, list):
+        return [text for sub in value for text in _strings(sub)]
+    return [value] if isinstance(value, str) else []
 
 
 def read(path: str) -> tuple[dict[str, Any] | None, str | None]:
@@ -31,6 +40,10 @@ def read(path: str) -> tuple[dict[str, Any] | None, str | None]:
         return None, f"cannot read {path} as JSON: {str(exc) or type(exc).__name__}"
     if not isinstance(config, dict):
         return None, f"{path}: a DeepSpeed config is a JSON object, not {type(config).__name__}"
+    if any(CREDENTIALS.search(text) for text in _strings(config)):
+        return None, (f"{path} holds credentials in a URL (user:password@); they would be "
+                      "copied into the run directory's deepspeed.json: give them through the "
+                      "environment instead")
     for dotted in SECTIONS:
         node: Any = config
         for key in dotted.split("."):

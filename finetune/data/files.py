@@ -177,7 +177,7 @@ def _document_problem(path: Path) -> str | None:
     if problem:
         return f"{path}: {problem}"
     for number, row in enumerate(rows if isinstance(rows, list) else [rows], 1):
-        problem = value_problem(row)
+        problem = _not_an_object(row) or value_problem(row)
         if problem:
             return f"{path} row {number}: {problem}"
     return None
@@ -201,10 +201,17 @@ def _lines_problem(path: Path, wanted: tuple[bytes, ...] = ()) -> str | None:
         row, problem = _parse(line.removeprefix(codecs.BOM_UTF8) if number == 1 else line)
         if problem and wanted:
             continue
-        problem = problem or value_problem(row)
+        problem = problem or _not_an_object(row) or value_problem(row)
         if problem:
             return f"{path} line {number}: {problem}"
     return None
+
+
+def _not_an_object(row: Any) -> str | None:
+    if isinstance(row, dict):
+        return None
+    return f"a row must be a JSON object ({{\"column\": value, ...}}), got " \
+           f"{type(row).__name__} {one_line(repr(row))[:40]}"
 
 
 def check_file(path: Path, builder: str) -> str | None:
