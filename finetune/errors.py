@@ -40,3 +40,9 @@ EXIT_SAVE_TIMEOUT = 76
 # Written by a training process that stopped on one of the errors above, so that
 # `finetune launch`, whose launcher only reports "a child failed", can exit 2 as well.
 FAILED_MARKER = "failed.json"
+
+
+def one_line(text: str) -> str:
+    """Foreign text (a reader's error, a name from the data) in one error line: line
+    breaks and other control characters escaped, so none can start a line of its own."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)

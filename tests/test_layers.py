@@ -114,23 +114,12 @@ def test_render_does_not_import_launch():
                 for b in targets if unit(b) == "launch"}
 
 
-# The pieces a run is built from do not import what assembles them: render (the experiment
-# as TRL arguments and a run bundle) and methods (each method's data and trainer).
+# The pieces a run is built from do not import what assembles them: render (the run
+# bundle and scripts) and methods (each method's data and trainer).
 BUILDING_BLOCKS = ("data", "model", "hardware", "estimate")
 ASSEMBLERS = ("render", "methods")
-# Edges of that kind the code still has; each test below fails once its edge is gone: then
-# delete it here.
-STILL_THERE = [("model", "render"), ("hardware", "render"), ("estimate", "render"),
-               ("data", "methods")]
 
 
 def test_building_blocks_import_neither_render_nor_methods():
     edges = package_edges(EVERY)
-    wrong = {(a, b) for a, b in edges if a in BUILDING_BLOCKS and b in ASSEMBLERS}
-    assert wrong <= set(STILL_THERE)
-
-
-@pytest.mark.xfail(strict=True, reason="removed by the method-record work")
-@pytest.mark.parametrize("edge", STILL_THERE, ids="->".join)
-def test_edge_is_gone(edge):
-    assert edge not in package_edges(EVERY)
+    assert not {(a, b) for a, b in edges if a in BUILDING_BLOCKS and b in ASSEMBLERS}

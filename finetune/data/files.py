@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from finetune.config.rules import DATA_SUFFIXES
-from finetune.errors import DataError
+from finetune.errors import DataError, one_line
 
 BLOCK = 16 * 2**20  # read in blocks: data files can be larger than memory
 # Longest first: the UTF-32 LE mark starts with the UTF-16 LE one.
@@ -64,12 +64,6 @@ def list_data_files(path: Path) -> list[Path]:
     if not files:
         raise DataError(f"{path}: no {'/'.join(DATA_SUFFIXES)} files in this directory")
     return files
-
-
-def one_line(text: str) -> str:
-    """Foreign text (a reader's error, a name from the data) in one error line: line
-    breaks and other control characters escaped, so none can start a line of its own."""
-    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)
 
 
 def _convert_hint(name: str, text: str = "") -> str:

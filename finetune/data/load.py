@@ -18,13 +18,13 @@ import pyarrow as pa
 from datasets import (Dataset, Features, LargeList, List, Value, concatenate_datasets,
                       load_dataset)
 
-from finetune.data.files import check_file, diagnose_json, list_data_files, one_line
+from finetune.data.files import check_file, diagnose_json, list_data_files
 from finetune.data.rows import FORMATS, WEIGHT, check_row, preference_problem
 from finetune.config.methods import method as method_record
 from finetune.config.rules import is_local
 from finetune.config.schema import DataSource, Experiment
 from finetune.config.effective import record, value
-from finetune.errors import DataError
+from finetune.errors import DataError, one_line
 
 ORIGIN = "__origin__"  # "FILE row N" of every row, until data/prepare.py removes it
 BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}

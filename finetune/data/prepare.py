@@ -44,12 +44,12 @@ from datasets import load_from_disk
 
 from finetune import __version__, checkpoints
 from finetune.data.load import FORMATS, Splits, load_data
-from finetune.data.files import list_data_files, one_line
+from finetune.data.files import list_data_files
 from finetune.model.tokenizer import require_chat_template
 from finetune.config.effective import record
 from finetune.config.rules import is_local
 from finetune.config.schema import Experiment
-from finetune.errors import FAILED_MARKER, DataError, RunError, first_line
+from finetune.errors import FAILED_MARKER, DataError, RunError, first_line, one_line
 from finetune.data.files import content_digest
 
 VERSION = 2  # bump when what is stored changes

@@ -6,10 +6,9 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from finetune.data.files import one_line
 from finetune.model.load import refuse_remote_code, remote_code_error
 from finetune.config.schema import Experiment
-from finetune.errors import DataError, RunError, first_line
+from finetune.errors import DataError, RunError, first_line, one_line
 
 
 def load_tokenizer(experiment: Experiment) -> PreTrainedTokenizerBase:
