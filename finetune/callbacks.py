@@ -13,8 +13,8 @@ from typing import Any
 from transformers import TrainerCallback
 
 from finetune import checkpoint_state, checkpoints, compat
-from finetune.errors import RunError
 from finetune.preemption import StopOnSignal
+from finetune.rundir import metrics_records as _records
 
 
 def _clean(value):
@@ -35,34 +35,6 @@ class MetricsFile(TrainerCallback):
         if state.is_world_process_zero and logs:
             self.write({"step": state.global_step, "epoch": state.epoch,
                         "time": round(time.time(), 3), **logs})
-
-
-def _records(path: Path) -> tuple[list[dict], list[str]]:
-    """metrics.jsonl's records, and why each line that is not one was dropped: a line must
-    be a JSON object with a step number. A kill mid-append leaves a half-written last line."""
-    try:
-        lines = path.read_text(errors="replace").split("\n")
-    except FileNotFoundError:
-        return [], []
-    except OSError as exc:  # a directory where the file should be, say
-        raise RunError(f"cannot read {path} ({exc.strerror}): it should be the file of "
-                       "logged metrics; move it away and run again") from None
-    records, dropped = [], []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except (ValueError, RecursionError):
-            record = None
-        step = record.get("step") if isinstance(record, dict) else None
-        if isinstance(step, int) and not isinstance(step, bool) and step >= 0:
-            records.append(record)
-        else:
-            why = "half-written, as a kill mid-append leaves it" if number == len(lines) \
-                else "not a JSON object with a step number"
-            dropped.append(f"{path} line {number}: {why}; dropped")
-    return records, dropped
 
 
 def read_metrics(path: Path) -> list[dict]:

@@ -1,5 +1,5 @@
-"""What a run tells its user: the environment record, the start and end summaries, the
-loss curve."""
+"""What a run tells its user: the environment record, the start and end summaries (the
+loss curve is plots.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ from typing import Any
 
 from finetune import __version__, compat
 from finetune.config.effective import record, setting
-from finetune.errors import RunError
 
 PACKAGES = ("torch", "transformers", "accelerate", "peft", "trl", "datasets", "deepspeed",
             "bitsandbytes", "pydantic")
@@ -120,40 +119,6 @@ def end_summary(run_dir: Path, seconds: float, before: dict, after: dict,
         lines.append(f"  {key:<28} {change}")
     lines.append(f"  metrics    {run_dir / 'metrics.jsonl'}, summary {run_dir / 'summary.json'}")
     return "\n".join(lines)
-
-
-def _points(records: list[dict], key: str) -> list[tuple[int, float]]:
-    # A non-finite loss is logged as text ("nan"): not a point.
-    return [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float))]
-
-
-def plot_loss(records: list[dict], path: Path, title: str) -> bool:
-    train, evals = _points(records, "loss"), _points(records, "eval_loss")
-    if not train and not evals:
-        return False
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    if train:
-        ax.plot(*zip(*train), label="train loss")
-    if evals:
-        ax.plot(*zip(*evals), "o-", label="eval loss")
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("loss")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    try:
-        fig.savefig(path, dpi=100)
-    except OSError as exc:
-        raise RunError(f"cannot write {path}: {exc.strerror or exc}") from None
-    finally:
-        plt.close(fig)
-    return True
 
 
 def write_json(path: Path, value: Any) -> None:

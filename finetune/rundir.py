@@ -21,6 +21,7 @@ runs/<name>/
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -113,3 +114,31 @@ def make_run_dir(run_dir: Path) -> None:
     except OSError as exc:  # permissions, a read-only or full file system
         raise RunError(f"cannot create the run directory {run_dir}: {exc.strerror} "
                        "(output.dir)") from None
+
+
+def metrics_records(path: Path) -> tuple[list[dict], list[str]]:
+    """metrics.jsonl's records, and why each line that is not one was dropped: a line must
+    be a JSON object with a step number. A kill mid-append leaves a half-written last line."""
+    try:
+        lines = path.read_text(errors="replace").split("\n")
+    except FileNotFoundError:
+        return [], []
+    except OSError as exc:  # a directory where the file should be, say
+        raise RunError(f"cannot read {path} ({exc.strerror}): it should be the file of "
+                       "logged metrics; move it away and run again") from None
+    records, dropped = [], []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except (ValueError, RecursionError):
+            record = None
+        step = record.get("step") if isinstance(record, dict) else None
+        if isinstance(step, int) and not isinstance(step, bool) and step >= 0:
+            records.append(record)
+        else:
+            why = "half-written, as a kill mid-append leaves it" if number == len(lines) \
+                else "not a JSON object with a step number"
+            dropped.append(f"{path} line {number}: {why}; dropped")
+    return records, dropped

@@ -21,7 +21,7 @@ from finetune.model.peft import apply_peft, match_adapter_precision
 from finetune.data.prepare import prepared_data
 from finetune.model.tokenizer import load_tokenizer
 from finetune.callbacks import (EndAtLastStep, MetricsFile, NothingLeftToTrain, ResumeState,
-                                SealCheckpoints, read_metrics, truncate_metrics)
+                                SealCheckpoints, truncate_metrics)
 from finetune.config.effective import arguments, record, value
 from finetune.config.schema import Experiment
 from finetune.errors import ConfigError, RunError
@@ -31,8 +31,9 @@ from finetune.launch.environment import (launch_problems, parallel_note,
                                          process_group_problems, rank_of)
 from finetune.methods import Job, build_trainer, preparation
 from finetune.preemption import Preempted, StopOnSignal
-from finetune.report import (attention_name, end_summary, environment, plot_loss,
-                             start_summary, write_json)
+from finetune.plots import write_loss_plot
+from finetune.report import (attention_name, end_summary, environment, start_summary,
+                             write_json)
 from finetune.resume import ResumePlan
 from finetune.config.secrets import REDACTED, is_secret
 
@@ -195,7 +196,7 @@ def _write_results(run_dir: Path, summary: dict[str, Any], plot_title: str | Non
     if plot_title is None:
         return
     try:
-        plot_loss(read_metrics(run_dir / "metrics.jsonl"), run_dir / "loss.png", plot_title)
+        write_loss_plot(run_dir, plot_title)
     except RunError as exc:
         print(f"finetune: warning: no loss curve: {exc}", file=sys.stderr, flush=True)
 

@@ -25,10 +25,10 @@ TOP = import_graph.graph(top_level=True)  # those that run when the module is im
 # excepted: it reads and hashes files, and the fingerprint uses it).
 TORCH_SIDE = ("data", "model", "hardware", "methods", "trainers", "worker", "callbacks",
               "preemption")
-# What `finetune validate/render/estimate/launch --dry-run` and a launcher run: importing
+# What `finetune validate/render/estimate/plot/launch --dry-run` and a launcher run: importing
 # any of these must not load the torch side.
 TORCH_FREE = ("config", "render", "launch", "rundir", "resume", "fingerprint", "checkpoints",
-              "estimate", "errors", "cli")
+              "estimate", "errors", "cli", "plots")
 
 
 def unit(module: str) -> str:
