@@ -281,6 +281,26 @@ def _problem(origins: _Origins, loc: Loc, message: str, default: str) -> str:
     return f"{where}: {dotted(loc)}: {message}"
 
 
+def _training_fields_at_top(data: dict[str, Any], method: Any, origins: _Origins,
+                            default: str) -> list[str]:
+    """A flat, TRL-style file (learning_rate, num_train_epochs... at the top) gets one hint
+    naming those keys, taken out so they are not each an unknown key. Which keys: the
+    method's config class's fields (any method's when the method is not known)."""
+    known = [method] if isinstance(method, str) and method in METHODS else list(METHODS)
+    fields = {name for m in known for name in trl_fields.fields_of(m)}
+    top = [key for key in data if isinstance(key, str) and key not in Experiment.model_fields
+           and key in fields]
+    moved = [key for key in top if key not in trl_fields.OWNED]
+    problems = [f"{origins.of((moved[0],)) or default}: {', '.join(moved)}: these are "
+                "`training:` fields: move them under `training:`"] if moved else []
+    problems += [_problem(origins, (key,), "unknown key: finetune sets it from "
+                          f"`{trl_fields.OWNED[key]}`", default)
+                 for key in top if key in trl_fields.OWNED]
+    for key in top:
+        del data[key]
+    return problems
+
+
 def load_experiment(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Experiment:
     try:
         return _load_experiment(Path(path), overrides)
@@ -299,10 +319,11 @@ def _load_experiment(path: Path, overrides: list[str] | tuple[str, ...]) -> Expe
         section = data.get(loc[0])
         if isinstance(section, dict) and section.get(loc[1]) == value:
             problems.append(_problem(origins, loc, hint, str(path)))
+    method = data.get("method")
+    problems += _training_fields_at_top(data, method, origins, str(path))
     # The training section is checked even when the schema fails, so every problem of
     # the file is reported in one go.
     training = data.get("training")
-    method = data.get("method")
     if isinstance(method, str) and method in METHODS and \
             isinstance(training, dict):
         data["training"], training_problems = trl_fields.check_training(method, training)

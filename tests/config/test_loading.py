@@ -31,6 +31,25 @@ def test_unknown_key_names_path_line_and_suggestion(write):
                        "trl.SFTConfig; did you mean learning_rate?")
 
 
+def test_flat_trl_style_training_keys_get_one_hint(write):
+    path = write("exp.yaml", BASE + "learning_rate: 2e-4\nper_device_train_batch_size: 8\n"
+                                    "num_train_epochs: 1\noutput_dir: out\nlerning: 3\n")
+    assert problems(path) == [
+        f"{path}:7: learning_rate, per_device_train_batch_size, num_train_epochs: these are "
+        "`training:` fields: move them under `training:`",
+        f"{path}:10: output_dir: unknown key: finetune sets it from `output.dir`",
+        f"{path}:11: lerning: unknown key, did you mean training?"]
+    # the method's own class decides (beta is DPOConfig's, not SFTConfig's); an override
+    # is named as one
+    assert problems(path, "beta=0.1")[0].startswith(f"{path}:7: learning_rate, "
+                                                     "per_device_train_batch_size, "
+                                                     "num_train_epochs: these")
+    assert "command line: beta: unknown key" in "\n".join(problems(path, "beta=0.1"))
+    dpo = write("dpo.yaml", BASE.replace("method: sft", "method: dpo") + "beta: 0.1\n")
+    assert problems(dpo)[0] == (f"{dpo}:7: beta: these are `training:` fields: move them "
+                                "under `training:`")
+
+
 def test_unknown_section_key_suggests(write):
     path = write("exp.yaml", BASE + "peft:\n  type: lora\n  rr: 8\n")
     assert problems(path) == [f"{path}:9: peft.rr: unknown key, did you mean r?"]
