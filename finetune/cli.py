@@ -80,11 +80,10 @@ def _train(args: argparse.Namespace) -> int:
 
     launched = time.time()  # before the heavy imports: see data/prepare.py, _wait
 
-    from finetune.config import load_experiment
-    from finetune.launch.environment import rank_of
+    from finetune.launch.environment import experiment_as_launched, rank_of
     from finetune.render.bundle import prepare_run_dir
 
-    experiment = load_experiment(args.config, args.overrides)
+    experiment = experiment_as_launched(args.config, args.overrides, os.environ)
     experiment, run_dir, plan = prepare_run_dir(experiment, rank=rank_of(os.environ))
     from finetune.errors import EXIT_PREEMPTED, ConfigError, DataError, RunError
 
@@ -168,13 +167,14 @@ def _render(args: argparse.Namespace) -> int:
 
 
 def _launch(args: argparse.Namespace) -> int:
+    import os
     import shlex
 
     from finetune import checkpoints
     from finetune.errors import RunError
     from finetune.launch.rendezvous import wait_for_main
     from finetune.render.scripts import launch_argv
-    from finetune.launch.environment import parallel_note
+    from finetune.launch.environment import launcher_threads, parallel_note
     from finetune.launch.forward import run_forwarding
     from finetune.render.bundle import prepare_run_dir
 
@@ -184,9 +184,10 @@ def _launch(args: argparse.Namespace) -> int:
     if args.machine_rank >= machines:
         raise RunError(f"--machine-rank {args.machine_rank}: the experiment has {machines} "
                        f"machine(s) (distributed.num_machines), so ranks 0..{machines - 1}")
-    note = parallel_note(experiment, experiment.distributed.device)
-    if note:
-        print(f"finetune: {note}", flush=True)
+    for note in (parallel_note(experiment, experiment.distributed.device),
+                 launcher_threads(experiment, os.environ)):
+        if note:
+            print(f"finetune: {note}", flush=True)
     # Decides (and refuses) a resume before anything starts; rank 0 of the run reports it.
     experiment, run_dir, _ = prepare_run_dir(experiment)
     argv = launch_argv(experiment, run_dir, args.machine_rank)

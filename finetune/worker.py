@@ -27,7 +27,7 @@ from finetune.config.schema import Experiment
 from finetune.errors import ConfigError, RunError
 from finetune.evaluation import exact_match
 from finetune.fingerprint import fingerprint, layout
-from finetune.launch.environment import (launch_problems, parallel_note,
+from finetune.launch.environment import (apply_cpu_threads, launch_problems, parallel_note,
                                          process_group_problems, rank_of)
 from finetune.methods import Job, build_trainer, preparation
 from finetune.preemption import Preempted, StopOnSignal
@@ -214,6 +214,7 @@ def train(experiment: Experiment, run_dir: Path, plan: ResumePlan,
     hw = resolve_hardware(experiment)
     if experiment.distributed.strategy == "fsdp" and hw.device != "cuda":
         raise RunError(FSDP_NEEDS_CUDA)  # device auto on a machine without CUDA
+    threads = apply_cpu_threads(os.environ) if hw.device == "cpu" else None
     tokenizer = load_tokenizer(experiment)
     # Before any process group exists: see data/prepare.py.
     data = prepared_data(experiment, tokenizer, preparation(experiment), run_dir,
@@ -236,7 +237,8 @@ def train(experiment: Experiment, run_dir: Path, plan: ResumePlan,
     job = Job(experiment=experiment, run_dir=run_dir, hardware=hw, tokenizer=tokenizer,
               model=model, data=data, args=args,
               callbacks=[metrics, stop, resume_state, seal, EndAtLastStep()],
-              notes=[n for n in (parallel_note(experiment, hw.device), checkpointing_note) if n])
+              notes=[n for n in (parallel_note(experiment, hw.device), checkpointing_note, threads)
+                     if n])
     trainer = build_trainer(job)
     if experiment.distributed.strategy == "fsdp" and not trainer.is_fsdp_enabled:
         raise RunError("distributed.strategy is fsdp, but the Trainer runs without FSDP: start "

@@ -86,13 +86,57 @@ def test_accelerate_cpu_flag_that_starts_one_process_is_refused(write, tmp_path)
 
 
 def test_torchrun_copies_of_a_one_process_experiment_are_refused(write, tmp_path):
-    config = write("copies.yaml", experiment("{strategy: none, device: cpu}"))
+    """A count the experiment gives and the launcher contradicts stops every process before
+    the data is prepared or the run directory written."""
+    config = write("copies.yaml", experiment("{strategy: none, num_processes: 1, device: cpu}"))
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
          "--master-port", "29624", "-m", "finetune", "train", str(config)],
         cwd=tmp_path, capture_output=True, text=True, timeout=300)
     _fails(result, "started as one of 2 (WORLD_SIZE=2), but the experiment asks for 1")
-    assert not (tmp_path / "runs" / "copies" / "final").exists()
+    assert "leave the count out to take the launcher's" in result.stderr
+    assert "data prepared" not in result.stdout and not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("launcher", ["accelerate", "torchrun"])
+def test_the_launchers_process_count_is_taken_when_the_experiment_gives_none(
+        write, tmp_path, launcher):
+    """README's recipe, `accelerate launch --config_file accelerate_configs/ddp.yaml -m
+    finetune train EXP`, and torchrun, with no count in the experiment: it trains on the
+    launcher's 2 processes, says so once, and the run directory records 2."""
+    config = write("adopt.yaml", experiment("{device: cpu}"))
+    port = "29631" if launcher == "accelerate" else "29632"
+    start = ["accelerate.commands.launch", "--config_file",
+             str(REPO / "accelerate_configs" / "ddp.yaml"), "--main_process_port", port] \
+        if launcher == "accelerate" else \
+        ["torch.distributed.run", "--nproc-per-node", "2", "--master-port", port]
+    result = subprocess.run([sys.executable, "-m", *start, "-m", "finetune", "train",
+                             str(config)], cwd=tmp_path, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    note = ("finetune: distributed.num_processes 2 over 1 machine(s), from the launcher "
+            "(WORLD_SIZE=2); the experiment gives no process count")
+    assert result.stdout.count(note) == 1, result.stdout
+    assert result.stdout.index(note) < result.stdout.index("finetune: data prepared")
+    assert "x 2 process(es)" in result.stdout
+    assert "2 processes with distributed.strategy none: data parallel (DDP) on cpu" in \
+        result.stdout
+    run = tmp_path / "runs" / "adopt"
+    resolved = yaml.safe_load((run / "experiment.yaml").read_text())
+    assert resolved["distributed"]["num_processes"] == 2
+    assert (run / "final" / "model.safetensors").is_file()
+
+
+def test_a_machine_count_the_launcher_contradicts_is_refused(write, tmp_path):
+    config = write("machines.yaml", experiment("{strategy: ddp, num_machines: 2, device: cpu}"))
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--master-port", "29633", "-m", "finetune", "train", str(config)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    _fails(result, "the launcher started 2 process(es) on 1 machine(s) (WORLD_SIZE=2, "
+                   "LOCAL_WORLD_SIZE=2), but the experiment asks for 2 machines "
+                   "(distributed.num_machines)")
+    assert not (tmp_path / "runs").exists()
 
 
 def test_accelerate_precision_that_contradicts_the_experiment_is_refused(write, tmp_path):
@@ -221,6 +265,7 @@ def test_num_processes_without_a_strategy_trains_ddp_on_the_probed_cpu(write, tm
 
     config = write("auto.yaml", experiment("{main_process_port: 29628}"))
     env = dict(os.environ)
+    env.pop("OMP_NUM_THREADS")  # finetune launch shares this machine's cores out
     if PROC_GPUS.exists() or shutil.which("nvidia-smi"):
         env["CUDA_VISIBLE_DEVICES"] = ""  # a GPU machine: hide them, as the probe reads it
     result = subprocess.run([sys.executable, "-m", "finetune", "launch", str(config),
@@ -233,6 +278,10 @@ def test_num_processes_without_a_strategy_trains_ddp_on_the_probed_cpu(write, tm
     assert "x 2 process(es)" in result.stdout
     summary = result.stdout.split("finetune: run auto")[-1]  # the start summary says it too
     assert "data parallel (DDP) on cpu" in summary
+    threads = max(1, len(os.sched_getaffinity(0)) // 2)
+    assert f"finetune: OMP_NUM_THREADS={threads} for each of the 2 processes on this " \
+           f"machine's {len(os.sched_getaffinity(0))} cores" in result.stdout
+    assert f"{threads} CPU thread(s) per process (OMP_NUM_THREADS={threads})" in summary
     run = tmp_path / "runs" / "auto"
     accel = yaml.safe_load((run / "accelerate.yaml").read_text())
     assert accel["mixed_precision"] == "no" and accel["distributed_type"] == "MULTI_GPU"

@@ -4,8 +4,9 @@ an Accelerate config can silently change precision or turn on DeepSpeed."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
-from typing import Mapping
+from typing import Mapping, MutableMapping
 
 from finetune.config import deepspeed_file
 from finetune.config.schema import Experiment
@@ -29,16 +30,70 @@ def parallel_note(experiment: Experiment, device: str) -> str | None:
             f"(DDP) on {device}")
 
 
+def _launched_layout(env: Mapping[str, str]) -> tuple[int, int | None]:
+    """Processes in all and machines, as the launcher (torchrun, or accelerate launch, which
+    runs torchrun's) set them; machines None when it does not say (no LOCAL_WORLD_SIZE)."""
+    world = int(env.get("WORLD_SIZE", "1"))
+    if "WORLD_SIZE" not in env:
+        return world, 1  # a plain `finetune train`: this one process
+    local = int(env.get("LOCAL_WORLD_SIZE", "0"))
+    return world, world // local if local and world % local == 0 else None
+
+
+def _world_problem(world: int, experiment: Experiment) -> str:
+    return (f"this process was started as one of {world} (WORLD_SIZE={world}), but the "
+            f"experiment asks for {experiment.distributed.world_size} "
+            "(distributed.num_processes / processes_per_machine x num_machines); start it with "
+            "`finetune launch`, or leave the count out to take the launcher's")
+
+
+def launcher_overrides(experiment: Experiment, env: Mapping[str, str]) -> tuple[list[str], str | None]:
+    """An experiment that gives no process count takes the launcher's (`accelerate launch
+    -m finetune train EXP` need not say it twice): the overrides that say so, and a note.
+    A count (or machine count) that truly disagrees is a RunError, before anything is
+    prepared."""
+    from finetune.errors import RunError
+
+    dist = experiment.distributed
+    world, machines = _launched_layout(env)
+    if dist.num_processes is not None or dist.processes_per_machine is not None:
+        if world != dist.world_size:
+            raise RunError(_world_problem(world, experiment))
+        return [], None
+    machines = machines or dist.num_machines
+    if dist.num_machines not in (1, machines):  # given (not the default), and not so
+        raise RunError(f"the launcher started {world} process(es) on {machines} machine(s) "
+                       f"(WORLD_SIZE={world}, LOCAL_WORLD_SIZE={env.get('LOCAL_WORLD_SIZE')}), "
+                       f"but the experiment asks for {dist.num_machines} machines "
+                       "(distributed.num_machines)")
+    if world == dist.world_size and machines == dist.num_machines:
+        return [], None
+    return ([f"distributed.num_processes={world}", f"distributed.num_machines={machines}"],
+            f"distributed.num_processes {world} over {machines} machine(s), from the launcher "
+            f"(WORLD_SIZE={world}); the experiment gives no process count")
+
+
+def experiment_as_launched(config: str, overrides: list[str], env: Mapping[str, str]) -> Experiment:
+    """What `finetune train` runs: the experiment, with the launcher's process count when it
+    gives none (said once, by rank 0)."""
+    from finetune.config import load_experiment
+
+    experiment = load_experiment(config, overrides)
+    extra, note = launcher_overrides(experiment, env)
+    if not extra:
+        return experiment
+    if rank_of(env) == 0:
+        print(f"finetune: {note}", flush=True)
+    return load_experiment(config, [*overrides, *extra])
+
+
 def launch_problems(experiment: Experiment, env: Mapping[str, str], precision: str) -> list[str]:
     """What in the launch environment disagrees with the experiment (torch-free)."""
     dist = experiment.distributed
     problems = []
     world = int(env.get("WORLD_SIZE", "1"))
     if world != dist.world_size:
-        problems.append(
-            f"this process was started as one of {world} (WORLD_SIZE={world}), but the "
-            f"experiment asks for {dist.world_size} (distributed.num_processes / "
-            "processes_per_machine x num_machines); start it with `finetune launch`")
+        problems.append(_world_problem(world, experiment))
     # With bf16 and fp16 off, TrainingArguments takes the launcher's mixed precision: an
     # Accelerate file saying bf16 would silently turn an fp32 experiment into bf16. A file
     # saying 'no' changes nothing (the experiment's bf16/fp16 flags win).
@@ -78,3 +133,52 @@ def process_group_problems(experiment: Experiment, args, device: str) -> list[st
             problems.append(f"torch.distributed backend is {backend}, expected {wanted} on "
                             f"{device}")
     return problems
+
+
+# ---- CPU threads: N processes on one machine share its cores ----
+
+def cpu_cores() -> int:
+    """The cores this process may run on (a cgroup or taskset may allow fewer than exist)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def cpu_threads(env: Mapping[str, str]) -> tuple[int | None, str]:
+    """Threads for one training process on the CPU: the count to set (None: leave it to
+    OMP_NUM_THREADS, or to torch's default for a process alone), and why."""
+    cores, local = cpu_cores(), max(int(env.get("LOCAL_WORLD_SIZE", "1")), 1)
+    given = env.get("OMP_NUM_THREADS")
+    if given:
+        spare = given.isdigit() and int(given) * local < cores
+        return None, f"OMP_NUM_THREADS={given}" + (
+            f"; {cores} cores for {local} process(es) here: OMP_NUM_THREADS="
+            f"{cores // local} would use them all" if spare else "")
+    if local == 1:
+        return None, f"torch's default on {cores} cores; OMP_NUM_THREADS sets it"
+    return max(1, cores // local), (f"{cores} cores / {local} processes on this machine; "
+                                    "OMP_NUM_THREADS sets it")
+
+
+def apply_cpu_threads(env: Mapping[str, str]) -> str:
+    """Set this training process's CPU threads (cpu_threads); the start summary's line."""
+    import torch
+
+    threads, why = cpu_threads(env)
+    if threads is not None:
+        torch.set_num_threads(threads)
+    return f"{torch.get_num_threads()} CPU thread(s) per process ({why})"
+
+
+def launcher_threads(experiment: Experiment, env: MutableMapping[str, str]) -> str | None:
+    """`finetune launch` on the CPU: the launchers give each of N processes one thread when
+    OMP_NUM_THREADS is unset (torchrun; accelerate's multi-process launch), so set it for
+    them to share the cores, unless the user did. The note says so."""
+    per_machine = experiment.distributed.per_machine
+    if experiment.distributed.device != "cpu" or per_machine == 1 or env.get("OMP_NUM_THREADS"):
+        return None
+    threads = max(1, cpu_cores() // per_machine)
+    env["OMP_NUM_THREADS"] = str(threads)
+    return (f"OMP_NUM_THREADS={threads} for each of the {per_machine} processes on this "
+            f"machine's {cpu_cores()} cores (set OMP_NUM_THREADS yourself to choose)")
