@@ -373,8 +373,9 @@ def build_parser() -> argparse.ArgumentParser:
     estimate.set_defaults(func=_estimate)
 
     reference = commands.add_parser(
-        "reference", help="print every experiment key with its type, default and meaning",
-        description="Print the experiment reference (Markdown), generated from the schema.")
+        "reference", help="print every method and experiment key (type, default, meaning)",
+        description="Print the experiment reference (Markdown), generated from the method "
+                    "records and the schema.")
     reference.set_defaults(func=_reference)
 
     from finetune.plots import add_parser as add_plot  # torch-free, matplotlib when drawing

@@ -42,6 +42,35 @@ def _rows(model: type[BaseModel], prefix: str) -> list[str]:
     return rows
 
 
+def _model(method) -> str:
+    """What a method trains, in words, from its record."""
+    if method.head == "score":
+        text = f"sequence classifier, a logit per class ({method.labels})" if method.labels \
+            else "sequence classifier, 1 logit"
+    else:
+        text = "causal LM"
+    if method.reference is not None:
+        text += " + frozen reference"
+        if method.reference.switch:
+            text += f" (none when training.{method.reference.switch} is 0)"
+    if method.value_model:
+        text += f" + value model ({method.value_model})"
+    return text
+
+
+def methods_table() -> list[str]:
+    """One row per method record (config/methods.py): every method, none written by hand."""
+    rows = ["## Methods", "",
+            "| method | `training:` fields of | data formats | model | sections | strategies |",
+            "|---|---|---|---|---|---|"]
+    for name, method in METHODS.items():
+        sections = ", ".join(f"`{s}`" for s in method.sections) or "-"
+        rows.append(f"| `{name}` | {'.'.join(method.config_class)} | "
+                    f"{', '.join(method.formats)} | {_model(method)} | {sections} | "
+                    f"{', '.join(method.strategies)} |")
+    return rows + [""]
+
+
 def markdown() -> str:
     classes = ", ".join(f"{name}: {'.'.join(method.config_class)}"
                         for name, method in METHODS.items())
@@ -57,5 +86,6 @@ def markdown() -> str:
              f"Files are UTF-8 text of at most {yamltext.MAX_BYTES // 1024} KiB, nested at most "
              f"{yamltext.MAX_DEPTH} levels, with at most {yamltext.MAX_NODES:,} values "
              "(an alias counts as often as it is used); keys are text.", "",
+             *methods_table(), "## Keys", "",
              "| key | type | default | description |", "|---|---|---|---|"]
     return "\n".join(lines + _rows(Experiment, "")) + "\n"
