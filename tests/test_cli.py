@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from conftest import DATA, REPO, TINY_MODEL, run_cli
 from finetune.cli import build_parser
@@ -105,3 +106,24 @@ def test_trains_from_a_source_tree_without_installing(write, tmp_path):
                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "finetune: done in" in result.stdout
+
+
+def test_overrides_before_between_and_after_flags(write, tmp_path, monkeypatch, capsys):
+    """`finetune launch exp.yaml a=1 --num-processes 2 b=2 --dry-run c=3`: every override
+    counts, wherever it stands (cli.main joins those argparse leaves over)."""
+    from finetune.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    config = write("exp.yaml", f"method: sft\nmodel:\n  name_or_path: {TINY_MODEL}\n"
+                               f"data:\n  train: {DATA}/sft_train.jsonl\n"
+                               "distributed: {device: cpu}\n")
+    assert main(["launch", str(config), "training.max_steps=5", "--num-processes", "2",
+                 "name=mid", "--dry-run", "training.seed=9"]) == 0
+    resolved = yaml.safe_load((tmp_path / "runs" / "mid" / "experiment.yaml").read_text())
+    assert resolved["training"]["max_steps"] == 5 and resolved["training"]["seed"] == 9
+    assert resolved["distributed"]["num_processes"] == 2
+    capsys.readouterr()
+    assert main(["validate", str(config), "training.max_steps=5", "--print",
+                 "training.seed=9"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["training"]["max_steps"] == 5 and printed["training"]["seed"] == 9
