@@ -184,8 +184,8 @@ def _launch(args: argparse.Namespace) -> int:
     if args.machine_rank >= machines:
         raise RunError(f"--machine-rank {args.machine_rank}: the experiment has {machines} "
                        f"machine(s) (distributed.num_machines), so ranks 0..{machines - 1}")
-    for note in (parallel_note(experiment, experiment.distributed.device),
-                 launcher_threads(experiment, os.environ)):
+    threads, threads_note = launcher_threads(experiment, os.environ)
+    for note in (parallel_note(experiment, experiment.distributed.device), threads_note):
         if note:
             print(f"finetune: {note}", flush=True)
     # Decides (and refuses) a resume before anything starts; rank 0 of the run reports it.
@@ -202,7 +202,7 @@ def _launch(args: argparse.Namespace) -> int:
                        f"{dist.main_process_ip}:{dist.main_process_port} within "
                        f"{dist.rdzv_timeout} s (distributed.rdzv_timeout): is machine 0 "
                        "started, and is that address and port reachable from here?")
-    return run_forwarding(argv, run_dir / checkpoints.STOPPED, run_dir)
+    return run_forwarding(argv, run_dir / checkpoints.STOPPED, run_dir, threads)
 
 
 def _slurm(args: argparse.Namespace) -> int:
@@ -374,12 +374,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     reference = commands.add_parser(
         "reference", help="print every method and experiment key (type, default, meaning)",
-        description="Print the experiment reference (Markdown), generated from the method "
-                    "records and the schema.")
+        description="Print the experiment reference (Markdown): methods and keys, generated.")
     reference.set_defaults(func=_reference)
 
     from finetune.plots import add_parser as add_plot  # torch-free, matplotlib when drawing
-
     add_plot(commands)
     return parser
 

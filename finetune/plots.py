@@ -157,6 +157,8 @@ def save(fig, path: Path) -> None:
 
 def write_loss_plot(run_dir: Path, title: str) -> bool:
     """loss.png of a run that has ended (the worker, rank 0); False if nothing was logged."""
+    if not (run_dir / "metrics.jsonl").exists():
+        return False
     run = read_run(run_dir)
     fig = figure([run], title=title)
     if fig is None:

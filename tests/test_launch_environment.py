@@ -80,11 +80,10 @@ def test_cpu_threads_share_the_cores_unless_omp_num_threads_is_set():
 
 def test_finetune_launch_sets_threads_for_the_launcher_unless_given(write):
     two = exp(write, "{device: cpu, num_processes: 2}")
-    env: dict[str, str] = {}
-    note = launcher_threads(two, env)
+    update, note = launcher_threads(two, {})
     threads = max(1, cpu_cores() // 2)
-    assert env == {"OMP_NUM_THREADS": str(threads)}
+    assert update == {"OMP_NUM_THREADS": str(threads)}
     assert note.startswith(f"OMP_NUM_THREADS={threads} for each of the 2 processes")
-    assert launcher_threads(two, {"OMP_NUM_THREADS": "3"}) is None
-    assert launcher_threads(exp(write), {}) is None  # one process: torch's own default
-    assert launcher_threads(exp(write, "{device: cuda, num_processes: 2}"), {}) is None
+    assert launcher_threads(two, {"OMP_NUM_THREADS": "3"}) == ({}, None)
+    assert launcher_threads(exp(write), {}) == ({}, None)  # one process: torch's own default
+    assert launcher_threads(exp(write, "{device: cuda, num_processes: 2}"), {}) == ({}, None)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Mapping, MutableMapping
+from typing import Mapping
 
 from finetune.config import deepspeed_file
 from finetune.config.schema import Experiment
@@ -171,14 +171,16 @@ def apply_cpu_threads(env: Mapping[str, str]) -> str:
     return f"{torch.get_num_threads()} CPU thread(s) per process ({why})"
 
 
-def launcher_threads(experiment: Experiment, env: MutableMapping[str, str]) -> str | None:
+def launcher_threads(experiment: Experiment,
+                     env: Mapping[str, str]) -> tuple[dict[str, str], str | None]:
     """`finetune launch` on the CPU: the launchers give each of N processes one thread when
-    OMP_NUM_THREADS is unset (torchrun; accelerate's multi-process launch), so set it for
-    them to share the cores, unless the user did. The note says so."""
+    OMP_NUM_THREADS is unset (torchrun; accelerate's multi-process launch), so it is set
+    for them to share the cores, unless the user did: the launcher's environment update,
+    and a note that says so."""
     per_machine = experiment.distributed.per_machine
     if experiment.distributed.device != "cpu" or per_machine == 1 or env.get("OMP_NUM_THREADS"):
-        return None
+        return {}, None
     threads = max(1, cpu_cores() // per_machine)
-    env["OMP_NUM_THREADS"] = str(threads)
-    return (f"OMP_NUM_THREADS={threads} for each of the {per_machine} processes on this "
-            f"machine's {cpu_cores()} cores (set OMP_NUM_THREADS yourself to choose)")
+    return {"OMP_NUM_THREADS": str(threads)}, (
+        f"OMP_NUM_THREADS={threads} for each of the {per_machine} processes on this "
+        f"machine's {cpu_cores()} cores (set OMP_NUM_THREADS yourself to choose)")

@@ -18,6 +18,7 @@ writes failed-<rank>.json, and the launcher would only say that a child failed.
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -46,13 +47,15 @@ def _failures(run_dir: Path, since: float) -> list[Path]:
     return sorted(p for p in run_dir.glob(pattern) if p.stat().st_mtime >= since)
 
 
-def run_forwarding(argv: list[str], stopped_marker: Path, run_dir: Path) -> int:
+def run_forwarding(argv: list[str], stopped_marker: Path, run_dir: Path,
+                   env_update: dict[str, str] | None = None) -> int:
     for signum in FORWARDED:
         # Ignored until our handler is set, and inherited ignored by the launcher (which
         # sets its own handlers) so that it never dies of a USR1 meant for the trainers.
         signal.signal(signum, signal.SIG_IGN)
     started = time.time()
-    child = subprocess.Popen(argv, start_new_session=True)
+    child = subprocess.Popen(argv, start_new_session=True,
+                             env={**os.environ, **(env_update or {})})
     asked: list[str] = []
 
     def forward(signum, _frame):
