@@ -96,8 +96,8 @@ def test_module_builds_and_prepares(record):
 
 
 # Torch-free layers, and the worker and report, read records instead of method names.
-READERS = ["config", "data", "estimate", "fingerprint.py", "model", "render", "report.py", "plots.py",
-           "resume.py", "worker.py", "hardware.py"]
+READERS = ["config", "data", "estimate", "fingerprint.py", "model", "render", "report.py",
+           "plots.py", "resume.py", "worker.py", "hardware.py"]
 
 
 def _name_branches(path) -> list[str]:
