@@ -47,7 +47,8 @@ def _world_problem(world: int, experiment: Experiment) -> str:
             "`finetune launch`, or leave the count out to take the launcher's")
 
 
-def launcher_overrides(experiment: Experiment, env: Mapping[str, str]) -> tuple[list[str], str | None]:
+def launcher_overrides(experiment: Experiment,
+                       env: Mapping[str, str]) -> tuple[list[str], str | None]:
     """An experiment that gives no process count takes the launcher's (`accelerate launch
     -m finetune train EXP` need not say it twice): the overrides that say so, and a note.
     A count (or machine count) that truly disagrees is a RunError, before anything is
