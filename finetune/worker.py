@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 from transformers import TrainerCallback
 
-from finetune import checkpoints
+from finetune import checkpoints, hub, trackers
 from finetune.hardware import Hardware, checkpointing_decision, resolve_hardware
 from finetune.model.load import count_parameters, initial_weights, load_model
 from finetune.model.peft import apply_peft, match_adapter_precision
@@ -227,7 +227,10 @@ def train(experiment: Experiment, run_dir: Path, plan: ResumePlan,
     initial = None  # loaded back from init-model/ (quantized, ZeRO-3): not kept alive
     model = apply_peft(model, experiment, args.gradient_checkpointing)
 
-    metrics = MetricsFile(run_dir / "metrics.jsonl")
+    # Before the Trainer is built: its integrations read where to log as it builds them.
+    tracking = trackers.start(experiment, run_dir, plan.step if plan.checkpoint else None,
+                              rank == 0)
+    metrics = MetricsFile(run_dir / "metrics.jsonl", tracking.log)
     seal = SealCheckpoints(run_dir, {"fingerprint": fingerprint(experiment),
                                      "layout": layout(experiment)},
                            experiment.training.get("save_total_limit"), stop)
@@ -266,6 +269,7 @@ def train(experiment: Experiment, run_dir: Path, plan: ResumePlan,
             raise RunError(_disk_full_message(run_dir)) from exc
         raise
     if stop.stopping:
+        tracking.end("KILLED")  # the next attempt resumes its runs
         _leave_process_group()
         step = trainer.state.global_step
         raise Preempted(stop.received or "a signal on another rank", step,
@@ -285,7 +289,10 @@ def train(experiment: Experiment, run_dir: Path, plan: ResumePlan,
         _write_results(run_dir, summary, f"{experiment.name} ({experiment.method})"
                        if experiment.output.plot else None)
         print(end_summary(run_dir, summary["seconds"], before, after, final_dir), flush=True)
+        tracking.finish(summary)
     _leave_process_group()
+    if main and experiment.training.get("push_to_hub") and final_dir is not None:
+        hub.push(run_dir)  # the run is complete and every other process has left
     return summary
 
 
