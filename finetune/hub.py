@@ -56,6 +56,14 @@ def _read(path: Path, what: str) -> dict[str, Any]:
     return data
 
 
+def _optional(path: Path) -> dict[str, Any]:
+    """A record the card is richer for (the run's precision, its training arguments)."""
+    try:
+        return _read(path, "")
+    except RunError:
+        return {}
+
+
 def plan(run_dir: Path, repo_id: str | None = None) -> Upload:
     """The upload of a finished run: final/'s files and the card."""
     from finetune.modelcard import model_card  # the schema's weight, not for `--help`
@@ -70,8 +78,10 @@ def plan(run_dir: Path, repo_id: str | None = None) -> Upload:
                          if p.is_file() and p.relative_to(final).as_posix() not in LEFT_OUT))
     training = exp.get("training") or {}
     repo_id = repo_id or (exp.get("output") or {}).get("hub_model_id") or exp["name"]
+    ran = {"precision": _optional(run_dir / "environment.json").get("precision"),
+           "training_args": _optional(run_dir / "training_args.json")}
     return Upload(repo_id=repo_id, folder=final, files=files,
-                  card=model_card(exp, summary, repo_id),
+                  card=model_card(exp, summary, repo_id, ran),
                   private=training.get("hub_private_repo"),
                   revision=training.get("hub_revision"))
 

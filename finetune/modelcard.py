@@ -19,6 +19,11 @@ from finetune.config.rules import HUB_ID
 from finetune.config.secrets import is_secret
 from finetune.report import summary_metrics
 
+# The settings every card shows, as the run had them (training_args.json), defaults too.
+KEY_ARGS = ("learning_rate", "lr_scheduler_type", "warmup_steps", "weight_decay", "optim",
+            "per_device_train_batch_size", "gradient_accumulation_steps", "num_train_epochs",
+            "max_steps", "max_length", "seed")
+_PEFT_NAMES = {"lora": "LoRA", "qlora": "QLoRA"}
 # Not settings of the model: where and whether it is uploaded.
 _NOT_SETTINGS = ("push_to_hub", *HUB_KEYS)
 # Measurements of the run itself, not of the model (as the end summary leaves them out).
@@ -59,7 +64,8 @@ def _origin(exp: dict[str, Any], adapter: bool) -> str:
     found = hub_id(model["name_or_path"])
     named = f"[{found}](https://huggingface.co/{found})" if found \
         else f"a local model, `{PurePath(model['name_or_path']).name}`"
-    what = f"A {exp['peft']['type'].upper()} adapter" if adapter else "A model"
+    what = f"A {_PEFT_NAMES.get(exp['peft']['type'], exp['peft']['type'])} adapter" if adapter \
+        else "A model"
     if model["init"] == "random":
         return f"{what} trained with finetune's `{exp['method']}` method from randomly " \
                f"initialised weights of the architecture of {named}."
@@ -85,16 +91,20 @@ def _results(summary: dict[str, Any]) -> list[str]:
     return rows
 
 
-def _settings(exp: dict[str, Any], adapter: bool) -> dict[str, Any]:
-    settings: dict[str, Any] = {"method": exp["method"], "precision": exp["precision"]}
+def _settings(exp: dict[str, Any], adapter: bool, ran: dict[str, Any]) -> dict[str, Any]:
+    settings: dict[str, Any] = {"method": exp["method"],
+                                "precision": ran.get("precision") or exp["precision"]}
     if adapter:
         peft = exp["peft"]
         keys = ["type", "r", "alpha", "dropout", "target_modules", "use_rslora", "use_dora"]
         if peft["type"] == "qlora":
             keys += ["bits", "quant_type", "double_quant"]
         settings["peft"] = {k: peft[k] for k in keys if k in peft}
-    settings["training"] = {k: v for k, v in (exp.get("training") or {}).items()
-                            if not is_secret(str(k)) and k not in _NOT_SETTINGS}
+    args = ran.get("training_args") or {}
+    training = {k: args[k] for k in KEY_ARGS if k in args}
+    training.update((k, v) for k, v in (exp.get("training") or {}).items()
+                    if not is_secret(str(k)) and k not in _NOT_SETTINGS)
+    settings["training"] = training
     processes = (exp.get("distributed") or {}).get("num_processes")
     if processes:
         settings["processes"] = processes
@@ -103,19 +113,18 @@ def _settings(exp: dict[str, Any], adapter: bool) -> dict[str, Any]:
 
 def _usage(repo_id: str, head: str, adapter: bool) -> str:
     kind = "CausalLM" if head == "lm" else "SequenceClassification"
-    if adapter:
-        load = (f"from peft import AutoPeftModelFor{kind}\n\n"
-                f"model = AutoPeftModelFor{kind}.from_pretrained(\"{repo_id}\")\n")
-    else:
-        load = (f"from transformers import AutoModelFor{kind}\n\n"
-                f"model = AutoModelFor{kind}.from_pretrained(\"{repo_id}\")\n")
-    return (f"```python\n{load}from transformers import AutoTokenizer\n\n"
-            f"tokenizer = AutoTokenizer.from_pretrained(\"{repo_id}\")\n```")
+    auto = f"AutoPeftModelFor{kind}" if adapter else f"AutoModelFor{kind}"
+    return "\n".join(["```python", f"from {'peft' if adapter else 'transformers'} import {auto}",
+                      "from transformers import AutoTokenizer", "",
+                      f'model = {auto}.from_pretrained("{repo_id}")',
+                      f'tokenizer = AutoTokenizer.from_pretrained("{repo_id}")', "```"])
 
 
-def model_card(exp: dict[str, Any], summary: dict[str, Any], repo_id: str) -> str:
+def model_card(exp: dict[str, Any], summary: dict[str, Any], repo_id: str,
+               ran: dict[str, Any] | None = None) -> str:
     """README.md for the final model of a run. exp: the resolved experiment as data
-    (experiment.yaml); summary: summary.json."""
+    (experiment.yaml); summary: summary.json; ran: what the run resolved, where known
+    (precision: environment.json's; training_args: training_args.json)."""
     adapter = exp["peft"]["type"] != "none"
     record = method(exp["method"])
     numbers = summary_metrics(summary)
@@ -135,7 +144,7 @@ def model_card(exp: dict[str, Any], summary: dict[str, Any], repo_id: str) -> st
               f"{summary.get('global_step', '?')} optimizer steps in "
               f"{summary.get('seconds', '?')} s" +
               (f", final training loss {train_loss:.4g}." if train_loss is not None else "."),
-              "", "```yaml", yaml.safe_dump(_settings(exp, adapter), sort_keys=False).rstrip(),
+              "", "```yaml", yaml.safe_dump(_settings(exp, adapter, ran or {}), sort_keys=False).rstrip(),
               "```", "", "## Use", "", _usage(repo_id, record.head, adapter), "",
               f"Trained and shared with finetune {__version__}."]
     return "\n".join(lines) + "\n"

@@ -123,6 +123,17 @@ def end_summary(run_dir: Path, seconds: float, before: dict, after: dict,
     return "\n".join(lines)
 
 
+def logged_before(records: list[dict]) -> dict[str, Any]:
+    """The evaluation before training as metrics.jsonl holds it (the records at step 0):
+    a resumed attempt does not evaluate before training again, and its summary takes the
+    first attempt's numbers from there."""
+    before: dict[str, Any] = {}
+    for record in records:
+        if record["step"] == 0:
+            before.update((k, v) for k, v in record.items() if k.startswith("eval_"))
+    return before
+
+
 def summary_metrics(summary: dict[str, Any]) -> dict[str, float]:
     """Every finite number of a summary, flat: before/<metric>, after/<metric>,
     train/<metric>, and the run's own (seconds, global_step). What the trackers and the

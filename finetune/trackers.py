@@ -144,23 +144,16 @@ class Tracking:
             for key, value in numbers.items():
                 self._writer.add_scalar(f"summary/{key}", value, step)
             self._writer.add_text("summary", json.dumps(summary, indent=2, default=str), step)
-            self._writer.close()
-            self._writer = None
         if self.mlflow_run_id:
-            self._finish_mlflow(numbers, step, files)
+            import mlflow
+
+            mlflow.log_metrics({f"summary/{k}": v for k, v in numbers.items()}, step=step)
+            for path in files:
+                mlflow.log_artifact(str(path))
         if self.wandb_run is not None:
             self.wandb_run.summary.update(numbers)
             for path in files:
                 self.wandb_run.save(str(path), base_path=str(self.run_dir), policy="now")
-            self.wandb_run.finish()
-            self.wandb_run = None
-
-    def _finish_mlflow(self, numbers: dict[str, float], step: int, files: list[Path]) -> None:
-        import mlflow
-
-        mlflow.log_metrics({f"summary/{k}": v for k, v in numbers.items()}, step=step)
-        for path in files:
-            mlflow.log_artifact(str(path))
         self.end("FINISHED")
 
     def end(self, status: str) -> None:

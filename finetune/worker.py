@@ -31,8 +31,8 @@ from finetune.launch.environment import (launch_problems, parallel_note,
                                          process_group_problems, rank_of)
 from finetune.methods import Job, build_trainer, preparation
 from finetune.preemption import Preempted, StopOnSignal
-from finetune.report import (attention_name, end_summary, environment, plot_loss,
-                             start_summary, write_json)
+from finetune.report import (attention_name, end_summary, environment, logged_before,
+                             plot_loss, start_summary, write_json)
 from finetune.resume import ResumePlan
 from finetune.config.secrets import REDACTED, is_secret
 
@@ -281,14 +281,16 @@ def train(experiment: Experiment, run_dir: Path, plan: ResumePlan,
         if experiment.output.save_final else None
     summary = {"name": experiment.name, "method": experiment.method,
                "seconds": round(time.time() - started, 2), "global_step": trainer.state.global_step,
-               "before": before, "after": after,
+               "before": before or logged_before(read_metrics(run_dir / "metrics.jsonl")),
+               "after": after,
                "train": next((r for r in reversed(trainer.state.log_history)
                               if "train_loss" in r), {}),
                "final_model": str(final_dir) if final_dir else None}
     if main:
         _write_results(run_dir, summary, f"{experiment.name} ({experiment.method})"
                        if experiment.output.plot else None)
-        print(end_summary(run_dir, summary["seconds"], before, after, final_dir), flush=True)
+        print(end_summary(run_dir, summary["seconds"], summary["before"], after, final_dir),
+              flush=True)
         tracking.finish(summary)
     _leave_process_group()
     if main and experiment.training.get("push_to_hub") and final_dir is not None:

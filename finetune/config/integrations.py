@@ -96,6 +96,10 @@ def mlflow_problems() -> Iterator[str]:
     sqlite:///mlflow.db (the current directory), which needs SQLAlchemy; a file store
     needs MLFLOW_ALLOW_FILE_STORE=true; a server (http, https, databricks) is only known
     once reached."""
+    for name in ("MLFLOW_RUN_ID", "MLFLOW_NESTED_RUN"):
+        if os.environ.get(name):
+            yield (f"{name} is set: finetune starts the experiment's MLflow run itself and "
+                   "resumes it by the id in RUN_DIR/trackers.json; unset it")
     uri = os.environ.get("MLFLOW_TRACKING_URI", "").strip()
     scheme = urlsplit(uri).scheme if "://" in uri or uri.startswith("file:") else ""
     if scheme in ("http", "https", "databricks", "databricks-uc", "uc"):
