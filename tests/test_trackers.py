@@ -103,6 +103,8 @@ def test_wandb_online_needs_a_key(write, clean, monkeypatch, tmp_path):
     [problem] = problems(write, "training.report_to=wandb")
     assert "W&B has no API key for api.wandb.ai" in problem
     assert "WANDB_API_KEY" in problem and "WANDB_MODE=offline" in problem
+    [problem] = problems(write, "training.report_to=all")  # every installed one, W&B too
+    assert "training.report_to: (all) W&B has no API key" in problem
     monkeypatch.setenv("WANDB_MODE", "offline")
     assert problems(write, "training.report_to=wandb") == []
     monkeypatch.delenv("WANDB_MODE")

@@ -66,6 +66,10 @@ def _report_to(training: dict[str, Any]) -> Iterator[Problem]:
     names = [value] if isinstance(value, str) else value if isinstance(value, list) else []
     for i, name in enumerate(names):
         loc = ("training", "report_to") + ((i,) if isinstance(value, list) else ())
+        if name == "all":  # every installed integration: those of ours must be configured
+            for found in reported({"report_to": "all"}):
+                yield from ((loc, f"(all) {problem}") for problem in _configured(found))
+            continue
         if not isinstance(name, str) or name not in INTEGRATIONS:
             continue
         module, fix = INTEGRATIONS[name]
@@ -73,10 +77,15 @@ def _report_to(training: dict[str, Any]) -> Iterator[Problem]:
             continue
         if not installed(module):
             yield loc, f"{name} needs the {module} package, which is not installed: {fix}"
-        elif name == "mlflow":
-            yield from ((loc, problem) for problem in mlflow_problems())
-        elif name == "wandb":
-            yield from ((loc, problem) for problem in wandb_problems())
+        else:
+            yield from ((loc, problem) for problem in _configured(name))
+
+
+def _configured(name: str) -> Iterator[str]:
+    if name == "mlflow":
+        yield from mlflow_problems()
+    elif name == "wandb":
+        yield from wandb_problems()
 
 
 def _writable_place(path: Path) -> str | None:
