@@ -8,7 +8,7 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from transformers import TrainerCallback
 
@@ -24,17 +24,26 @@ def _clean(value):
 
 
 class MetricsFile(TrainerCallback):
-    def __init__(self, path: Path):
+    """metrics.jsonl. A record written by `write` (not logged through the Trainer: exact
+    match) goes to `also` as well, the trackers, which see only the Trainer's logs."""
+
+    def __init__(self, path: Path, also: Callable[[dict], None] | None = None):
         self.path = path
+        self.also = also
 
     def write(self, record: dict) -> None:
-        with self.path.open("a") as handle:
-            handle.write(json.dumps({k: _clean(v) for k, v in record.items()}) + "\n")
+        self._append(record)
+        if self.also is not None:
+            self.also(record)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if state.is_world_process_zero and logs:
-            self.write({"step": state.global_step, "epoch": state.epoch,
-                        "time": round(time.time(), 3), **logs})
+            self._append({"step": state.global_step, "epoch": state.epoch,
+                          "time": round(time.time(), 3), **logs})
+
+    def _append(self, record: dict) -> None:
+        with self.path.open("a") as handle:
+            handle.write(json.dumps({k: _clean(v) for k, v in record.items()}) + "\n")
 
 
 def read_metrics(path: Path) -> list[dict]:

@@ -372,6 +372,9 @@ def build_parser() -> argparse.ArgumentParser:
     estimate.add_argument("--json", action="store_true", help="print JSON instead of a table")
     estimate.set_defaults(func=_estimate)
 
+    from finetune.hub import add_command as add_push  # torch-free, like this module
+    add_push(commands)
+
     reference = commands.add_parser(
         "reference", help="print every method and experiment key (type, default, meaning)",
         description="Print the experiment reference (Markdown): methods and keys, generated.")

@@ -4,6 +4,7 @@ loss curve is plots.py)."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import socket
@@ -119,6 +120,32 @@ def end_summary(run_dir: Path, seconds: float, before: dict, after: dict,
         lines.append(f"  {key:<28} {change}")
     lines.append(f"  metrics    {run_dir / 'metrics.jsonl'}, summary {run_dir / 'summary.json'}")
     return "\n".join(lines)
+
+
+def logged_before(records: list[dict]) -> dict[str, Any]:
+    """The evaluation before training as metrics.jsonl holds it (the records at step 0):
+    a resumed attempt does not evaluate before training again, and its summary takes the
+    first attempt's numbers from there."""
+    before: dict[str, Any] = {}
+    for record in records:
+        if record["step"] == 0:
+            before.update((k, v) for k, v in record.items() if k.startswith("eval_"))
+    return before
+
+
+def summary_metrics(summary: dict[str, Any]) -> dict[str, float]:
+    """Every finite number of a summary, flat: before/<metric>, after/<metric>,
+    train/<metric>, and the run's own (seconds, global_step). What the trackers and the
+    model card report."""
+    numbers: dict[str, float] = {}
+    parts = [(part, summary.get(part)) for part in ("before", "after", "train")]
+    parts.append(("", {k: summary.get(k) for k in ("seconds", "global_step")}))
+    for part, values in parts:
+        for key, value in (values if isinstance(values, dict) else {}).items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and \
+                    math.isfinite(value):
+                numbers[f"{part}/{key}" if part else key] = value
+    return numbers
 
 
 def write_json(path: Path, value: Any) -> None:

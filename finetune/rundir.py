@@ -11,6 +11,9 @@ runs/<name>/
   metrics.jsonl      one JSON object per log/eval event
   summary.json       metrics before and after training, where the model is
   loss.png           the loss curve
+  tensorboard/       TensorBoard event files (training.report_to tensorboard)
+  wandb/             W&B's files of the run (report_to wandb, WANDB_DIR unset)
+  trackers.json      the MLflow and W&B run ids, resumed by the next attempt
   checkpoints/       checkpoint-<step>/ written by the Trainer, sealed by a manifest
                      (damaged ones moved aside to damaged-checkpoint-<step>/)
   stopped.json       where the last attempt stopped on a signal (step, checkpoint)
@@ -34,8 +37,8 @@ from finetune.errors import RunError
 # where a file goes, say) would fail a write halfway through a run, so it is refused first.
 FILES = ("experiment.yaml", "accelerate.yaml", "deepspeed.json", "launch.sh", "job.sbatch",
          "environment.json", "training_args.json", "metrics.jsonl", "summary.json", "loss.png",
-         "stopped.json")
-DIRECTORIES = ("checkpoints", "final", ".final.partial", "init-model")
+         "stopped.json", "trackers.json")
+DIRECTORIES = ("checkpoints", "final", ".final.partial", "init-model", "tensorboard", "wandb")
 
 
 def run_dir_of(experiment: Experiment) -> Path:

@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 from transformers import TrainerCallback
 
-from finetune import checkpoints
+from finetune import checkpoints, hub, trackers
 from finetune.hardware import Hardware, checkpointing_decision, resolve_hardware
 from finetune.model.load import count_parameters, initial_weights, load_model
 from finetune.model.peft import apply_peft, match_adapter_precision
@@ -32,8 +32,8 @@ from finetune.launch.environment import (apply_cpu_threads, launch_problems, par
 from finetune.methods import Job, build_trainer, preparation
 from finetune.preemption import Preempted, StopOnSignal
 from finetune.plots import write_loss_plot
-from finetune.report import (attention_name, end_summary, environment, start_summary,
-                             write_json)
+from finetune.report import (attention_name, end_summary, environment, logged_before,
+                             start_summary, write_json)
 from finetune.resume import ResumePlan
 from finetune.config.secrets import REDACTED, is_secret
 
@@ -229,7 +229,10 @@ def train(experiment: Experiment, run_dir: Path, plan: ResumePlan,
     initial = None  # loaded back from init-model/ (quantized, ZeRO-3): not kept alive
     model = apply_peft(model, experiment, args.gradient_checkpointing)
 
-    metrics = MetricsFile(run_dir / "metrics.jsonl")
+    # Before the Trainer is built: its integrations read where to log as it builds them.
+    tracking = trackers.start(experiment, run_dir, plan.step if plan.checkpoint else None,
+                              rank == 0)
+    metrics = MetricsFile(run_dir / "metrics.jsonl", tracking.log)
     seal = SealCheckpoints(run_dir, {"fingerprint": fingerprint(experiment),
                                      "layout": layout(experiment)},
                            experiment.training.get("save_total_limit"), stop)
@@ -269,6 +272,7 @@ def train(experiment: Experiment, run_dir: Path, plan: ResumePlan,
             raise RunError(_disk_full_message(run_dir)) from exc
         raise
     if stop.stopping:
+        tracking.end("KILLED")  # the next attempt resumes its runs
         _leave_process_group()
         step = trainer.state.global_step
         raise Preempted(stop.received or "a signal on another rank", step,
@@ -280,15 +284,20 @@ def train(experiment: Experiment, run_dir: Path, plan: ResumePlan,
         if experiment.output.save_final else None
     summary = {"name": experiment.name, "method": experiment.method,
                "seconds": round(time.time() - started, 2), "global_step": trainer.state.global_step,
-               "before": before, "after": after,
+               "before": before or logged_before(read_metrics(run_dir / "metrics.jsonl")),
+               "after": after,
                "train": next((r for r in reversed(trainer.state.log_history)
                               if "train_loss" in r), {}),
                "final_model": str(final_dir) if final_dir else None}
     if main:
         _write_results(run_dir, summary, f"{experiment.name} ({experiment.method})"
                        if experiment.output.plot else None)
-        print(end_summary(run_dir, summary["seconds"], before, after, final_dir), flush=True)
+        print(end_summary(run_dir, summary["seconds"], summary["before"], after, final_dir),
+              flush=True)
+        tracking.finish(summary)
     _leave_process_group()
+    if main and experiment.training.get("push_to_hub") and final_dir is not None:
+        hub.push(run_dir)  # the run is complete and every other process has left
     return summary
 
 

@@ -28,7 +28,7 @@ TORCH_SIDE = ("data", "model", "hardware", "methods", "trainers", "worker", "cal
 # What `finetune validate/render/estimate/plot/launch --dry-run` and a launcher run: importing
 # any of these must not load the torch side.
 TORCH_FREE = ("config", "render", "launch", "rundir", "resume", "fingerprint", "checkpoints",
-              "estimate", "errors", "cli", "plots")
+              "estimate", "errors", "cli", "plots", "hub", "modelcard")
 
 
 def unit(module: str) -> str:

@@ -27,6 +27,9 @@ DEFAULTS: dict[str, Any] = {
     "logging_first_step": True,
     "save_strategy": "steps",
 }
+# training keys finetune's own upload reads (finetune/hub.py), never the Trainer.
+HUB_KEYS = ("hub_model_id", "hub_strategy", "hub_always_push", "hub_private_repo",
+            "hub_revision")
 _REQUIRED = object()  # value(): no default given, a key the class lacks is an error
 
 
@@ -135,6 +138,11 @@ def arguments(experiment: Experiment, device: str | None = None, precision: str 
     # Checkpoint rotation is ours (callbacks.SealCheckpoints): the Trainer's would run
     # before a checkpoint is sealed and could delete the only complete one.
     kwargs.pop("save_total_limit", None)
+    # Uploads are ours too (finetune/hub.py: the final model with its card, once trained):
+    # the Trainer's would push checkpoints/ to a repository named "checkpoints".
+    kwargs["push_to_hub"] = False
+    for key in HUB_KEYS:
+        kwargs.pop(key, None)
     if run_dir is not None:
         kwargs["output_dir"] = str(run_dir / "checkpoints")
     if device:

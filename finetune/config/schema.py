@@ -30,6 +30,18 @@ def _revision(value: str | None) -> str | None:
     return value
 
 
+# A hub repository: [namespace/]name, each at most 96 letters, digits, '.', '_', '-'.
+REPO_ID_RE = re.compile(r"([A-Za-z0-9][\w.-]{0,95}/)?[A-Za-z0-9][\w.-]{0,95}")
+
+
+def _repo_id(value: str | None) -> str | None:
+    if value is not None and (not REPO_ID_RE.fullmatch(value) or ".." in value
+                              or value.endswith((".git", "."))):
+        raise ValueError("not a hub repository id: [namespace/]name, letters, digits, '.', "
+                         "'_', '-' (at most 96 each)")
+    return value
+
+
 def _no_control(value: str | None) -> str | None:
     problem = value and control_problem(value)  # written into generated files
     if problem:
@@ -340,8 +352,13 @@ class OutputSection(Section):
         None, description="Run directory; default runs/<name> under the current directory.")
     save_final: bool = Field(True, description="Save the final model or adapter to <dir>/final.")
     plot: bool = Field(True, description="Write the loss curve to <dir>/loss.png.")
+    hub_model_id: str | None = Field(
+        None, description="Hub repository (org/name, or a name under your account) that "
+        "training.push_to_hub uploads the final model to, with a model card; default: the "
+        "run name.")
 
     _dir = field_validator("dir")(classmethod(lambda cls, v: _no_control(v)))
+    _hub_model_id = field_validator("hub_model_id")(classmethod(lambda cls, v: _repo_id(v)))
 
 
 class PreemptionSection(Section):

@@ -1,15 +1,16 @@
 """Ranges of the training values TRL and transformers would refuse (or silently misuse)
-only when training starts, checked at validate instead; and the packages a run needs
-(report_to integrations, the chosen attention), found without importing them."""
+only when training starts, checked at validate instead; and what a run needs from the
+machine (the chosen attention's package here; trackers and the hub in integrations.py),
+found without importing them."""
 
 from __future__ import annotations
 
 import math
-from importlib.util import find_spec
 from typing import Any, Iterator
 
-from finetune.config import attention, trl_fields
+from finetune.config import attention, integrations, trl_fields
 from finetune.config.effective import value as effective_value
+from finetune.config.integrations import installed
 from finetune.config.schema import Experiment
 from finetune.config.script_values import MAX_LENGTH
 
@@ -44,31 +45,6 @@ AT_MOST = {key: MAX_LENGTH for key in (
 POSITIVE = ("logging_steps", "save_steps", "eval_steps")
 SEED_MAX = 2**32 - 1
 INT64 = (-2**63, 2**63 - 1)  # what torch and numpy hold; the Trainer turns steps into tensors  # numpy's seeds; transformers' set_seed seeds numpy too
-
-# report_to name -> the module transformers imports for it (pip package in brackets).
-INTEGRATIONS = {
-    "wandb": ("wandb", "wandb"),
-    "tensorboard": ("tensorboard", "tensorboard"),
-    "mlflow": ("mlflow", "mlflow"),
-    "comet_ml": ("comet_ml", "comet_ml"),
-    "neptune": ("neptune", "neptune"),
-    "clearml": ("clearml", "clearml"),
-    "dvclive": ("dvclive", "dvclive"),
-    "codecarbon": ("codecarbon", "codecarbon"),
-    "swanlab": ("swanlab", "swanlab"),
-    "trackio": ("trackio", "trackio"),
-    "azure_ml": ("azureml", "azureml-core"),
-    "flyte": ("flytekit", "flytekit"),
-    "dagshub": ("dagshub", "dagshub"),
-}
-
-
-def _installed(module: str) -> bool:
-    try:
-        return find_spec(module) is not None
-    except (ImportError, ValueError):
-        return False
-
 
 def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
@@ -164,25 +140,12 @@ def _generation_batches(exp: Experiment) -> Iterator[Problem]:
             f"multiple of the {eval_groups} generations per prompt"
 
 
-def _report_to(training: dict[str, Any]) -> Iterator[Problem]:
-    value = training.get("report_to")
-    names = [value] if isinstance(value, str) else value if isinstance(value, list) else []
-    for i, name in enumerate(names):
-        loc = ("training", "report_to") + ((i,) if isinstance(value, list) else ())
-        if name == "tensorboard" and _installed("tensorboardX"):
-            continue
-        if isinstance(name, str) and name in INTEGRATIONS:
-            module, package = INTEGRATIONS[name]
-            if not _installed(module):
-                yield loc, f"{name} is not installed: pip install {package}"
-
-
 def _attention(exp: Experiment) -> Iterator[Problem]:
-    missing = attention.missing_package(exp.model.attn_implementation, _installed)
+    missing = attention.missing_package(exp.model.attn_implementation, installed)
     if missing:
         yield ("model", "attn_implementation"), missing
 
 
 def check(exp: Experiment) -> list[Problem]:
     return [*_ranges(exp.training), *_schedule(exp), *_generation_batches(exp),
-            *_report_to(exp.training), *_attention(exp)]
+            *integrations.check(exp), *_attention(exp)]

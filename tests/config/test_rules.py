@@ -265,14 +265,14 @@ def test_impossible_tokenization_settings_are_config_errors(write, training, mes
 @pytest.mark.parametrize("value", ["wandb", "[wandb]", "[none, wandb]"])
 def test_report_to_needs_its_package(capsys, write, value):
     message = refused(capsys, write("exp.yaml", BASE), f"training.report_to={value}")
-    assert "training.report_to" in message and "pip install wandb" in message
+    assert "training.report_to" in message and 'pip install "finetune[wandb]"' in message
     assert validate(capsys, write("exp.yaml", BASE), "training.report_to=none")[0] == 0
 
 
 @pytest.mark.skipif(find_spec("tensorboard") or find_spec("tensorboardX"),
                     reason="tensorboard installed")
 def test_report_to_tensorboard(capsys, write):
-    assert "pip install tensorboard" in refused(capsys, write("exp.yaml", BASE),
+    assert 'pip install "finetune[tensorboard]"' in refused(capsys, write("exp.yaml", BASE),
                                                 "training.report_to=[tensorboard]")
 
 
