@@ -375,6 +375,10 @@ def build_parser() -> argparse.ArgumentParser:
         "reference", help="print every experiment key with its type, default and meaning",
         description="Print the experiment reference (Markdown), generated from the schema.")
     reference.set_defaults(func=_reference)
+
+    from finetune.inference.commands import add_commands  # merge, generate, chat
+
+    add_commands(commands, _whole)
     return parser
 
 
