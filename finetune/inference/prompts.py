@@ -40,7 +40,7 @@ def _messages_problem(value: Any) -> str | None:
     for i, message in enumerate(value):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str) or \
                 not isinstance(message.get("content"), str):
-            return f"message {i} is not an object with string role and content"
+            return f"has a message ({i}) that is not an object with string role and content"
     return None
 
 
