@@ -342,11 +342,13 @@ def test_generate_gives_the_runs_own_answers(full_sft, random_lora, tmp_path):
     # --prompt is a user turn of the chat template; --raw sends the text as it is.
     first = answers[0]
     user = first["prompt"].split("<|user|>")[1].split("<|end|>")[0]
-    result = finetune("generate", full_sft, "--prompt", user, "--raw", "--prompt",
-                      first["prompt"], "--max-new-tokens", 12, cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
-    chat_row, raw_row = [json.loads(line) for line in result.stdout.splitlines()]
-    assert chat_row["completion"].strip() == first["generated"] == raw_row["completion"].strip()
+    chat = finetune("generate", full_sft, "--prompt", user, "--max-new-tokens", 12,
+                    cwd=tmp_path)
+    raw = finetune("generate", full_sft, "--raw", "--prompt", first["prompt"],
+                   "--max-new-tokens", 12, cwd=tmp_path)
+    assert chat.returncode == 0 and raw.returncode == 0, chat.stderr[-3000:] + raw.stderr
+    assert json.loads(chat.stdout)["completion"].strip() == first["generated"] == \
+        json.loads(raw.stdout)["completion"].strip()
 
     # An adapter run moved elsewhere: its base is the run's init-model/.
     run = random_lora[0]
