@@ -382,6 +382,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     from finetune.plots import add_parser as add_plot  # torch-free, matplotlib when drawing
     add_plot(commands)
+    from finetune.inference.commands import add_commands  # merge, generate, chat
+
+    add_commands(commands, _whole)
     return parser
 
 

@@ -18,8 +18,10 @@ runs/<name>/
                      (damaged ones moved aside to damaged-checkpoint-<step>/)
   stopped.json       where the last attempt stopped on a signal (step, checkpoint)
   failed-<rank>.json the error a training process stopped on (read by finetune launch)
-  final/             the final model or adapter, with its tokenizer
+  final/             the final model or adapter, with its tokenizer (a random-init
+                     adapter: with init-model/'s files hard-linked beside it)
   init-model/        the starting weights of a model.init: random run
+  merged/            the adapter merged into its base (`finetune merge`)
 """
 
 from __future__ import annotations

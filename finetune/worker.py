@@ -17,7 +17,7 @@ from transformers import TrainerCallback
 from finetune import checkpoints, hub, trackers
 from finetune.hardware import Hardware, checkpointing_decision, resolve_hardware
 from finetune.model.load import count_parameters, initial_weights, load_model
-from finetune.model.peft import apply_peft, match_adapter_precision
+from finetune.model.peft import apply_peft, embed_base, match_adapter_precision
 from finetune.data.prepare import prepared_data
 from finetune.model.tokenizer import load_tokenizer
 from finetune.callbacks import (EndAtLastStep, MetricsFile, NothingLeftToTrain, ResumeState,
@@ -161,8 +161,11 @@ def _start_attempt(run_dir: Path, plan: ResumePlan) -> None:
         print(f"finetune: {note}", flush=True)
 
 
-def _save_final(trainer, tokenizer, run_dir: Path, main: bool) -> Path:
-    """final/ appears whole or not at all: written aside, then renamed by rank 0."""
+def _save_final(trainer, tokenizer, run_dir: Path, main: bool,
+                embedded_base: Path | None = None) -> Path:
+    """final/ appears whole or not at all: written aside, then renamed by rank 0.
+    embedded_base: the init-model/ of a random-init adapter run, placed in final/ so the
+    adapter loads on its own (model/peft.py embed_base)."""
     final, staging = run_dir / "final", run_dir / ".final.partial"
     for path in (final, staging):  # every rank: the same answer before anyone waits
         if os.path.lexists(path) and not path.is_dir():
@@ -180,6 +183,8 @@ def _save_final(trainer, tokenizer, run_dir: Path, main: bool) -> Path:
         trainer.args.distributed_state.wait_for_everyone()  # every rank's part is written
         if main:
             tokenizer.save_pretrained(str(staging))
+            if embedded_base is not None:
+                embed_base(staging, embedded_base)
             shutil.rmtree(final, ignore_errors=True)
             staging.rename(final)
     except OSError as exc:
@@ -280,7 +285,9 @@ def train(experiment: Experiment, run_dir: Path, plan: ResumePlan,
     stop.done()
     after = _evaluate(trainer, job, metrics, "after")
 
-    final_dir = _save_final(trainer, tokenizer, run_dir, main) \
+    random_adapter = experiment.peft.type != "none" and experiment.model.init == "random"
+    final_dir = _save_final(trainer, tokenizer, run_dir, main,
+                            run_dir / "init-model" if random_adapter else None) \
         if experiment.output.save_final else None
     summary = {"name": experiment.name, "method": experiment.method,
                "seconds": round(time.time() - started, 2), "global_step": trainer.state.global_step,

@@ -22,10 +22,12 @@ EVERY = import_graph.graph()  # every import, late ones (inside functions) too
 TOP = import_graph.graph(top_level=True)  # those that run when the module is imported
 
 # Packages and top-level modules that import torch, transformers, trl or peft (data/files.py
-# excepted: it reads and hashes files, and the fingerprint uses it).
+# excepted: it reads and hashes files, and the fingerprint uses it; so is
+# inference/commands.py: the CLI builds its parsers at every start).
 TORCH_SIDE = ("data", "model", "hardware", "methods", "trainers", "worker", "callbacks",
-              "preemption")
-# What `finetune validate/render/estimate/plot/launch --dry-run` and a launcher run: importing
+              "preemption", "inference")
+NOT_TORCH_SIDE = ("finetune.data.files", "finetune.inference.commands")
+# What `finetune validate/render/estimate/plot/push/launch --dry-run` and a launcher run: importing
 # any of these must not load the torch side.
 TORCH_FREE = ("config", "render", "launch", "rundir", "resume", "fingerprint", "checkpoints",
               "estimate", "errors", "cli", "plots", "hub", "modelcard")
@@ -41,7 +43,7 @@ PACKAGES = {m for m, path in import_graph.modules().items() if path.name == "__i
 def torch_side(module: str) -> bool:
     """A module of the torch side. A package's __init__ is judged by what it imports (an
     empty finetune/data/__init__.py runs before data/files.py)."""
-    return unit(module) in TORCH_SIDE and module != "finetune.data.files" and \
+    return unit(module) in TORCH_SIDE and module not in NOT_TORCH_SIDE and \
         module not in PACKAGES
 
 

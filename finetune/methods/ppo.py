@@ -36,7 +36,8 @@ def _value_source(job: Job) -> tuple[str, str | None]:
         run = Path(path)
         if (run / "experiment.yaml").is_file():  # a finetune run directory: its final model
             final = run / "final"
-            if not (final / "config.json").is_file():
+            # An adapter (a random-init one holds its base's config.json too) is no value model.
+            if (final / "adapter_config.json").is_file() or not (final / "config.json").is_file():
                 raise RunError(f"ppo.value_model_path: {run} has no full model in final/ (an "
                                "adapter-only run cannot start a value model; give a model "
                                "directory)")

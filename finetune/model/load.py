@@ -88,7 +88,7 @@ def context_length(experiment: Experiment) -> int | None:
 def _config(experiment: Experiment, tokenizer: PreTrainedTokenizerBase):
     spec = experiment.model
     refuse_remote_code(experiment, spec.name_or_path, "model.name_or_path")
-    extra = _head_labels(experiment)
+    extra = head_labels(experiment)
     try:
         config = AutoConfig.from_pretrained(spec.name_or_path, revision=spec.revision,
                                             trust_remote_code=spec.trust_remote_code, **extra)
@@ -101,7 +101,7 @@ def _config(experiment: Experiment, tokenizer: PreTrainedTokenizerBase):
     return config
 
 
-def _head_labels(experiment: Experiment) -> dict:
+def head_labels(experiment: Experiment) -> dict:
     """A score head's logits: one per class name of the method's labels setting (with
     id2label), else one; nothing for an LM head."""
     own = record(experiment)

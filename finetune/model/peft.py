@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+from pathlib import Path
+
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model, prepare_model_for_kbit_training
 from transformers import PreTrainedModel
@@ -18,6 +23,8 @@ def lora_config(experiment: Experiment) -> LoraConfig:
         target_modules=spec.target_modules, modules_to_save=spec.modules_to_save,
         bias=spec.bias, use_rslora=spec.use_rslora, use_dora=spec.use_dora,
         task_type=task_type,
+        # What AutoPeftModel loads the base at (model.name_or_path is written by PEFT).
+        revision=experiment.model.revision if experiment.model.init == "pretrained" else None,
     )
 
 
@@ -40,3 +47,35 @@ def match_adapter_precision(model, precision: str) -> None:
     for param in model.parameters():
         if param.requires_grad and param.dtype != torch.float32:
             param.data = param.data.float()
+
+
+ADAPTER_CONFIG = "adapter_config.json"
+# The files of a saved base model that make a directory loadable as one (no tokenizer:
+# the adapter directory has its own).
+BASE_FILES = ("config.json", "generation_config.json", "model.safetensors",
+              "model.safetensors.index.json")
+
+
+def embed_base(adapter_dir: Path, base_dir: Path) -> None:
+    """Make an adapter of a random-init run loadable on its own. Its base exists only in
+    the run (init-model/), so the base's files are placed next to the adapter (hard links:
+    no extra disk; a copy where the file system has none). transformers loads such a
+    directory as "a local model with an embedded adapter": AutoModelFor*.from_pretrained(
+    adapter_dir) takes the base from there and applies the adapter, wherever the run
+    directory is moved. PEFT's AutoPeftModel* loads base_model_name_or_path, which it
+    resolves against the working directory, so that is the absolute init-model/ (it
+    loads while the run stays where it was trained)."""
+    names = [n for n in BASE_FILES if (base_dir / n).is_file()]
+    names += sorted(p.name for p in base_dir.glob("model-*-of-*.safetensors"))
+    for name in names:
+        target = adapter_dir / name
+        target.unlink(missing_ok=True)
+        try:
+            os.link(base_dir / name, target)
+        except OSError:
+            shutil.copy2(base_dir / name, target)
+    config_path = adapter_dir / ADAPTER_CONFIG
+    config = json.loads(config_path.read_text())
+    config["base_model_name_or_path"] = str(base_dir.absolute())
+    config["revision"] = None
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

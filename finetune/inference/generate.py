@@ -1,0 +1,98 @@
+"""`finetune generate`: completions of a run's causal LM for prompts, one JSON object per
+prompt ({"prompt", "completion", and "reference" where the row had an answer}).
+
+Chat prompts (message lists, and plain texts unless --raw) go through the run's chat
+template with the generation prompt; a plain text under --raw is tokenized as it is.
+Greedy unless --temperature is above 0. Prompts are generated in batches, padded on the
+left.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Iterable, TextIO
+
+import torch
+
+from finetune.errors import DataError
+from finetune.inference.load import (device, dtype_of, load_model, load_tokenizer, locate,
+                                     require_lm)
+from finetune.inference.prompts import Prompt
+from finetune.model.tokenizer import render_chat
+
+
+def token_ids(prompt: Prompt, tokenizer, raw: bool) -> list[int]:
+    if prompt.messages is None and (raw or not tokenizer.chat_template):
+        return list(tokenizer(prompt.text, add_special_tokens=True)["input_ids"])
+    messages = prompt.messages or [{"role": "user", "content": prompt.text}]
+    if not tokenizer.chat_template:
+        raise DataError(f"{prompt.where}: a conversation, and the run's tokenizer has no chat "
+                        "template to render it")
+    return render_chat(tokenizer, messages, prompt.where, generation_prompt=True)
+
+
+def context_of(model) -> int | None:
+    return getattr(model.config.get_text_config(), "max_position_embeddings", None)
+
+
+def new_tokens(model, prompt_length: int, wanted: int, where: str) -> int:
+    """max_new_tokens within the model's context; a prompt that fills it is an error."""
+    context = context_of(model)
+    if context is None:
+        return wanted
+    room = context - prompt_length
+    if room <= 0:
+        raise DataError(f"{where}: the prompt is {prompt_length} tokens, and the model's "
+                        f"context (max_position_embeddings) is {context}")
+    return min(wanted, room)
+
+
+@torch.no_grad()
+def complete(model, tokenizer, batch: list[list[int]], max_new_tokens: int,
+             temperature: float, top_p: float) -> list[str]:
+    """Completions of token-id prompts, left-padded into one batch."""
+    width = max(len(ids) for ids in batch)
+    pad = tokenizer.pad_token_id
+    input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in batch])
+    mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in batch])
+    sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p} \
+        if temperature > 0 else {"do_sample": False, "temperature": None, "top_p": None,
+                                 "top_k": None}
+    out = model.generate(input_ids=input_ids.to(model.device),
+                         attention_mask=mask.to(model.device), max_new_tokens=max_new_tokens,
+                         pad_token_id=pad, use_cache=True, **sampling)
+    return tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
+
+
+def batches(items: list, size: int) -> Iterable[list]:
+    for start in range(0, len(items), size):
+        yield items[start:start + size]
+
+
+def generate(run_dir: str, prompts: list[Prompt], out: TextIO, *, model_choice: str | None,
+             max_new_tokens: int, temperature: float, top_p: float, seed: int, raw: bool,
+             batch_size: int, dtype: str) -> int:
+    run = locate(run_dir, model_choice)
+    require_lm(run, "generate")
+    tokenizer = load_tokenizer(run)
+    encoded = [token_ids(p, tokenizer, raw) for p in prompts]  # every row checked first
+    on = device()
+    model = load_model(run, tokenizer, dtype_of(dtype, on), on)
+    budgets = [new_tokens(model, len(ids), max_new_tokens, p.where)
+               for p, ids in zip(prompts, encoded)]
+    torch.manual_seed(seed)
+    written = 0
+    for chunk in batches(list(zip(prompts, encoded, budgets)), batch_size):
+        texts = complete(model, tokenizer, [ids for _, ids, _ in chunk],
+                         min(b for _, _, b in chunk), temperature, top_p)
+        for (prompt, _, _), text in zip(chunk, texts):
+            row = {"prompt": prompt.given(), "completion": text}
+            if prompt.reference is not None:
+                row["reference"] = prompt.reference
+            out.write(json.dumps(row, ensure_ascii=False) + "\n")
+            written += 1
+        out.flush()
+    if out is not sys.stdout:
+        print(f"finetune: {written} completion(s) from {run.directory}", file=sys.stderr)
+    return written

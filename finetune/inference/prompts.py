@@ -1,0 +1,97 @@
+"""Prompts for `finetune generate`: --prompt texts, or a JSONL file of rows, each checked and
+named by file and line when it is wrong.
+
+Rows: {"prompt": "text"}, {"prompt": [messages]}, or {"messages": [messages]}. A
+conversation that ends in assistant turns is cut before its last one, which becomes the
+row's reference (so an eval file of the run can be given as it is); a "completion" is a
+reference too.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from finetune.errors import DataError, one_line
+
+MAX_LINE = 16 * 2**20
+
+
+@dataclass
+class Prompt:
+    where: str                       # "--prompt 2" or "prompts.jsonl line 7"
+    text: str | None = None          # a plain prompt (chat-wrapped unless raw)
+    messages: list[dict] | None = None
+    reference: str | None = None
+
+    def given(self) -> str | list[dict]:
+        return self.messages if self.messages is not None else self.text
+
+
+def from_texts(texts: list[str]) -> list[Prompt]:
+    return [Prompt(f"--prompt {i + 1}", text=text) for i, text in enumerate(texts)]
+
+
+def _messages_problem(value: Any) -> str | None:
+    if not isinstance(value, list) or not value:
+        return "is not a non-empty list of messages"
+    for i, message in enumerate(value):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str) or \
+                not isinstance(message.get("content"), str):
+            return f"has a message ({i}) that is not an object with string role and content"
+    return None
+
+
+def _reference(value: Any) -> str | None:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and value and isinstance(value[-1], dict):
+        content = value[-1].get("content")
+        return content if isinstance(content, str) else None
+    return None
+
+
+def _row(row: Any, where: str) -> Prompt:
+    if not isinstance(row, dict):
+        raise DataError(f"{where}: a row must be a JSON object, not {type(row).__name__}")
+    keys = [k for k in ("prompt", "messages") if k in row]
+    if len(keys) != 1:
+        raise DataError(f"{where}: a row needs exactly one of 'prompt' (text or messages) and "
+                        f"'messages'; it has {sorted(row) or 'no keys'}")
+    key, value = keys[0], row[keys[0]]
+    reference = _reference(row.get("completion"))
+    if key == "prompt" and isinstance(value, str):
+        return Prompt(where, text=value, reference=reference)
+    problem = _messages_problem(value)
+    if problem:
+        raise DataError(f"{where}: {key} {problem}")
+    if key == "messages" and value[-1]["role"] == "assistant":
+        if len(value) == 1:
+            raise DataError(f"{where}: messages is one assistant turn: nothing to prompt with")
+        reference, value = value[-1]["content"], value[:-1]
+    return Prompt(where, messages=value, reference=reference)
+
+
+def from_file(path: str) -> list[Prompt]:
+    file = Path(path)
+    try:
+        lines = file.read_bytes().split(b"\n")
+    except OSError as exc:
+        raise DataError(f"{path}: cannot read it: {exc.strerror}") from None
+    prompts = []
+    for number, raw in enumerate(lines, start=1):
+        where = f"{path} line {number}"
+        if not raw.strip():
+            continue
+        if len(raw) > MAX_LINE:
+            raise DataError(f"{where}: longer than {MAX_LINE} bytes")
+        try:
+            row = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError) as exc:
+            raise DataError(f"{where}: not a JSON object ({one_line(str(exc))})") from None
+        prompts.append(_row(row, where))
+    if not prompts:
+        raise DataError(f"{path}: no prompts in it")
+    return prompts
