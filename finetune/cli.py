@@ -7,51 +7,10 @@ import argparse
 import sys
 
 from finetune import __version__
+from finetune.cli_args import EXIT_USER_ERROR, Parser, checked, time_limit, whole
 # torch-free, no finetune imports
 from finetune.config.script_values import (MAX_LENGTH, MAX_MACHINES, MAX_PROCESSES,
                                     MAX_PROCESSES_PER_MACHINE, MAX_SIGNAL_SECONDS)
-
-EXIT_USER_ERROR = 2
-
-
-def _whole(low: int, high: int | None = None):
-    """argparse type: a whole number in [low, high], else argparse's one-line error."""
-    def parse(text: str) -> int:
-        import re
-
-        if not re.fullmatch(r"[+-]?[0-9]{1,9}", text.strip()):
-            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}")
-        value = int(text)
-        if value < low or (high is not None and value > high):
-            span = f"{low}..{high}" if high is not None else f"at least {low}"
-            raise argparse.ArgumentTypeError(f"must be {span}, got {value}")
-        return value
-
-    parse.__name__ = "whole number"
-    return parse
-
-
-def _checked(problem_of):
-    """argparse type from a config/script_values check (torch-free, imported when parsing)."""
-    def parse(text: str) -> str:
-        from finetune.config import script_values as values
-
-        problem = getattr(values, problem_of)(text)
-        if problem:
-            raise argparse.ArgumentTypeError(f"{text!r}: {problem}")
-        return text
-
-    return parse
-
-
-def _time_limit(text: str) -> str:
-    from finetune.config.script_values import time_seconds
-
-    try:
-        time_seconds(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return text
 
 
 def _add_experiment_args(parser: argparse.ArgumentParser) -> None:
@@ -269,22 +228,13 @@ def _reference(args: argparse.Namespace) -> int:
     return 0
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse, but a bad flag is one `error:` line like every other user error (its
-    own error() prints the whole usage first)."""
-
-    def error(self, message: str):
-        print(f"error: {self.prog}: {message} (see {self.prog} --help)", file=sys.stderr)
-        raise SystemExit(EXIT_USER_ERROR)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+    parser = Parser(
         prog="finetune",
         description="Fine-tune language models from a declarative YAML experiment.")
     parser.add_argument("--version", action="version", version=f"finetune {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True,
-                                     parser_class=_Parser)
+                                     parser_class=Parser)
 
     validate = commands.add_parser(
         "validate", help="check an experiment without loading anything heavy",
@@ -316,16 +266,16 @@ def build_parser() -> argparse.ArgumentParser:
                     "accelerate launch (default) or torchrun. Each process runs `finetune "
                     "train` and checks its world size, rank and backend before training.")
     _add_experiment_args(launch)
-    launch.add_argument("--num-processes", type=_whole(1, MAX_PROCESSES),
+    launch.add_argument("--num-processes", type=whole(1, MAX_PROCESSES),
                         help="processes in total (distributed.num_processes); without a "
                              "strategy they train as DDP")
-    launch.add_argument("--num-machines", type=_whole(1, MAX_MACHINES),
+    launch.add_argument("--num-machines", type=whole(1, MAX_MACHINES),
                         help="distributed.num_machines")
-    launch.add_argument("--machine-rank", type=_whole(0, MAX_MACHINES - 1), default=0,
+    launch.add_argument("--machine-rank", type=whole(0, MAX_MACHINES - 1), default=0,
                         help="this machine's rank, 0..num_machines-1")
-    launch.add_argument("--main-process-ip", type=_checked("host_problem"),
+    launch.add_argument("--main-process-ip", type=checked("host_problem"),
                         help="distributed.main_process_ip")
-    launch.add_argument("--main-process-port", type=_whole(1, 65535),
+    launch.add_argument("--main-process-port", type=whole(1, 65535),
                         help="distributed.main_process_port")
     launch.add_argument("--launcher", choices=["accelerate", "torchrun"],
                         help="distributed.launcher")
@@ -339,17 +289,17 @@ def build_parser() -> argparse.ArgumentParser:
                     "running `finetune launch` with its SLURM_NODEID as machine rank; "
                     "--requeue, and USR1 before the time limit, forwarded to the trainers.")
     _add_experiment_args(slurm)
-    slurm.add_argument("--nodes", type=_whole(1, MAX_MACHINES), required=True,
+    slurm.add_argument("--nodes", type=whole(1, MAX_MACHINES), required=True,
                        help="nodes (machines)")
-    slurm.add_argument("--gpus-per-node", type=_whole(0, MAX_PROCESSES_PER_MACHINE), default=0,
+    slurm.add_argument("--gpus-per-node", type=whole(0, MAX_PROCESSES_PER_MACHINE), default=0,
                        help="GPUs (and processes) per node; 0 trains one process per node "
                             "on the CPU")
-    slurm.add_argument("--time", type=_time_limit, required=True,
+    slurm.add_argument("--time", type=time_limit, required=True,
                        help="time limit, as SLURM takes it: MM, MM:SS, HH:MM:SS, D-HH, "
                             "D-HH:MM or D-HH:MM:SS")
-    slurm.add_argument("--partition", type=_checked("partition_problem"),
+    slurm.add_argument("--partition", type=checked("partition_problem"),
                        help="SLURM partition (or several, comma-separated)")
-    slurm.add_argument("--signal-seconds", type=_whole(0, MAX_SIGNAL_SECONDS), default=120,
+    slurm.add_argument("--signal-seconds", type=whole(0, MAX_SIGNAL_SECONDS), default=120,
                        help="send USR1 this many seconds before the time limit")
     slurm.add_argument("--submit", action="store_true", help="submit with sbatch")
     slurm.set_defaults(func=_slurm)
@@ -361,30 +311,28 @@ def build_parser() -> argparse.ArgumentParser:
                     "recommend the cheapest layout (data parallel, ZeRO-1/2/3, offload) and "
                     "the largest micro batch that fit. See docs/estimate.md.")
     _add_experiment_args(estimate)
-    estimate.add_argument("--gpus", type=_whole(1, MAX_PROCESSES),
+    estimate.add_argument("--gpus", type=whole(1, MAX_PROCESSES),
                           help="number of GPUs (default: the experiment's world size)")
     estimate.add_argument("--gpu-memory", default="80GB",
                           help="memory per GPU: 80GB, 80GiB, 24G or a number of GB "
                                "(GB = 2^30 bytes; default 80GB)")
-    estimate.add_argument("--seq-len", type=_whole(1, MAX_LENGTH),
+    estimate.add_argument("--seq-len", type=whole(1, MAX_LENGTH),
                           help="tokens per sequence (default: training.max_length, "
                                "classify.max_length, or 512 prompt + completion tokens)")
     estimate.add_argument("--json", action="store_true", help="print JSON instead of a table")
     estimate.set_defaults(func=_estimate)
-
-    from finetune.hub import add_command as add_push  # torch-free, like this module
-    add_push(commands)
 
     reference = commands.add_parser(
         "reference", help="print every method and experiment key (type, default, meaning)",
         description="Print the experiment reference (Markdown): methods and keys, generated.")
     reference.set_defaults(func=_reference)
 
-    from finetune.plots import add_parser as add_plot  # torch-free, matplotlib when drawing
-    add_plot(commands)
-    from finetune.inference.commands import add_commands  # merge, generate, chat
+    # Commands whose parsers live beside their code (each torch-free at import).
+    from finetune import hub, plots
+    from finetune.inference import commands as inference
 
-    add_commands(commands, _whole)
+    for module in (inference, plots, hub):  # merge, generate, chat; plot; push
+        module.add_commands(commands)
     return parser
 
 

@@ -118,7 +118,7 @@ def push(run_dir: Path, repo_id: str | None = None) -> str:
     return url
 
 
-def add_command(commands: Any) -> None:
+def add_commands(commands: Any) -> None:
     parser = commands.add_parser(
         "push", help="upload a finished run's final model and model card to the hub",
         description="Upload RUN_DIR/final (never checkpoints) with a model card naming the "

@@ -169,7 +169,7 @@ def write_loss_plot(run_dir: Path, title: str) -> bool:
 
 # ---- finetune plot ----
 
-def add_parser(commands) -> None:
+def add_commands(commands) -> None:
     plot = commands.add_parser(
         "plot", help="draw a run's curves, or overlay several runs",
         description="Draw loss (eval as points), reward and KL (grpo, ppo) and learning "

@@ -9,6 +9,8 @@ import re
 import sys
 from pathlib import Path
 
+from finetune.cli_args import whole
+
 MODEL_HELP = ("which model of the run: a checkpoint (checkpoint-200, or its path), or "
               "another model directory such as merged (default: final/)")
 
@@ -36,7 +38,7 @@ def _top_p(text: str) -> float:
     return value
 
 
-def _sampling_args(parser: argparse.ArgumentParser, whole) -> None:
+def _sampling_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=whole(1, 1_000_000), default=256,
                         help="tokens to generate at most (default 256; never past the "
                              "model's context)")
@@ -115,9 +117,8 @@ def _chat(args: argparse.Namespace) -> int:
                 top_p=args.top_p, seed=args.seed, dtype=args.dtype)
 
 
-def add_commands(commands, whole) -> None:
-    """Register merge, generate and chat on the CLI's subparsers (`whole`: its argparse
-    type for bounded whole numbers)."""
+def add_commands(commands) -> None:
+    """Register merge, generate and chat on the CLI's subparsers."""
     merge = commands.add_parser(
         "merge", help="merge a LoRA/QLoRA run's adapter into its base: a full model",
         description="Fold the adapter of a run's final/ (or --checkpoint) into its base (the "
@@ -157,7 +158,7 @@ def add_commands(commands, whole) -> None:
     generate.add_argument("--force", action="store_true", help="replace an existing --out")
     generate.add_argument("--batch-size", type=whole(1, 4096), default=8,
                           help="prompts generated together (default 8)")
-    _sampling_args(generate, whole)
+    _sampling_args(generate)
     generate.set_defaults(func=_generate)
 
     chat = commands.add_parser(
@@ -167,5 +168,5 @@ def add_commands(commands, whole) -> None:
     chat.add_argument("run_dir", help="the run directory")
     chat.add_argument("--model", help=MODEL_HELP)
     chat.add_argument("--system", help="a system message opening the conversation")
-    _sampling_args(chat, whole)
+    _sampling_args(chat)
     chat.set_defaults(func=_chat)
