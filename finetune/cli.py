@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from finetune import __version__
 from finetune.cli_args import EXIT_USER_ERROR, Parser, checked, time_limit, whole

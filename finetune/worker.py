@@ -21,7 +21,7 @@ from finetune.model.peft import apply_peft, embed_base, match_adapter_precision
 from finetune.data.prepare import prepared_data
 from finetune.model.tokenizer import load_tokenizer
 from finetune.callbacks import (EndAtLastStep, MetricsFile, NothingLeftToTrain, ResumeState,
-                                SealCheckpoints, truncate_metrics)
+                                SealCheckpoints, read_metrics, truncate_metrics)
 from finetune.config.effective import arguments, record, value
 from finetune.config.schema import Experiment
 from finetune.errors import ConfigError, RunError
