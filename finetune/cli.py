@@ -375,6 +375,9 @@ def build_parser() -> argparse.ArgumentParser:
         "reference", help="print every experiment key with its type, default and meaning",
         description="Print the experiment reference (Markdown), generated from the schema.")
     reference.set_defaults(func=_reference)
+
+    from finetune.eval_run import add_parser as add_eval  # torch-free; so is its parser
+    add_eval(commands)
     return parser
 
 
