@@ -191,6 +191,13 @@ def _table(record: dict[str, Any]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     experiment, run_dir, is_run = _target(args)
+    out = Path(args.out).absolute() if args.out else None
+    if out is not None:
+        _check_out(out)
+    elif not is_run:
+        from finetune.rundir import check_run_dir
+
+        check_run_dir(run_dir)  # the result goes into its eval/
     if experiment.data.eval is None and experiment.data.eval_fraction is None:
         raise RunError(f"{args.target}: the experiment has no eval data (data.eval or "
                        "data.eval_fraction); give a file with --data FILE")
@@ -200,13 +207,6 @@ def run(args: argparse.Namespace) -> int:
         raise RunError(f"{run_dir}/init-model/ is missing: the run started from random weights "
                        "saved there, which the evaluation starts from too (the reference "
                        "model, the base of an adapter)")
-    if not is_run:
-        from finetune.rundir import check_run_dir
-
-        check_run_dir(run_dir)  # the result goes into its eval/
-    out = Path(args.out).absolute() if args.out else None
-    if out is not None:
-        _check_out(out)
 
     if experiment.peft.type != "qlora":  # as `finetune train`: see cli._train
         import logging

@@ -24,11 +24,11 @@ TOP = import_graph.graph(top_level=True)  # those that run when the module is im
 # Packages and top-level modules that import torch, transformers, trl or peft (data/files.py
 # excepted: it reads and hashes files, and the fingerprint uses it).
 TORCH_SIDE = ("data", "model", "hardware", "methods", "trainers", "worker", "callbacks",
-              "preemption")
+              "preemption", "build", "evaluate", "evaluation")
 # What `finetune validate/render/estimate/launch --dry-run` and a launcher run: importing
 # any of these must not load the torch side.
 TORCH_FREE = ("config", "render", "launch", "rundir", "resume", "fingerprint", "checkpoints",
-              "estimate", "errors", "cli")
+              "estimate", "errors", "cli", "eval_run")
 
 
 def unit(module: str) -> str:
