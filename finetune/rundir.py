@@ -17,6 +17,7 @@ runs/<name>/
   failed-<rank>.json the error a training process stopped on (read by finetune launch)
   final/             the final model or adapter, with its tokenizer
   init-model/        the starting weights of a model.init: random run
+  eval/              results of `finetune eval` (eval_run.py), one JSON file each
 """
 
 from __future__ import annotations
