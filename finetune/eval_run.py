@@ -189,6 +189,21 @@ def _table(record: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _record(args: argparse.Namespace, experiment, run_dir: Path, weights: Path | None,
+            result: dict[str, Any]) -> dict[str, Any]:
+    """What the JSON file holds: what was evaluated, on what, where, and the metrics."""
+    metrics = {k: v for k, v in result["metrics"].items()
+               if k != "epoch" and not k.endswith("num_tokens")}  # the trainer's state
+    data = [s.path for s in experiment.data.eval] if experiment.data.eval else \
+        [f"data.eval_fraction {experiment.data.eval_fraction} of data.train"]
+    model = str(weights) if weights else f"the starting model of {args.target} " \
+        f"({experiment.model.name_or_path}, {experiment.model.init})"
+    return {"finetune": __version__, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "experiment": experiment.name, "method": experiment.method,
+            "run_dir": str(run_dir), "model": model, "checkpoint": args.checkpoint,
+            "data": data, **result, "metrics": metrics}
+
+
 def run(args: argparse.Namespace) -> int:
     experiment, run_dir, is_run = _target(args)
     out = Path(args.out).absolute() if args.out else None
@@ -215,16 +230,7 @@ def run(args: argparse.Namespace) -> int:
     from finetune.evaluate import evaluate_saved  # heavy: torch, transformers, trl
 
     result = evaluate_saved(experiment, run_dir, weights)
-    result["metrics"] = {k: v for k, v in result["metrics"].items()
-                         if k != "epoch" and not k.endswith("num_tokens")}  # trainer state
-    data = [s.path for s in experiment.data.eval] if experiment.data.eval else \
-        [f"data.eval_fraction {experiment.data.eval_fraction} of data.train"]
-    record = {"finetune": __version__, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
-              "experiment": experiment.name, "method": experiment.method,
-              "run_dir": str(run_dir), "model": str(weights) if weights else
-              f"the starting model of {args.target} ({experiment.model.name_or_path}, "
-              f"{experiment.model.init})",
-              "checkpoint": args.checkpoint, "data": data, **result}
+    record = _record(args, experiment, run_dir, weights, result)
     model_name = weights.name if weights else "start"
     path = _write_new(json.dumps(record, indent=2, default=str) + "\n", out,
                       run_dir / EVAL_DIR, f"{_data_name(experiment)}-{model_name}")
