@@ -329,10 +329,10 @@ def build_parser() -> argparse.ArgumentParser:
     reference.set_defaults(func=_reference)
 
     # Commands whose parsers live beside their code (each torch-free at import).
-    from finetune import hub, plots
+    from finetune import eval_run, hub, plots
     from finetune.inference import commands as inference
 
-    for module in (inference, plots, hub):  # merge, generate, chat; plot; push
+    for module in (eval_run, inference, plots, hub):  # eval; merge, generate, chat; plot; push
         module.add_commands(commands)
     return parser
 

@@ -1,7 +1,10 @@
-"""Generation-based evaluation: exact match of greedy answers on held-out prompts (sft)."""
+"""Evaluating a built trainer on its eval data, as training does before and after and as
+`finetune eval` does: the method trainer's own evaluate(), plus exact match of greedy
+answers on held-out prompts (sft, evaluation.exact_match)."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -50,3 +53,33 @@ def exact_match(model, tokenizer, dataset: Dataset, fmt: str, max_new_tokens: in
         tokenizer.padding_side = side
         model.train(was_training)
     return {"exact_match": hits / max(len(pairs), 1), "samples": len(pairs), "examples": examples}
+
+
+def _generating(trainer):
+    """FSDP1 leaves its root unit's parameters (embeddings, head) sharded outside its own
+    forward, and generate() bypasses that forward: gather them while generating. FSDP2's
+    generate is an FSDP forward already (the Trainer registers it)."""
+    plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None)
+    if plugin is None or plugin.fsdp_version != 1:
+        return contextlib.nullcontext()
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return FullyShardedDataParallel.summon_full_params(trainer.model_wrapped, recurse=False,
+                                                       writeback=False)
+
+
+def evaluate(trainer, job) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """(the metrics, the exact-match details or None): the trainer's evaluate() on the
+    job's eval data, with eval_exact_match added where the experiment asks for it.
+    ({}, None) without eval data."""
+    if job.data.eval is None:
+        return {}, None
+    results = dict(trainer.evaluate())
+    spec = job.experiment.evaluation
+    if not spec.exact_match:
+        return results, None
+    with _generating(trainer):
+        scored = exact_match(trainer.model, job.tokenizer, job.data.eval_examples,
+                             job.data.format, spec.max_new_tokens, spec.max_samples)
+    results["eval_exact_match"] = scored["exact_match"]
+    return results, scored

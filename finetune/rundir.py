@@ -22,6 +22,7 @@ runs/<name>/
                      adapter: with init-model/'s files hard-linked beside it)
   init-model/        the starting weights of a model.init: random run
   merged/            the adapter merged into its base (`finetune merge`)
+  eval/              results of `finetune eval` (eval_run.py), one JSON file each
 """
 
 from __future__ import annotations

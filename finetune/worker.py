@@ -1,10 +1,9 @@
-"""What runs on every rank: build tokenizer, data, model and adapters from the experiment,
-hand them to the method's trainer, train, evaluate before and after, save."""
+"""What runs on every rank: build tokenizer, data, model and adapters from the experiment
+(build.py, shared with `finetune eval`), hand them to the method's trainer, train,
+evaluate before and after (evaluation.py), save."""
 
 from __future__ import annotations
 
-import contextlib
-import importlib
 import os
 import shutil
 import sys
@@ -15,104 +14,36 @@ from typing import Any, Callable
 from transformers import TrainerCallback
 
 from finetune import checkpoints, hub, trackers
-from finetune.hardware import Hardware, checkpointing_decision, resolve_hardware
-from finetune.model.load import count_parameters, initial_weights, load_model
-from finetune.model.peft import apply_peft, embed_base, match_adapter_precision
-from finetune.data.prepare import prepared_data
-from finetune.model.tokenizer import load_tokenizer
+from finetune.build import method_trainer, starting_model, tokenizer_and_data, without_redacted
+from finetune.hardware import checkpointing_decision, resolve_hardware
+from finetune.model.load import count_parameters
+from finetune.model.peft import embed_base
 from finetune.callbacks import (EndAtLastStep, MetricsFile, NothingLeftToTrain, ResumeState,
                                 SealCheckpoints, read_metrics, truncate_metrics)
-from finetune.config.effective import arguments, record, value
 from finetune.config.schema import Experiment
-from finetune.errors import ConfigError, RunError
-from finetune.evaluation import exact_match
+from finetune.errors import RunError
+from finetune.evaluation import evaluate
 from finetune.fingerprint import fingerprint, layout
-from finetune.launch.environment import (apply_cpu_threads, launch_problems, parallel_note,
-                                         process_group_problems, rank_of)
-from finetune.methods import Job, build_trainer, preparation
+from finetune.launch.environment import apply_cpu_threads, parallel_note, rank_of
+from finetune.methods import Job
 from finetune.preemption import Preempted, StopOnSignal
 from finetune.plots import write_loss_plot
 from finetune.report import (attention_name, end_summary, environment, logged_before,
                              start_summary, write_json)
 from finetune.resume import ResumePlan
-from finetune.config.secrets import REDACTED, is_secret
-
-
-def make_training_args(experiment: Experiment, run_dir: Path, hw: Hardware,
-                       checkpointing: bool | None = None) -> Any:
-    """The method's TRL config; creating it also sets up torch.distributed. Every rank
-    first checks its launch environment, then the process group it joined."""
-    problems = launch_problems(experiment, os.environ, hw.precision)
-    if problems:
-        raise RunError("; ".join(problems))
-    if experiment.distributed.strategy == "deepspeed" and hw.device == "cpu":
-        import deepspeed  # ZeRO-3 model creation needs the gloo group before the arguments
-
-        deepspeed.init_distributed(dist_backend="gloo")
-    module, name = record(experiment).config_class
-    cls = getattr(importlib.import_module(module), name)
-    kwargs = arguments(experiment, hw.device, hw.precision, run_dir, checkpointing)
-    _hand_secrets_to_hub(kwargs)
-    try:
-        args = cls(**kwargs)
-    except (ValueError, TypeError) as exc:
-        raise ConfigError([f"training: {module}.{name} rejected these settings: {exc}"]) from None
-    problems = process_group_problems(experiment, args, hw.device)
-    if problems:
-        raise RunError("; ".join(problems))
-    return args
-
-
-def _hand_secrets_to_hub(kwargs: dict[str, Any]) -> None:
-    """The Trainer pickles its arguments into every checkpoint and final/
-    (training_args.bin), so no secret may be one of them. training.hub_token goes where
-    huggingface_hub reads a token itself whenever it needs one (HF_TOKEN, this process
-    and its children only; TrainingArguments' hub_token None means exactly that)."""
-    for key in [k for k in kwargs if is_secret(k)]:
-        value = kwargs.pop(key)
-        if key == "hub_token" and value:
-            os.environ["HF_TOKEN"] = str(value)
-
-
-def _without_redacted(experiment: Experiment) -> Experiment:
-    """A resolved experiment read back has '<redacted>' where secrets were: those come
-    from the environment (HF_TOKEN), never from a file."""
-    training = {k: v for k, v in experiment.training.items() if v != REDACTED}
-    return experiment.model_copy(update={"training": training})
 
 
 FSDP_NEEDS_CUDA = ("distributed.strategy fsdp needs CUDA devices and this run is on the CPU: "
                    "accelerate runs FSDP only on accelerators; on CPU use ddp or deepspeed")
 
 
-def _generating(trainer):
-    """FSDP1 leaves its root unit's parameters (embeddings, head) sharded outside its own
-    forward, and generate() bypasses that forward: gather them while generating. FSDP2's
-    generate is an FSDP forward already (the Trainer registers it)."""
-    plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None)
-    if plugin is None or plugin.fsdp_version != 1:
-        return contextlib.nullcontext()
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
-    return FullyShardedDataParallel.summon_full_params(trainer.model_wrapped, recurse=False,
-                                                       writeback=False)
-
-
 def _evaluate(trainer, job: Job, metrics: MetricsFile, when: str) -> dict[str, Any]:
-    if job.data.eval is None:
-        return {}
-    results = dict(trainer.evaluate())
-    spec = job.experiment.evaluation
-    if spec.exact_match:
-        with _generating(trainer):
-            scored = exact_match(trainer.model, job.tokenizer, job.data.eval_examples,
-                                 job.data.format, spec.max_new_tokens, spec.max_samples)
-        results["eval_exact_match"] = scored["exact_match"]
-        if trainer.is_world_process_zero():
-            metrics.write({"step": trainer.state.global_step, "when": when,
-                           "eval_exact_match": scored["exact_match"],
-                           "exact_match_samples": scored["samples"],
-                           "exact_match_examples": scored["examples"]})
+    results, scored = evaluate(trainer, job)
+    if scored is not None and trainer.is_world_process_zero():
+        metrics.write({"step": trainer.state.global_step, "when": when,
+                       "eval_exact_match": scored["exact_match"],
+                       "exact_match_samples": scored["samples"],
+                       "exact_match_examples": scored["examples"]})
     return results
 
 
@@ -208,31 +139,20 @@ def _write_results(run_dir: Path, summary: dict[str, Any], plot_title: str | Non
 
 def train(experiment: Experiment, run_dir: Path, plan: ResumePlan,
           launched: float | None = None) -> dict[str, Any]:
-    from transformers import set_seed
-
     started = time.time()
     rank = rank_of(os.environ)
     stop = StopOnSignal(rank, experiment.preemption.save_timeout)
     if rank == 0:
         _start_attempt(run_dir, plan)
-    experiment = _without_redacted(experiment)
+    experiment = without_redacted(experiment)
     hw = resolve_hardware(experiment)
     if experiment.distributed.strategy == "fsdp" and hw.device != "cuda":
         raise RunError(FSDP_NEEDS_CUDA)  # device auto on a machine without CUDA
     threads = apply_cpu_threads(os.environ) if hw.device == "cpu" else None
-    tokenizer = load_tokenizer(experiment)
-    # Before any process group exists: see data/prepare.py.
-    data = prepared_data(experiment, tokenizer, preparation(experiment), run_dir,
-                         launched or started)
-    seed = value(experiment, "seed")
-    initial = initial_weights(experiment, hw, tokenizer, run_dir, seed, rank)
+    tokenizer, data = tokenizer_and_data(experiment, run_dir, launched or started)
     checkpointing, checkpointing_note = checkpointing_decision(experiment, hw)
-    args = make_training_args(experiment, run_dir, hw, checkpointing)
-    args.distributed_state.wait_for_everyone()  # rank 0 has saved the initial weights
-    set_seed(args.seed)
-    model = load_model(experiment, hw, tokenizer, run_dir, initial)
-    initial = None  # loaded back from init-model/ (quantized, ZeRO-3): not kept alive
-    model = apply_peft(model, experiment, args.gradient_checkpointing)
+    args, model = starting_model(experiment, hw, tokenizer, run_dir, rank, run_dir,
+                                 checkpointing)
 
     # Before the Trainer is built: its integrations read where to log as it builds them.
     tracking = trackers.start(experiment, run_dir, plan.step if plan.checkpoint else None,
@@ -247,13 +167,8 @@ def train(experiment: Experiment, run_dir: Path, plan: ResumePlan,
               callbacks=[metrics, stop, resume_state, seal, EndAtLastStep()],
               notes=[n for n in (parallel_note(experiment, hw.device), checkpointing_note, threads)
                      if n])
-    trainer = build_trainer(job)
-    if experiment.distributed.strategy == "fsdp" and not trainer.is_fsdp_enabled:
-        raise RunError("distributed.strategy is fsdp, but the Trainer runs without FSDP: start "
-                       "it with `finetune launch` (its accelerate.yaml turns FSDP on)")
+    trainer = method_trainer(job)
     resume_state.trainer = trainer
-    if experiment.peft.type == "qlora":
-        match_adapter_precision(trainer.model, hw.precision)
     main = trainer.is_world_process_zero()
     if main:
         write_json(run_dir / "environment.json",

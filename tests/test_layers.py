@@ -10,7 +10,6 @@ from __future__ import annotations
 import ast
 import importlib.util
 
-
 from conftest import REPO
 
 _spec = importlib.util.spec_from_file_location("import_graph", REPO / "tools" / "import_graph.py")
@@ -24,12 +23,12 @@ TOP = import_graph.graph(top_level=True)  # those that run when the module is im
 # excepted: it reads and hashes files, and the fingerprint uses it; so is
 # inference/commands.py: the CLI builds its parsers at every start).
 TORCH_SIDE = ("data", "model", "hardware", "methods", "trainers", "worker", "callbacks",
-              "preemption", "inference")
+              "preemption", "inference", "build", "evaluate", "evaluation")
 NOT_TORCH_SIDE = ("finetune.data.files", "finetune.inference.commands")
-# What `finetune validate/render/estimate/plot/push/launch --dry-run` and a launcher run: importing
-# any of these must not load the torch side.
+# What `finetune validate/render/estimate/plot/push/eval --help/launch --dry-run` and a
+# launcher run: importing any of these must not load the torch side.
 TORCH_FREE = ("config", "render", "launch", "rundir", "resume", "fingerprint", "checkpoints",
-              "estimate", "errors", "cli", "plots", "hub", "modelcard")
+              "estimate", "errors", "cli", "plots", "hub", "modelcard", "eval_run")
 
 
 def unit(module: str) -> str:

@@ -97,7 +97,8 @@ def test_module_builds_and_prepares(record):
 
 # Torch-free layers, and the worker and report, read records instead of method names.
 READERS = ["config", "data", "estimate", "fingerprint.py", "model", "render", "report.py",
-           "plots.py", "resume.py", "worker.py", "hardware.py"]
+           "plots.py", "resume.py", "worker.py", "hardware.py", "build.py", "evaluate.py",
+           "eval_run.py", "evaluation.py"]
 
 
 def _name_branches(path) -> list[str]:

@@ -208,3 +208,42 @@ def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
         if param.requires_grad:
             trainable += n
     return trainable, total
+
+
+def load_full_weights(model: torch.nn.Module, directory: Path) -> None:
+    """Load a whole model saved with save_pretrained (model.safetensors, or its shards)
+    into `model`, in place. A ValueError when the weights do not fit it; a
+    FileNotFoundError when there are none."""
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        from transformers.modeling_utils import load_sharded_checkpoint
+
+        load_sharded_checkpoint(model, str(directory), strict=False)
+        return
+    from safetensors.torch import load_file
+
+    state = load_file(str(directory / "model.safetensors"))
+    result = model.load_state_dict(state, strict=False)
+    tied = set(getattr(model, "all_tied_weights_keys", None) or ())
+    missing = [k for k in result.missing_keys if k not in tied and not k.endswith("lm_head.weight")]
+    if missing or result.unexpected_keys:
+        raise ValueError(f"{directory}: weights do not match the model (missing "
+                         f"{missing[:5]}, unexpected {result.unexpected_keys[:5]})")
+
+
+def load_weights(model: torch.nn.Module, directory: Path) -> None:
+    """Load what the Trainer saved of `model` (final/, a checkpoint) into it, in place: the
+    adapter of a peft model (adapter_model.safetensors), else the whole model."""
+    from peft import PeftModel
+
+    if not isinstance(model, PeftModel):
+        load_full_weights(model, directory)
+        return
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    state = load_file(str(directory / "adapter_model.safetensors"))
+    result = set_peft_model_state_dict(model, state)
+    if getattr(result, "unexpected_keys", None):
+        raise ValueError(f"{directory}: adapter weights do not match "
+                         f"({result.unexpected_keys[:5]})")

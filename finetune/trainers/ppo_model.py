@@ -17,6 +17,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from finetune.model.load import load_full_weights, load_weights
+
 VALUE_DIR = "value"
 HEAD_FILE = "value_head.safetensors"
 KIND_FILE = "value.json"
@@ -106,7 +108,7 @@ class PolicyAndValue(nn.Module):
     def load(self, directory: str | Path) -> None:
         """Load weights written by save() (a checkpoint) into this module, in place."""
         directory = Path(directory)
-        _load_policy(self.policy, directory)
+        load_weights(self.policy, directory)
         value_dir = directory / VALUE_DIR
         kind = json.loads((value_dir / KIND_FILE).read_text())["value_model"]
         if kind != ("shared" if self.shared else "separate"):
@@ -114,38 +116,7 @@ class PolicyAndValue(nn.Module):
                              f"{'shared' if self.shared else 'separate'}")
         self.value_head.load_state_dict(load_file(str(value_dir / HEAD_FILE)))
         if not self.shared:
-            _load_full(self.value_backbone, value_dir)
-
-
-def _load_full(model: nn.Module, directory: Path) -> None:
-    index = directory / "model.safetensors.index.json"
-    if index.is_file():
-        from transformers.modeling_utils import load_sharded_checkpoint
-
-        load_sharded_checkpoint(model, str(directory), strict=False)
-        return
-    state = load_file(str(directory / "model.safetensors"))
-    result = model.load_state_dict(state, strict=False)
-    tied = set()
-    for name in getattr(model, "all_tied_weights_keys", None) or ():
-        tied.add(name)
-    missing = [k for k in result.missing_keys if k not in tied and not k.endswith("lm_head.weight")]
-    if missing or result.unexpected_keys:
-        raise ValueError(f"{directory}: weights do not match the model (missing "
-                         f"{missing[:5]}, unexpected {result.unexpected_keys[:5]})")
-
-
-def _load_policy(policy: nn.Module, directory: Path) -> None:
-    if _is_peft(policy):
-        from peft import set_peft_model_state_dict
-
-        state = load_file(str(directory / "adapter_model.safetensors"))
-        result = set_peft_model_state_dict(policy, state)
-        if getattr(result, "unexpected_keys", None):
-            raise ValueError(f"{directory}: adapter weights do not match "
-                             f"({result.unexpected_keys[:5]})")
-    else:
-        _load_full(policy, directory)
+            load_full_weights(self.value_backbone, value_dir)
 
 
 def value_backbone(source: str, dtype: torch.dtype, trust_remote_code: bool, revision=None):
