@@ -92,6 +92,18 @@ def _start_attempt(run_dir: Path, plan: ResumePlan) -> None:
         print(f"finetune: {note}", flush=True)
 
 
+def _end_progress_line(trainer) -> None:
+    """Training that fails leaves the Trainer's progress bar mid-line on stderr: close it,
+    so the error starts a line of its own (`error:` lines are what people and scripts
+    look for)."""
+    from transformers.trainer_callback import ProgressCallback
+
+    for callback in trainer.callback_handler.callbacks:
+        if isinstance(callback, ProgressCallback) and callback.training_bar is not None:
+            callback.training_bar.close()
+            callback.training_bar = None
+
+
 def _save_final(trainer, tokenizer, run_dir: Path, main: bool,
                 embedded_base: Path | None = None) -> Path:
     """final/ appears whole or not at all: written aside, then renamed by rank 0.
@@ -188,6 +200,7 @@ def train(experiment: Experiment, run_dir: Path, plan: ResumePlan,
                   f"and the run has {trainer.state.max_steps}: nothing left to train; "
                   "evaluating it and saving it as the final model", flush=True)
     except Exception as exc:
+        _end_progress_line(trainer)
         if _disk_full(exc, run_dir):
             raise RunError(_disk_full_message(run_dir)) from exc
         raise
