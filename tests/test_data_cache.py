@@ -233,6 +233,27 @@ def test_a_damaged_entry_is_prepared_again_with_a_line(config, tmp_path, capsys,
     assert leftovers == []
 
 
+def test_a_trainer_mapping_a_cached_part_does_not_damage_the_entry(config, tmp_path, capsys):
+    # TRL's trainers filter and map the datasets they are given; datasets writes the result
+    # beside the loaded part (train/cache-<fingerprint>.arrow). The next run loads the entry.
+    run_dir = tmp_path / "runs" / "a"
+    run_dir.mkdir(parents=True)
+    experiment = load_experiment(config)
+    tokenizer = load_tokenizer(experiment)
+    prepared_data(experiment, tokenizer, preparation(experiment), run_dir, time.time(), {})
+    loaded = prepared_data(experiment, tokenizer, preparation(experiment), run_dir,
+                           time.time(), {})
+    loaded.train.filter(lambda row: len(row["input_ids"]) > 1)
+    entry = cache_root(experiment, run_dir) / _entries(experiment, run_dir)[0]
+    assert list(entry.glob("train/cache-*.arrow")), "datasets wrote no cache file here"
+    capsys.readouterr()
+    prepared_data(experiment, tokenizer, preparation(experiment), run_dir, time.time(), {})
+    out = capsys.readouterr().out
+    assert "data loaded from the cache" in out and "damaged" not in out, out
+    (entry / "train" / "cache-x.json").write_text("{}")  # only datasets' own are passed over
+    assert entry_problem(entry) == f"train/cache-x.json is not listed in {META}"
+
+
 KILLED_WRITER = """
 import os
 import signal

@@ -200,6 +200,14 @@ def _meta_problem(meta: Any) -> str | None:
     return f"part {empty[0]} has no files" if empty else None
 
 
+def _derived(name: str) -> bool:
+    """A file datasets writes beside a loaded part when a trainer maps or filters it
+    (part/cache-<fingerprint>.arrow; TRL's reward and DPO trainers do): not the entry's,
+    never loaded with it, so neither damage nor part of what meta.json lists."""
+    part, _, file = name.partition("/")
+    return "/" not in file and file.startswith("cache-") and file.endswith(".arrow")
+
+
 def _entry_problem(entry: Path) -> str | None:
     if not entry.is_dir() or entry.is_symlink():
         return "not a directory"
@@ -213,7 +221,7 @@ def _entry_problem(entry: Path) -> str | None:
     if problem:
         return f"{META} is not one this version of finetune wrote ({problem})"
     files = meta["files"]
-    on_disk = set(_listing(entry, hashed=False))
+    on_disk = {name for name in _listing(entry, hashed=False) if not _derived(name)}
     missing, unlisted = sorted(set(files) - on_disk), sorted(on_disk - set(files))
     if missing or unlisted:
         return f"{one_line(missing[0])} is missing" if missing else \
