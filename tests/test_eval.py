@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -76,7 +77,7 @@ def errors(capsys, *args: str) -> list[str]:
     return lines
 
 
-def rendered_run(tmp_path, write) -> "Path":
+def rendered_run(tmp_path, write) -> Path:
     """A run directory as `finetune render` leaves it: experiment.yaml, nothing trained."""
     from finetune.cli import main
 
