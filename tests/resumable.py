@@ -18,7 +18,8 @@ from safetensors.torch import load_file
 from conftest import DATA, TINY_MODEL
 from finetune.errors import EXIT_PREEMPTED
 
-DATASETS = {"sft": "sft_train", "reward": "pref_train", "dpo": "pref_train"}
+DATASETS = {"sft": "sft_train", "reward": "pref_train", "dpo": "pref_train",
+            "orpo": "pref_train", "cpo": "pref_train", "simpo": "pref_train"}
 
 
 def experiment(name: str, method: str, *, processes: int = 1, steps: int = 40,

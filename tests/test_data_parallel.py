@@ -1,6 +1,9 @@
 """Data-parallel equivalence, measured: 2 processes x batch b (gloo, launched by
 `finetune launch`) end with the same weights as 1 process x batch 2b and as 1 process x
-batch b x accumulation 2 (fp32, SGD), for sft (through finetune_varlen), reward and dpo.
+batch b x accumulation 2 (fp32, SGD), for sft (through finetune_varlen), reward, dpo and
+simpo. (orpo and cpo add an NLL term that TRL averages over each micro-batch's tokens, so
+theirs is a mean of per-process means: equal only where the processes' token counts are;
+their 2-process runs are checked by test_resume.py.)
 
 The training set is exactly one global batch, so every step sees the same rows in every
 layout whatever order the samplers draw them in; only the split across processes or
@@ -16,7 +19,8 @@ from conftest import DATA, TINY_MODEL, run_cli
 
 pytestmark = pytest.mark.slow  # training runs on several processes
 
-DATASETS = {"sft": "sft_train", "reward": "pref_train", "dpo": "pref_train"}
+DATASETS = {"sft": "sft_train", "reward": "pref_train", "dpo": "pref_train",
+            "simpo": "pref_train"}
 STEPS = 3
 LAYOUTS = {  # name: (processes, per-device batch, accumulation)
     "ddp-2x2": (2, 2, 1),
@@ -55,7 +59,7 @@ def train(method: str, layout: str, write, tmp_path) -> dict[str, torch.Tensor]:
         run / "init-model" / "model.safetensors")
 
 
-@pytest.mark.parametrize("method", ["sft", "reward", "dpo"])
+@pytest.mark.parametrize("method", ["sft", "reward", "dpo", "simpo"])
 def test_data_parallel_and_accumulation_match_one_big_batch(method, write, tmp_path):
     runs = {layout: train(method, layout, write, tmp_path) for layout in LAYOUTS}
     reference, init = runs["single-1x4"]

@@ -74,6 +74,10 @@ class Method:
     liger_default: bool = False
     # use_liger_kernel's fused linear cross-entropy computes its loss (not our own loss).
     fused_loss: bool = True
+    # Its TRL trainer casts the trainable parameters of a quantized model to bf16 (the
+    # top-level ones do; the experimental orpo/cpo do so only for a peft_config they are
+    # given, and finetune applies the adapters itself). Our own trainers do not.
+    trl_casts: bool = True
     # distributed.strategy values it runs under.
     strategies: tuple[str, ...] = ALL_STRATEGIES
     # Training arguments of its own, over finetune's defaults, under the experiment's.
@@ -98,9 +102,10 @@ class Method:
         return "completion" if self.generates else "sequence"
 
     @property
-    def trl_trainer(self) -> bool:
-        """Trained by TRL's own trainer (its config class is TRL's)."""
-        return self.config_class[0] == "trl"
+    def casts_quantized(self) -> bool:
+        """Trained by a TRL trainer that casts a quantized model's trainable parameters
+        to bf16 (finetune/estimate/census.py)."""
+        return self.config_class[0].startswith("trl") and self.trl_casts
 
 
 METHODS: dict[str, Method] = {m.name: m for m in (
@@ -113,6 +118,21 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("dpo", ("trl", "DPOConfig"), ("preference",), "lm", "finetune.methods.dpo",
            sections=("dpo",), max_length="training.max_length", sequences=2,
            reference=Reference(setting="dpo.ref_model"), shared_prompt=True),
+    # Reference-free preference methods (trl.experimental): the pair's own log-odds
+    # (orpo) or length-normalised log-probabilities (simpo) are the implicit reward.
+    # Their trainers weigh no sample, so weights are refused.
+    Method("orpo", ("trl.experimental.orpo", "ORPOConfig"), ("preference",), "lm",
+           "finetune.methods.orpo", max_length="training.max_length", sequences=2,
+           shared_prompt=True, weights=False, trl_casts=False),
+    Method("cpo", ("trl.experimental.cpo", "CPOConfig"), ("preference",), "lm",
+           "finetune.methods.cpo", max_length="training.max_length", sequences=2,
+           shared_prompt=True, weights=False, trl_casts=False),
+    # SimPO is CPO's trainer with its simpo loss and no behaviour-cloning term, the
+    # setting TRL documents for it: a name of its own so that it is asked for as such.
+    Method("simpo", ("trl.experimental.cpo", "CPOConfig"), ("preference",), "lm",
+           "finetune.methods.cpo", max_length="training.max_length", sequences=2,
+           shared_prompt=True, weights=False, trl_casts=False,
+           defaults={"loss_type": "simpo", "cpo_alpha": 0.0}),
     # Our own trainers take transformers' arguments; their options are in their sections.
     Method("classify", ("transformers", "TrainingArguments"), ("classification",), "score",
            "finetune.methods.classify", sections=("classify",), labels="classify.labels",

@@ -118,7 +118,9 @@ def _data(exp: Experiment) -> Iterator[Problem]:
         if not has_eval:
             yield ("evaluation", "exact_match"), "needs data.eval or data.eval_fraction"
     if exp.data.weight_column is not None and not own.weights:
-        why = ": its samples are weighted by their rewards" if own.rewarded else ""
+        why = ": its samples are weighted by their rewards" if own.rewarded else \
+            f": its trainer has no per-sample loss weights (they are for " \
+            f"{_methods(lambda m: m.weights)})"
         yield ("data", "weight_column"), f"not used by method {exp.method}{why}"
     yield from _tokenization(exp)
 

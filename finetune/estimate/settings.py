@@ -179,7 +179,7 @@ def settings_of(exp: Experiment, gpus: int | None = None, seq_len: int | None = 
         head=own.head, num_labels=len(labels) if labels else 1, attention=kind, mask=mask,
         fused_loss=own.fused_loss and bool(value("use_liger_kernel")),
         world=world, per_machine=max(per_machine, 1),
-        layout=_layout(exp, world), trl_cast=own.trl_trainer and precision != "fp32",
+        layout=_layout(exp, world), trl_cast=own.casts_quantized and precision != "fp32",
         reference=_reference(exp, own, value),
         value_model=effective.setting(exp, own.value_model) if own.value_model else "none",
         notes=tuple(notes))

@@ -7,38 +7,16 @@ model.config.name_or_path, which is empty for a freshly initialised model.
 """
 
 import copy
-from typing import Any
 
 from transformers import AutoModelForCausalLM
 from trl import DPOTrainer
-from trl.data_utils import common_prefix_length, extract_prompt
 
 from finetune.data.load import ORIGIN, Splits
-from finetune.model.tokenizer import render_chat
 from finetune.config.schema import Experiment
 from finetune.config.effective import value as effective_value
 from finetune.errors import DataError
 from finetune.methods import Job
-
-
-def _prompt_length(tokenizer, row: dict[str, Any]) -> int:
-    """The prompt's tokens as DPOTrainer counts them (_prepare_dataset: the prompt, given or
-    extracted, then where its ids and those of prompt + answer part). DPOTrainer
-    tokenizes itself; rendering every chat row here is what finds a template that fails
-    on one, while preparing, with its file and row."""
-    if "prompt" not in row:
-        row = {**row, **extract_prompt(row)}
-    prompt, where = row["prompt"], row[ORIGIN]
-    if isinstance(prompt, list):
-        prompt_ids = render_chat(tokenizer, prompt, f"{where}, `prompt`", generation_prompt=True)
-        answers = [render_chat(tokenizer, prompt + row[k], f"{where}, `prompt + {k}`")
-                   for k in ("chosen", "rejected")]
-    else:
-        eos = tokenizer.eos_token or ""
-        prompt_ids = tokenizer(prompt)["input_ids"]
-        answers = [tokenizer(prompt + row[k] + ("" if row[k].endswith(eos) else eos))["input_ids"]
-                   for k in ("chosen", "rejected")]
-    return min(common_prefix_length(prompt_ids, ids) for ids in answers)
+from finetune.methods.pairs import prompt_length
 
 
 def prepare(splits: Splits, tokenizer, experiment: Experiment) -> Splits:
@@ -48,7 +26,7 @@ def prepare(splits: Splits, tokenizer, experiment: Experiment) -> Splits:
     value = lambda key: effective_value(experiment, key)
     max_length = value("max_length") if value("truncation_mode") == "keep_start" else None
     for split, rows in (("train", splits.train), ("eval", splits.eval)):
-        lengths = [(_prompt_length(tokenizer, row), row[ORIGIN]) for row in rows or ()]
+        lengths = [(prompt_length(tokenizer, row), row[ORIGIN]) for row in rows or ()]
         shortest, where = min(lengths, default=(0, ""))
         if max_length is not None and shortest >= max_length:
             raise DataError(f"data.{split}: no row fits training.max_length {max_length}: "
