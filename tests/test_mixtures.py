@@ -194,3 +194,51 @@ def test_training_prints_the_mix_also_from_the_cache(sources, tmp_path):
     assert "a.jsonl: 23 rows (76.7%) of its 10 (weight 3, 10 rows repeated 2.30x)" \
         in lines[0][0]
     assert "b.jsonl: 7 rows (23.3%) of its 30 (max_samples 20, weight 1)" in lines[0][1]
+
+
+# Preparation in several processes (data/parallel.py).
+
+def test_processes_default_to_the_available_cores_and_skip_small_data(sources):
+    import os
+
+    from finetune.data.parallel import ROWS_PER_PROCESS, processes
+
+    exp = _experiment(sources, f"{{path: {sources}/a.jsonl}}")
+    cores = len(os.sched_getaffinity(0))
+    assert processes(exp, 10) is None
+    assert processes(exp, 100 * ROWS_PER_PROCESS) == (cores if cores > 1 else None)
+    four = _experiment(sources, f"{{path: {sources}/a.jsonl}}",
+                       overrides=["training.dataset_num_proc=4"])
+    assert processes(four, 100 * ROWS_PER_PROCESS) == 4
+    assert processes(four, 3 * ROWS_PER_PROCESS) == 3
+
+
+def _chat(n: int, bad: int | None = None) -> list[dict]:
+    rows = [{"messages": [{"role": "user", "content": f"question {i} " * (1 + i % 7)},
+                          {"role": "assistant", "content": f"answer {i} " * (1 + i % 5)}],
+             ORIGIN: f"chat.jsonl row {i + 1}"} for i in range(n)]
+    if bad is not None:  # assistant-only loss and no assistant turn: nothing to train
+        rows[bad]["messages"] = rows[bad]["messages"][:1]
+    return rows
+
+
+@pytest.mark.slow
+def test_tokenizing_in_several_processes_gives_the_same_rows(tmp_path):
+    from datasets import Dataset
+
+    from finetune.data import sft_tokens
+    from finetune.errors import DataError
+    from finetune.model.tokenizer import load_tokenizer
+
+    (tmp_path / "x.jsonl").write_text(_rows("x", 1))
+    exp = _experiment(tmp_path, f"{tmp_path}/x.jsonl")
+    tokenizer = load_tokenizer(exp)
+    masking = sft_tokens.Masking(assistant_only=True, max_length=24)
+    rows = Dataset.from_list(_chat(300))
+    one = sft_tokens.tokenize(rows, tokenizer, "messages", masking, "train")
+    three = sft_tokens.tokenize(rows, tokenizer, "messages", masking, "train", num_proc=3)
+    assert 0 < len(one) < 300  # truncation left some rows nothing to train: dropped
+    assert one["input_ids"] == three["input_ids"] and one["labels"] == three["labels"]
+    with pytest.raises(DataError, match="chat.jsonl row 250: nothing to train"):
+        sft_tokens.tokenize(Dataset.from_list(_chat(300, bad=249)), tokenizer, "messages",
+                            masking, "train", num_proc=2)
