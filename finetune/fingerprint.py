@@ -27,10 +27,15 @@ SECTIONS = ("method", "model", "tokenizer", "peft", "precision", "dpo")
 DATA_KEYS = ("train", "eval_fraction", "format", "weight_column")
 LAYOUT_KEYS = ("per_device_train_batch_size", "gradient_accumulation_steps")
 CONTENT = "data content "  # + a training file's path
+# Data settings added after fingerprints were first written: recorded only when set, so
+# an earlier checkpoint (which has none of them) still matches an experiment without them.
+LATER_SOURCE_KEYS = ("data_files", "weight")
+LATER_DATA_KEYS = ("seed",)
 # Training keys that do not change which samples are seen or what a step computes.
 HARMLESS_PREFIXES = ("logging_", "save_", "eval_", "hub_", "push_to_hub", "log_level",
                      "dataloader_num_workers", "dataloader_pin_memory",
-                     "dataloader_persistent_workers", "dataloader_prefetch_factor")
+                     "dataloader_persistent_workers", "dataloader_prefetch_factor",
+                     "dataset_num_proc")  # preparation's processes: the same rows
 HARMLESS = {"max_steps", "num_train_epochs", "report_to", "run_name", "disable_tqdm",
             "per_device_eval_batch_size", "eval_strategy", "load_best_model_at_end",
             "metric_for_best_model", "greater_is_better", "prediction_loss_only",
@@ -81,8 +86,18 @@ def fingerprint(experiment: Experiment) -> dict[str, Any]:
     flat: dict[str, Any] = {}
     for section in dict.fromkeys(SECTIONS + record(experiment).sections):
         flat.update(_flatten(dumped[section], section))
+    dumped["data"]["train"] = [{k: v for k, v in source.items()
+                                if not (k in LATER_SOURCE_KEYS and v is None)}
+                               for source in dumped["data"]["train"]]
     for key in DATA_KEYS:
         flat.update(_flatten(dumped["data"][key], f"data.{key}"))
+    for key in LATER_DATA_KEYS:
+        if dumped["data"][key] is not None:
+            flat[f"data.{key}"] = dumped["data"][key]
+    if any(source.max_samples is not None for source in experiment.data.train):
+        # max_samples kept the first rows before it kept a seeded sample: a checkpoint
+        # written then saw other rows.
+        flat["data.max_samples keeps"] = "a seeded random sample"
     for path in _training_files(experiment):
         flat[f"{CONTENT}{path}"] = content_digest(path)
     # One process and DDP write the same checkpoints; sharded strategies their own.

@@ -75,6 +75,9 @@ def start_summary(job, trainable: int, total: int) -> str:
     listed = record(exp).labels  # the setting that lists the classes, if any
     if listed:
         lines.insert(6, f"  labels     {label_ids(setting(exp, listed), listed)}")
+    if worth_showing(job.data.mix):
+        lines += [f"  {'mix' if i == 0 else '':<10} {line}"
+                  for i, line in enumerate(describe_mix(job.data.mix))]
     lines += [f"             {note}" for note in job.notes]
     return "\n".join(lines)
 
@@ -153,3 +156,26 @@ def write_json(path: Path, value: Any) -> None:
     from finetune.checkpoints import write_atomic
 
     write_atomic(path, json.dumps(value, indent=2, default=str) + "\n")  # RunError naming it
+
+
+def describe_mix(mix: list[dict[str, Any]]) -> list[str]:
+    """One line per source, for the start summary: what the mix (data/mix.py) took from it."""
+    lines = []
+    for entry in mix:
+        how = []
+        if entry["max_samples"] is not None and entry["sampled"] < entry["rows"]:
+            how.append(f"max_samples {entry['max_samples']}")
+        if entry["weight"] is not None:
+            how.append(f"weight {entry['weight']:g}")
+        if entry["taken"] > entry["sampled"]:
+            how.append(f"{entry['sampled']} rows repeated "
+                       f"{entry['taken'] / entry['sampled']:.2f}x")
+        lines.append(f"{entry['split']} {entry['source']}: {entry['taken']} rows "
+                     f"({100 * entry['share']:.1f}%) of its {entry['rows']}"
+                     + (f" ({', '.join(how)})" if how else ""))
+    return lines
+
+
+def worth_showing(mix: list[dict[str, Any]] | None) -> bool:
+    """A mix of several sources, or one sampled: a single whole source says nothing new."""
+    return bool(mix) and (len(mix) > 1 or mix[0]["taken"] != mix[0]["rows"])

@@ -34,6 +34,10 @@ def _paths(exp: Experiment) -> Iterator[Problem]:
             if bad:
                 yield loc, bad
             elif is_local(source.path):
+                if source.data_files is not None:
+                    yield (("data", split, i, "data_files"),
+                           "only for hub datasets; a local source names its files in path "
+                           "(a file, or a directory of them)")
                 if not paths.exists(source.path):
                     yield loc, f"no such file or directory: {source.path}"
                 elif not (paths.is_file(source.path) or paths.is_dir(source.path)):

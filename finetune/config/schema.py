@@ -125,8 +125,18 @@ class DataSource(Section):
         default_factory=dict,
         description="Rename columns, as {expected_name: name_in_the_file}, e.g. "
         "{messages: conversations}.")
-    max_samples: int | None = Field(None, gt=0, le=2**63 - 1,
-                                     description="Keep only the first N rows.")
+    data_files: str | list[str] | None = Field(
+        None, description="Hub datasets only: the file(s) of the repository to read (names "
+        "or glob patterns, as datasets' load_dataset takes them).")
+    max_samples: int | None = Field(
+        None, gt=0, le=2**63 - 1, description="Keep a random sample of N rows (seeded by "
+        "data.seed; all rows when the source has N or fewer), in the file's order.")
+    weight: float | None = Field(
+        None, gt=0, le=1e6, description="This source's share of the mix, relative to the "
+        "other sources' weights (given for every source of the list or for none). The mix "
+        "keeps the total (the sum of the sources' rows after max_samples) and gives source "
+        "i round(total x weight_i / sum of weights) rows: a random sample of a larger "
+        "source, repeats plus a random sample of a smaller one (oversampling).")
 
 
 def _as_source_list(value: Any) -> Any:
@@ -165,6 +175,10 @@ class DataSection(Section):
         + _by_method(lambda m: methods.spoken(m.formats, "or"))
         + ". classification rows are text and label; prompt rows a prompt (text or "
         "messages) plus any columns the reward functions read.")
+    seed: int | None = Field(
+        None, ge=0, le=2**32 - 1, description="Seed of the sources' sampling (max_samples, "
+        "weight); default training.seed. The same seed gives the same rows on every rank "
+        "and every run.")
     weight_column: str | None = Field(
         None, description=_for_methods(lambda m: m.weights) + "a numeric column of per-sample "
         "loss weights (>= 0 and <= 1e6: weights are relative, so scale larger ones down). The loss "
@@ -184,6 +198,16 @@ class DataSection(Section):
     @classmethod
     def _sources(cls, value: Any) -> Any:
         return _as_source_list(value)
+
+    @field_validator("train", "eval")
+    @classmethod
+    def _weights(cls, value: list[DataSource] | None) -> list[DataSource] | None:
+        weighted = [source.weight is not None for source in value or []]
+        if any(weighted) and not all(weighted):
+            missing = ", ".join(str(i) for i, w in enumerate(weighted) if not w)
+            raise ValueError(f"weight is given for some sources and not for source(s) "
+                             f"{missing}: give every source of the list a weight, or none")
+        return value
 
 
 class DPOSection(Section):

@@ -12,12 +12,13 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 import pyarrow as pa
 from datasets import (Dataset, Features, LargeList, List, Value, concatenate_datasets,
                       load_dataset)
 
+from finetune.data import mix
 from finetune.data.files import check_file, diagnose_json, list_data_files
 from finetune.data.rows import FORMATS, WEIGHT, check_row, preference_problem
 from finetune.config.methods import method as method_record
@@ -38,6 +39,8 @@ class Splits:
     # The validated eval rows before a method tokenized them (exact_match generates from
     # them); None when eval is still rows.
     eval_rows: Dataset | None = None
+    # What the mix took from each source (data/mix.py `mixed`), for the start summary.
+    mix: list[dict[str, Any]] | None = None
 
     @property
     def eval_examples(self) -> Dataset | None:
@@ -47,14 +50,14 @@ class Splits:
         """tokenize(rows, split name) applied to train and eval; the eval rows are kept."""
         return Splits(train=tokenize(self.train, "train"),
                       eval=None if self.eval is None else tokenize(self.eval, "eval"),
-                      format=self.format, eval_rows=self.eval)
+                      format=self.format, eval_rows=self.eval, mix=self.mix)
 
     def without_origin(self) -> "Splits":
         """Without the ORIGIN column: what trainers (and grpo's reward functions) see."""
         drop = lambda ds: ds.remove_columns(ORIGIN) \
             if ds is not None and ORIGIN in ds.column_names else ds
         return Splits(train=drop(self.train), eval=drop(self.eval), format=self.format,
-                      eval_rows=drop(self.eval_rows))
+                      eval_rows=drop(self.eval_rows), mix=self.mix)
 
 
 def _root_cause(exc: BaseException) -> str:
@@ -110,6 +113,7 @@ def _read_source(source: DataSource, where: str) -> list[tuple[str, Dataset]]:
     else:
         try:
             parts = [(source.path, load_dataset(source.path, source.subset, split=source.split,
+                                                data_files=source.data_files,
                                                 revision=source.revision))]
         except Exception as exc:
             raise DataError(f"{where}: cannot load hub dataset {source.path!r}: "
@@ -216,26 +220,32 @@ def _label_ids(ds: Dataset, labels: list[str]) -> Dataset:
                   features=features)
 
 
-def _load_split(sources: list[DataSource], split: str, experiment: Experiment,
-                fmt: str | None) -> tuple[Dataset, str]:
-    parts = []
-    for i, source in enumerate(sources):
-        for label, ds in _read_source(source, f"data.{split}[{i}]"):
-            if fmt is None:
-                fmt = detect_format(ds.column_names, experiment.method, label)
-            ds = _validated(label, ds, fmt, experiment)
-            if source.max_samples is not None:
-                ds = ds.select(range(min(source.max_samples, len(ds))))
-            parts.append((label, ds))
+def _joined(parts: list[tuple[str, Dataset]], where: str) -> Dataset:
+    """The parts (label, rows) one after the other; parts of two schemas are an error."""
     if len(parts) == 1:
-        return parts[0][1], fmt
+        return parts[0][1]
     try:
-        return concatenate_datasets([ds for _, ds in parts]), fmt
+        return concatenate_datasets([ds for _, ds in parts])
     except ValueError as exc:
         (first, features), others = (parts[0][0], parts[0][1].features), parts[1:]
         other = next((label for label, ds in others if ds.features != features), others[-1][0])
-        raise DataError(f"data.{split}: {first} and {other} do not share one schema (the "
+        raise DataError(f"{where}: {first} and {other} do not share one schema (the "
                         f"same columns, of the same types): {one_line(str(exc))}") from None
+
+
+def _load_split(sources: list[DataSource], split: str, experiment: Experiment,
+                fmt: str | None) -> tuple[Dataset, str, list[dict[str, Any]]]:
+    """The split's rows, its format, and what the mix (data/mix.py) took from each source."""
+    parts = []
+    for i, source in enumerate(sources):
+        files = []
+        for label, ds in _read_source(source, f"data.{split}[{i}]"):
+            if fmt is None:
+                fmt = detect_format(ds.column_names, experiment.method, label)
+            files.append((label, _validated(label, ds, fmt, experiment)))
+        parts.append((source.path, _joined(files, f"data.{split}[{i}]")))
+    parts, described = mix.mixed(parts, sources, mix.seed_of(experiment), split)
+    return _joined(parts, f"data.{split}"), fmt, described
 
 
 def _held_out(train: Dataset, fraction: float, seed: int) -> tuple[Dataset, Dataset]:
@@ -253,11 +263,12 @@ def _held_out(train: Dataset, fraction: float, seed: int) -> tuple[Dataset, Data
 def load_data(experiment: Experiment) -> Splits:
     spec = experiment.data
     fmt = None if spec.format == "auto" else spec.format
-    train, fmt = _load_split(spec.train, "train", experiment, fmt)
+    train, fmt, mixture = _load_split(spec.train, "train", experiment, fmt)
     evaluation = None
     if spec.eval is not None:
-        evaluation, _ = _load_split(spec.eval, "eval", experiment, fmt)
+        evaluation, _, eval_mixture = _load_split(spec.eval, "eval", experiment, fmt)
+        mixture += eval_mixture
     elif spec.eval_fraction is not None:
         seed = value(experiment, "seed")
         train, evaluation = _held_out(train, spec.eval_fraction, seed)
-    return Splits(train=train, eval=evaluation, format=fmt)
+    return Splits(train=train, eval=evaluation, format=fmt, mix=mixture)

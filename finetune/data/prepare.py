@@ -52,7 +52,7 @@ from finetune.config.schema import Experiment
 from finetune.errors import FAILED_MARKER, DataError, RunError, first_line, one_line
 from finetune.data.files import content_digest
 
-VERSION = 2  # bump when what is stored changes
+VERSION = 3  # bump when what is stored changes
 META = "meta.json"  # written last: its presence marks a complete entry
 # Training settings that change what preparation produces.
 SETTINGS = ("max_length", "truncation_mode", "assistant_only_loss", "completion_only_loss",
@@ -274,6 +274,7 @@ def _save(splits: Splits, entry: Path) -> None:
                 dataset.save_to_disk(str(staging / name))
         meta = {"format": splits.format, "parts": [n for n, d in parts.items() if d is not None],
                 "rows": {n: len(d) for n, d in parts.items() if d is not None},
+                "mix": splits.mix,
                 "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "files": _listing(staging)}
         (staging / META).write_text(json.dumps(meta, indent=1))
         try:
@@ -291,7 +292,7 @@ def _read(entry: Path) -> Splits:
     meta = json.loads((entry / META).read_text())
     part = lambda name: load_from_disk(str(entry / name)) if name in meta["parts"] else None
     return Splits(train=part("train"), eval=part("eval"), format=meta["format"],
-                  eval_rows=part("eval_rows"))
+                  eval_rows=part("eval_rows"), mix=meta.get("mix"))
 
 
 def _failure(exc: BaseException) -> str:

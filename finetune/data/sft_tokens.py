@@ -99,9 +99,11 @@ def _text(tokenizer, row: dict[str, Any], weight: float) -> Tokens:
     return ids, [True] * len(ids), [weight] * len(ids)
 
 
-def tokenize(dataset: Dataset, tokenizer, fmt: str, masking: Masking, split: str) -> Dataset:
+def tokenize(dataset: Dataset, tokenizer, fmt: str, masking: Masking, split: str,
+             num_proc: int | None = None) -> Dataset:
     """input_ids, labels and (masking.weighted) token_weights per row. Rows left with no
-    trained token after truncation are dropped, as TRL does; none left is an error."""
+    trained token after truncation are dropped, as TRL does; none left is an error.
+    num_proc: processes (data/parallel.py); the result is the same with any count."""
     cut = None if masking.max_length is None else (
         slice(-masking.max_length, None) if masking.keep_end else slice(None, masking.max_length))
 
@@ -125,8 +127,9 @@ def tokenize(dataset: Dataset, tokenizer, fmt: str, masking: Masking, split: str
         return out
 
     tokenized = dataset.map(one, with_indices=True, remove_columns=dataset.column_names,
-                            desc=f"tokenizing {split}")
-    kept = tokenized.filter(lambda row: any(t != IGNORE for t in row["labels"]))
+                            num_proc=num_proc, desc=f"tokenizing {split}")
+    kept = tokenized.filter(lambda row: any(t != IGNORE for t in row["labels"]),
+                            num_proc=num_proc)
     if len(kept) == 0:
         raise DataError(f"data.{split}: no row has a trained token left after truncation to "
                         f"max_length {masking.max_length}")

@@ -7,12 +7,13 @@ from __future__ import annotations
 from transformers import DataCollatorWithPadding
 
 from finetune.data.load import WEIGHT, Splits
+from finetune.data.parallel import processes
 from finetune.config.schema import Experiment
 from finetune.methods import Job
 from finetune.trainers.classify import ClassifyTrainer, balanced_weights, classification_metrics
 
 
-def _tokenized(dataset, tokenizer, max_length: int):
+def _tokenized(dataset, tokenizer, max_length: int, num_proc: int | None = None):
     def one(row):
         encoded = tokenizer(row["text"], truncation=True, max_length=max_length)
         out = {"input_ids": encoded["input_ids"], "labels": row["label"]}
@@ -20,13 +21,15 @@ def _tokenized(dataset, tokenizer, max_length: int):
             out[WEIGHT] = float(row[WEIGHT])
         return out
 
-    return dataset.map(one, remove_columns=dataset.column_names, desc="tokenizing")
+    return dataset.map(one, remove_columns=dataset.column_names, num_proc=num_proc,
+                       desc="tokenizing")
 
 
 def prepare(splits: Splits, tokenizer, experiment: Experiment) -> Splits:
     """Tokenized rows (run once by data/prepare.py, cached)."""
     return splits.tokenized(
-        lambda rows, _: _tokenized(rows, tokenizer, experiment.classify.max_length))
+        lambda rows, _: _tokenized(rows, tokenizer, experiment.classify.max_length,
+                                   processes(experiment, len(rows))))
 
 
 def build_trainer(job: Job) -> ClassifyTrainer:

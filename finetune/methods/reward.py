@@ -14,6 +14,7 @@ from typing import Any
 from trl import RewardTrainer
 
 from finetune.data.load import ORIGIN, Splits
+from finetune.data.parallel import processes
 from finetune.model.tokenizer import end_marker, render_chat
 from finetune.config.schema import Experiment
 from finetune.config.effective import value
@@ -33,7 +34,8 @@ END_NOTE = ("reward: no EOS appended to plain texts: the tokenizer frames each t
             "its own special tokens (an encoder's [CLS] ... [SEP]) and the head reads those")
 
 
-def _tokenized(dataset, tokenizer, max_length: int | None, split: str = "train"):
+def _tokenized(dataset, tokenizer, max_length: int | None, split: str = "train",
+               num_proc: int | None = None):
     end = end_marker(tokenizer)
 
     def one(row: dict[str, Any]) -> dict[str, Any]:
@@ -44,7 +46,8 @@ def _tokenized(dataset, tokenizer, max_length: int | None, split: str = "train")
                 for answer in ("chosen", "rejected")}
 
     dataset = dataset.map(one, remove_columns=[c for c in ("prompt", "chosen", "rejected")
-                                               if c in dataset.column_names], desc="tokenizing")
+                                               if c in dataset.column_names],
+                          num_proc=num_proc, desc="tokenizing")
     if max_length is None:
         return dataset
     # As RewardTrainer: a pair longer than max_length is dropped; none left is an error.
@@ -65,7 +68,8 @@ def _tokenized(dataset, tokenizer, max_length: int | None, split: str = "train")
 
 def prepare(splits: Splits, tokenizer, experiment: Experiment) -> Splits:
     max_length = value(experiment, "max_length")
-    return splits.tokenized(lambda rows, split: _tokenized(rows, tokenizer, max_length, split))
+    return splits.tokenized(lambda rows, split: _tokenized(
+        rows, tokenizer, max_length, split, processes(experiment, len(rows))))
 
 
 def build_trainer(job: Job) -> RewardTrainer:

@@ -14,6 +14,7 @@ from trl import SFTTrainer
 from finetune import compat
 from finetune.data import sft_tokens
 from finetune.data.load import Splits
+from finetune.data.parallel import processes
 from finetune.config.schema import Experiment
 from finetune.config.effective import value as effective_value
 from finetune.errors import ConfigError
@@ -60,7 +61,8 @@ def prepare(splits: Splits, tokenizer, experiment: Experiment) -> Splits:
     """Tokenized (and packed, with training.packing) train and eval rows."""
     masking = _masking(splits, experiment)
     out = splits.tokenized(
-        lambda rows, split: sft_tokens.tokenize(rows, tokenizer, splits.format, masking, split))
+        lambda rows, split: sft_tokens.tokenize(rows, tokenizer, splits.format, masking, split,
+                                                processes(experiment, len(rows))))
     value = _value(experiment)
     if value("packing"):
         out.train = _packed(out.train, experiment)
