@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from finetune.config.formats import ROLES
+
 # format -> (required columns, optional columns)
 FORMATS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "messages": (("messages",), ()),
@@ -19,7 +21,6 @@ WEIGHT = "weight"  # the per-sample weight column, whatever data.weight_column n
 # Weights are relative (the loss is sum(w x loss) / sum(w)); beyond this, w x loss summed
 # over a batch nears float32's range (3.4e38) and the model trains to NaN.
 MAX_WEIGHT = 1e6
-ROLES = ("system", "user", "assistant", "tool")
 
 
 def _check_messages(value: Any, field: str) -> str | None:
