@@ -225,3 +225,89 @@ def test_train_refuses_a_contradicting_preference_prompt_with_file_and_row(write
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert f"error: {data} row 1: `prompt` is text that none of the leading turns" \
         in result.stderr
+
+
+# A chat template that renders tools and tool calls, with {% generation %} around what the
+# assistant says (its tool calls included), as tool-calling models' templates do.
+TOOL_TEMPLATE = (
+    "{{ bos_token }}{% if tools %}{{ '<|system|>tools: ' + (tools | tojson) + '<|end|>' }}"
+    "{% endif %}{% for message in messages %}{% if message['role'] == 'user' %}"
+    "{{ '<|user|>' + message['content'] + '<|end|>' }}{% elif message['role'] == 'tool' %}"
+    "{{ '<|user|>result: ' + message['content'] + '<|end|>' }}"
+    "{% elif message['role'] == 'assistant' %}{{ '<|assistant|>' }}{% generation %}"
+    "{% if message.tool_calls %}{% for call in message.tool_calls %}"
+    "{{ 'call ' + call.function.name + ' ' + (call.function.arguments | tojson) }}"
+    "{% endfor %}{% else %}{{ message['content'] }}{% endif %}{{ eos_token }}"
+    "{% endgeneration %}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}")
+
+WEATHER = {"type": "function", "function": {"name": "weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}}
+CLOCK = {"type": "function", "function": {"name": "clock", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "string"}}}}}
+TOOL_ROWS = [
+    {"tools": [WEATHER], "messages": [
+        turn("user", "rain in Oslo?"),
+        {"role": "assistant", "tool_calls": [{"type": "function", "function": {
+            "name": "weather", "arguments": {"city": "Oslo"}}}]},
+        {"role": "tool", "content": "rain", "name": "weather"},
+        turn("assistant", "yes, rain")]},
+    {"tools": [CLOCK], "messages": [
+        turn("user", "time in UTC?"),
+        {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {
+            "name": "clock", "arguments": {"zone": "UTC"}}}]},
+        {"role": "tool", "content": "12:00"}, turn("assistant", "noon")]},
+]
+
+
+@pytest.mark.slow
+def test_tool_calls_are_rendered_and_trained_as_assistant_turns(write, tmp_path):
+    from finetune.methods import sft
+    from finetune.model.tokenizer import load_tokenizer
+
+    path = jsonl(tmp_path, "tools.jsonl", TOOL_ROWS)
+    template = json.dumps(TOOL_TEMPLATE)
+    exp = experiment(write, "sft", path, f"tokenizer:\n  chat_template: {template}\n"
+                                         "training:\n  assistant_only_loss: true\n")
+    tokenizer = load_tokenizer(exp)
+    splits = load_data(exp)
+    assert splits.format == "messages" and "tools" in splits.train.column_names
+    prepared = sft.prepare(splits, tokenizer, exp)
+    for row, tokens in zip(TOOL_ROWS, prepared.train):
+        # Independently: the template's own assistant mask on the rows as written.
+        expected = tokenizer.apply_chat_template(
+            row["messages"], tools=row["tools"], tokenize=True, return_dict=True,
+            return_assistant_tokens_mask=True)
+        assert tokens["input_ids"] == expected["input_ids"]
+        trained = [t for t, m in zip(expected["input_ids"], expected["assistant_masks"]) if m]
+        assert [t for t in tokens["labels"] if t != -100] == trained
+    text = tokenizer.decode(prepared.train[1]["input_ids"])
+    # The second row's tools as given: no null keys from the first row's schema.
+    assert '"name": "clock"' in text and "null" not in text and "weather" not in text
+    trained_text = tokenizer.decode([t for t in prepared.train[0]["labels"] if t != -100])
+    assert 'call weather {"city": "Oslo"}' in trained_text and "rain in Oslo" not in trained_text
+
+
+@pytest.mark.parametrize("message,problem", [
+    ({"role": "user", "content": "x", "tool_calls": [{"function": {"name": "f"}}]},
+     "`messages[1].tool_calls` is on a user message; only assistant turns call tools"),
+    ({"role": "assistant", "tool_calls": [{"function": {"arguments": {}}}]},
+     "`messages[1].tool_calls[0]` must have `function` with a `name`"),
+])
+def test_bad_tool_calls_name_file_and_row(write, tmp_path, message, problem):
+    row = {"messages": [turn("user", "q"), message, turn("assistant", "a")]}
+    path = jsonl(tmp_path, "t.jsonl", [TOOL_ROWS[0], row])
+    with pytest.raises(DataError) as info:
+        load_data(experiment(write, "sft", path))
+    assert str(info.value).startswith(f"{path} row 2: {problem}"), str(info.value)
+
+
+@pytest.mark.slow
+def test_a_template_without_tool_support_names_the_row(write, tmp_path):
+    from finetune.methods import sft
+    from finetune.model.tokenizer import load_tokenizer
+
+    path = jsonl(tmp_path, "tools.jsonl", TOOL_ROWS)
+    exp = experiment(write, "sft", path)  # tiny-llama's template knows no tool calls
+    with pytest.raises(DataError, match=rf"{path} row 1: the chat template cannot render it"):
+        sft.prepare(load_data(exp), load_tokenizer(exp), exp)

@@ -6,6 +6,7 @@ each returns a note saying what was done, for the start summary."""
 
 from __future__ import annotations
 
+import json
 from typing import Any, Callable
 
 from datasets import Dataset, LargeList, List, Value
@@ -180,3 +181,36 @@ def no_fit(row: dict[str, Any], tried: tuple[str, ...], roles: dict[str, str],
 def required(fmt: str) -> tuple[str, ...]:
     """The columns a format (a method's own or a source format) needs."""
     return SOURCES[fmt][0] if fmt in SOURCES else FORMATS[fmt][0]
+
+
+def _without_nulls(value: Any) -> Any:
+    """A JSON value without the null keys Arrow adds: a file's rows share one schema, so a
+    key one row's tool schema or call has is null in every other row's."""
+    if isinstance(value, dict):
+        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_without_nulls(v) for v in value]
+    return value
+
+
+def chat_message(message: dict[str, Any]) -> dict[str, Any]:
+    """A message as the chat template gets it: role, content, and the tool fields it has
+    (tool_calls, tool_call_id, name); not finetune's own `weight`."""
+    out = {"role": message["role"], "content": message.get("content")}
+    for key in ("tool_calls", "tool_call_id", "name"):
+        if message.get(key) is not None:
+            out[key] = _without_nulls(message[key])
+    return out
+
+
+def row_tools(row: dict[str, Any], where: str) -> list[dict[str, Any]] | None:
+    """The row's `tools` (function schemas, a list or JSON text, as TRL takes them)."""
+    tools = row.get("tools")
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError as exc:
+            raise DataError(f"{where}: `tools` is text that is not JSON ({exc})") from None
+        if not isinstance(tools, list):
+            raise DataError(f"{where}: `tools` must be a list of function schemas")
+    return _without_nulls(tools) or None
