@@ -329,10 +329,11 @@ def build_parser() -> argparse.ArgumentParser:
     reference.set_defaults(func=_reference)
 
     # Commands whose parsers live beside their code (each torch-free at import).
-    from finetune import eval_run, hub, plots
+    from finetune import data_command, eval_run, hub, plots
     from finetune.inference import commands as inference
 
-    for module in (eval_run, inference, plots, hub):  # eval; merge, generate, chat; plot; push
+    # eval; merge, generate, chat; plot; push; data
+    for module in (eval_run, inference, plots, hub, data_command):
         module.add_commands(commands)
     return parser
 

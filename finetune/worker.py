@@ -178,7 +178,7 @@ def train(experiment: Experiment, run_dir: Path, plan: ResumePlan,
               model=model, data=data, args=args,
               callbacks=[metrics, stop, resume_state, seal, EndAtLastStep()],
               notes=[n for n in (parallel_note(experiment, hw.device), checkpointing_note, threads)
-                     if n])
+                     if n] + data.notes)
     trainer = method_trainer(job)
     resume_state.trainer = trainer
     main = trainer.is_world_process_zero()

@@ -62,8 +62,9 @@ def test_invalid_json_line_is_located(write, tmp_path):
 
 def test_missing_columns_are_named(write, tmp_path):
     path = jsonl(tmp_path, "d.jsonl", [{"question": "q", "answer": "a"}])
-    with pytest.raises(DataError, match="needs columns messages or prompt/completion or text; "
-                                        "found answer, question"):
+    with pytest.raises(DataError, match="needs columns messages or prompt/completion or text "
+                                        r"or instruction/output \(alpaca\) or conversations "
+                                        r"\(sharegpt\); found answer, question"):
         load_data(experiment(write, "sft", path))
     exp = experiment(write, "sft", f"{{path: {path}, columns: {{prompt: question, "
                                    "completion: answer}}")
@@ -101,8 +102,9 @@ def test_preference_rows(write, tmp_path):
     bad = jsonl(tmp_path, "b.jsonl", [good, {"prompt": "p", "chosen": "a", "rejected": 3}])
     with pytest.raises(DataError, match=r"b.jsonl row 2: `rejected` must be text or a list of messages, got int"):
         load_data(experiment(write, "dpo", bad))
-    mixed = jsonl(tmp_path, "m.jsonl", [{"prompt": "p", "chosen": [
-        {"role": "assistant", "content": "a"}], "rejected": [{"role": "assistant", "content": "b"}]}])
+    # (a text prompt before message lists is read as the user turn: tests/test_formats.py)
+    mixed = jsonl(tmp_path, "m.jsonl", [{"prompt": [{"role": "user", "content": "p"}],
+                                         "chosen": "a", "rejected": "b"}])
     with pytest.raises(DataError, match="row 1: mixes plain text and message lists"):
         load_data(experiment(write, "dpo", mixed))
 

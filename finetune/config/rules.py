@@ -10,6 +10,7 @@ from typing import Iterator
 from pydantic import BaseModel
 
 from finetune.config import deepspeed_file, models, paths, values
+from finetune.config.formats import accepted as accepted_formats, trained
 from finetune.config.effective import record, value
 from finetune.config.methods import names_where, sections, spoken
 from finetune.config.schema import Experiment, PeftSection
@@ -107,7 +108,7 @@ def _data(exp: Experiment) -> Iterator[Problem]:
     own = record(exp)
     if exp.data.eval is not None and exp.data.eval_fraction is not None:
         yield ("data", "eval_fraction"), "give data.eval or data.eval_fraction, not both"
-    accepted = ("auto",) + own.formats
+    accepted = ("auto",) + accepted_formats(own.formats)
     if exp.data.format not in accepted:
         yield ("data", "format"), f"method {exp.method} takes {', '.join(accepted)}"
     has_eval = exp.data.eval is not None or exp.data.eval_fraction is not None
@@ -117,7 +118,7 @@ def _data(exp: Experiment) -> Iterator[Problem]:
     if exp.evaluation.exact_match:
         if not own.exact_match:
             yield ("evaluation", "exact_match"), f"only for {_methods(lambda m: m.exact_match)}"
-        elif exp.data.format == "text":
+        elif trained(exp.data.format, own.formats) == "text":
             yield ("evaluation", "exact_match"), "needs prompts and answers, not format text"
         if not has_eval:
             yield ("evaluation", "exact_match"), "needs data.eval or data.eval_fraction"
@@ -132,7 +133,8 @@ def _data(exp: Experiment) -> Iterator[Problem]:
 def _tokenization(exp: Experiment) -> Iterator[Problem]:
     """Settings of the rows' tokenization (the keys exist only where they apply)."""
     setting = lambda key: value(exp, key, default=None)
-    if setting("assistant_only_loss") and exp.data.format in ("text", "prompt_completion"):
+    fmt = exp.data.format  # alpaca (prompt/completion messages) is conversational
+    if setting("assistant_only_loss") and fmt in ("text", "prompt_completion"):
         yield ("training", "assistant_only_loss"), "needs conversational data (format messages)"
     for name in ("packing", "padding_free"):
         if exp.data.weight_column and setting(name):
@@ -143,7 +145,8 @@ def _tokenization(exp: Experiment) -> Iterator[Problem]:
             yield ("training", "truncation_mode"), f"{mode!r} is not keep_start or keep_end"
     if setting("packing") and "max_length" in exp.training and exp.training["max_length"] is None:
         yield ("training", "packing"), "needs training.max_length (the packed length)"
-    if setting("completion_only_loss") and exp.data.format in ("text", "messages"):
+    if setting("completion_only_loss") and \
+            trained(fmt, record(exp).formats) in ("text", "messages"):
         yield ("training", "completion_only_loss"), "needs prompt/completion data; for " \
                                                     "messages use assistant_only_loss"
 

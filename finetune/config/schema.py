@@ -13,6 +13,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from finetune.config import attention, methods
+from finetune.config import formats as source_formats
 from finetune.config.script_values import (MAX_LENGTH, MAX_MACHINES, MAX_PROCESSES,
                                     MAX_PROCESSES_PER_MACHINE, control_problem, host_problem)
 
@@ -147,7 +148,7 @@ def _as_source_list(value: Any) -> Any:
     return [{"path": item} if isinstance(item, str) else item for item in items]
 
 
-DataFormat = Literal[("auto",) + methods.formats()]  # type: ignore[valid-type]
+DataFormat = Literal[("auto",) + methods.formats() + tuple(source_formats.SOURCES)]  # type: ignore[valid-type]
 
 
 def _by_method(describe) -> str:
@@ -174,7 +175,14 @@ class DataSection(Section):
         "auto", description="Row format; 'auto' detects it from the columns. "
         + _by_method(lambda m: methods.spoken(m.formats, "or"))
         + ". classification rows are text and label; prompt rows a prompt (text or "
-        "messages) plus any columns the reward functions read.")
+        "messages) plus any columns the reward functions read. Converted while reading: "
+        "alpaca (instruction, optional input and system, output: prompt/completion messages "
+        "for sft, a prompt for grpo and ppo) and sharegpt (conversations of from/value turns: "
+        "messages, for sft); 'auto' detects them too where no other format's columns are there.")
+    roles: dict[str, str] = Field(
+        default_factory=dict, description="sharegpt: speaker names (`from`) and the role each "
+        "becomes (system, user, assistant or tool), over the usual ones: "
+        + ", ".join(f"{k}: {v}" for k, v in source_formats.SHAREGPT_ROLES.items()) + ".")
     seed: int | None = Field(
         None, ge=0, le=2**32 - 1, description="Seed of the sources' sampling (max_samples, "
         "weight); default training.seed. The same seed gives the same rows on every rank "
@@ -207,6 +215,15 @@ class DataSection(Section):
             missing = ", ".join(str(i) for i, w in enumerate(weighted) if not w)
             raise ValueError(f"weight is given for some sources and not for source(s) "
                              f"{missing}: give every source of the list a weight, or none")
+        return value
+
+    @field_validator("roles")
+    @classmethod
+    def _roles(cls, value: dict[str, str]) -> dict[str, str]:
+        wrong = {k: v for k, v in value.items() if v not in source_formats.ROLES}
+        if wrong:
+            raise ValueError(f"{', '.join(f'{k}: {v!r}' for k, v in wrong.items())}: a role "
+                             f"is one of {', '.join(source_formats.ROLES)}")
         return value
 
 

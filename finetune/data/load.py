@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
@@ -18,9 +18,10 @@ import pyarrow as pa
 from datasets import (Dataset, Features, LargeList, List, Value, concatenate_datasets,
                       load_dataset)
 
-from finetune.data import mix
+from finetune.data import formats, mix
 from finetune.data.files import check_file, diagnose_json, list_data_files
 from finetune.data.rows import FORMATS, WEIGHT, check_row, preference_problem
+from finetune.config.formats import SOURCES, accepted, target as source_target
 from finetune.config.methods import method as method_record
 from finetune.config.rules import is_local
 from finetune.config.schema import DataSource, Experiment
@@ -41,6 +42,8 @@ class Splits:
     eval_rows: Dataset | None = None
     # What the mix took from each source (data/mix.py `mixed`), for the start summary.
     mix: list[dict[str, Any]] | None = None
+    # What reading did to the rows (a format converted), for the start summary.
+    notes: list[str] = field(default_factory=list)
 
     @property
     def eval_examples(self) -> Dataset | None:
@@ -50,14 +53,14 @@ class Splits:
         """tokenize(rows, split name) applied to train and eval; the eval rows are kept."""
         return Splits(train=tokenize(self.train, "train"),
                       eval=None if self.eval is None else tokenize(self.eval, "eval"),
-                      format=self.format, eval_rows=self.eval, mix=self.mix)
+                      format=self.format, eval_rows=self.eval, mix=self.mix, notes=self.notes)
 
     def without_origin(self) -> "Splits":
         """Without the ORIGIN column: what trainers (and grpo's reward functions) see."""
         drop = lambda ds: ds.remove_columns(ORIGIN) \
             if ds is not None and ORIGIN in ds.column_names else ds
         return Splits(train=drop(self.train), eval=drop(self.eval), format=self.format,
-                      eval_rows=drop(self.eval_rows), mix=self.mix)
+                      eval_rows=drop(self.eval_rows), mix=self.mix, notes=self.notes)
 
 
 def _root_cause(exc: BaseException) -> str:
@@ -130,12 +133,15 @@ def _read_source(source: DataSource, where: str) -> list[tuple[str, Dataset]]:
 
 
 def detect_format(columns: Iterable[str], method: str, label: str) -> str:
+    """The first format the method reads (its own, then those converted) whose columns
+    the file has."""
     columns = set(columns)
-    candidates = method_record(method).formats
+    candidates = accepted(method_record(method).formats)
     for name in candidates:
-        if set(FORMATS[name][0]) <= columns:
+        if set(formats.required(name)) <= columns:
             return name
-    wanted = " or ".join("/".join(FORMATS[c][0]) for c in candidates)
+    wanted = " or ".join("/".join(formats.required(c)) + (f" ({c})" if c in SOURCES else "")
+                         for c in candidates)
     raise DataError(f"{label}: method {method} needs columns {wanted}; found "
                     f"{_names(sorted(columns)) or 'none'} (rename with data.<split>[i].columns)")
 
@@ -150,7 +156,8 @@ def _weighted(label: str, ds: Dataset, column: str | None) -> Dataset:
     return _renamed(ds, column, WEIGHT)
 
 
-def _validated(label: str, ds: Dataset, fmt: str, experiment: Experiment) -> Dataset:
+def _validated(label: str, ds: Dataset, fmt: str, experiment: Experiment,
+                failure: formats.Failure) -> Dataset:
     required, optional = FORMATS[fmt]
     missing = [c for c in required if c not in ds.column_names]
     if missing:
@@ -176,7 +183,7 @@ def _validated(label: str, ds: Dataset, fmt: str, experiment: Experiment) -> Dat
                 preference_problem(row, has_prompt, shared_prompt)
                 if fmt == "preference" else None)
             if problem:
-                raise DataError(f"{label} row {number}: {problem}")
+                raise DataError(failure(number, problem))
     except (UnicodeDecodeError, RecursionError, pa.ArrowException) as exc:
         # Bytes the file's reader let through (a parquet string that is not UTF-8, say)
         # and that fail when the rows become Python values, a batch at a time.
@@ -220,6 +227,47 @@ def _label_ids(ds: Dataset, labels: list[str]) -> Dataset:
                   features=features)
 
 
+def _failure(label: str, raw: Dataset, fmt: str, forced: bool, experiment: Experiment,
+             roles: dict[str, str]) -> formats.Failure:
+    """(row number, problem) -> the error: with `auto`, also why each other format the
+    method reads does not fit the row as the file has it."""
+    tried = tuple(f for f in accepted(method_record(experiment.method).formats) if f != fmt)
+    labels = experiment.classify.labels if experiment.classify else None
+
+    def failure(number: int, problem: str) -> str:
+        text = f"{label} row {number}: {problem}"
+        if "`weight`" in problem or ".weight`" in problem:
+            return text  # the format fits; a weight is wrong
+        if forced or not tried:
+            return f"{text} (data.format {fmt})" if forced else text
+        others = formats.no_fit(raw[number - 1], tried, roles, labels)
+        return f"{text} (read as {fmt}; tried {others})"
+    return failure
+
+
+def _read_part(label: str, ds: Dataset, fmt: str | None, experiment: Experiment,
+               notes: list[str]) -> tuple[Dataset, str]:
+    """One file's rows in format fmt (None: detected), converted to the format the method
+    trains on and validated; and fmt."""
+    forced = experiment.data.format != "auto"
+    fmt = fmt or detect_format(ds.column_names, experiment.method, label)
+    roles = formats.speaker_roles(experiment.data.roles)
+    failure = _failure(label, ds, fmt, forced, experiment, roles)
+    trained = fmt
+    if fmt in SOURCES:
+        trained = source_target(fmt, method_record(experiment.method).formats)
+        missing = [c for c in SOURCES[fmt][0] if c not in ds.column_names]
+        if missing:
+            raise DataError(f"{label}: format {fmt} needs column(s) {', '.join(missing)}; "
+                            f"found {_names(ds.column_names)}")
+        ds, note = formats.converted(label, ds, fmt, trained, roles, failure)
+        notes.append(note)
+    elif fmt == "preference":
+        ds, note = formats.text_prompts(label, ds, failure)
+        notes.extend([note] if note else [])
+    return _validated(label, ds, trained, experiment, failure), fmt
+
+
 def _joined(parts: list[tuple[str, Dataset]], where: str) -> Dataset:
     """The parts (label, rows) one after the other; parts of two schemas are an error."""
     if len(parts) == 1:
@@ -234,15 +282,15 @@ def _joined(parts: list[tuple[str, Dataset]], where: str) -> Dataset:
 
 
 def _load_split(sources: list[DataSource], split: str, experiment: Experiment,
-                fmt: str | None) -> tuple[Dataset, str, list[dict[str, Any]]]:
-    """The split's rows, its format, and what the mix (data/mix.py) took from each source."""
+                fmt: str | None, notes: list[str]) -> tuple[Dataset, str, list[dict[str, Any]]]:
+    """The split's rows, the format read (the first file's, for every file), and what the
+    mix (data/mix.py) took from each source."""
     parts = []
     for i, source in enumerate(sources):
         files = []
         for label, ds in _read_source(source, f"data.{split}[{i}]"):
-            if fmt is None:
-                fmt = detect_format(ds.column_names, experiment.method, label)
-            files.append((label, _validated(label, ds, fmt, experiment)))
+            ds, fmt = _read_part(label, ds, fmt, experiment, notes)
+            files.append((label, ds))
         parts.append((source.path, _joined(files, f"data.{split}[{i}]")))
     parts, described = mix.mixed(parts, sources, mix.seed_of(experiment), split)
     return _joined(parts, f"data.{split}"), fmt, described
@@ -263,12 +311,14 @@ def _held_out(train: Dataset, fraction: float, seed: int) -> tuple[Dataset, Data
 def load_data(experiment: Experiment) -> Splits:
     spec = experiment.data
     fmt = None if spec.format == "auto" else spec.format
-    train, fmt, mixture = _load_split(spec.train, "train", experiment, fmt)
+    notes: list[str] = []
+    train, fmt, mixture = _load_split(spec.train, "train", experiment, fmt, notes)
     evaluation = None
     if spec.eval is not None:
-        evaluation, _, eval_mixture = _load_split(spec.eval, "eval", experiment, fmt)
+        evaluation, _, eval_mixture = _load_split(spec.eval, "eval", experiment, fmt, notes)
         mixture += eval_mixture
     elif spec.eval_fraction is not None:
         seed = value(experiment, "seed")
         train, evaluation = _held_out(train, spec.eval_fraction, seed)
-    return Splits(train=train, eval=evaluation, format=fmt, mix=mixture)
+    trained = source_target(fmt, method_record(experiment.method).formats) or fmt
+    return Splits(train=train, eval=evaluation, format=trained, mix=mixture, notes=notes)

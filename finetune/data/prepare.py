@@ -272,7 +272,8 @@ def _save(splits: Splits, entry: Path) -> None:
         for name, dataset in parts.items():
             if dataset is not None:
                 dataset.save_to_disk(str(staging / name))
-        meta = {"format": splits.format, "parts": [n for n, d in parts.items() if d is not None],
+        meta = {"format": splits.format, "notes": splits.notes,
+                "parts": [n for n, d in parts.items() if d is not None],
                 "rows": {n: len(d) for n, d in parts.items() if d is not None},
                 "mix": splits.mix,
                 "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "files": _listing(staging)}
@@ -292,7 +293,8 @@ def _read(entry: Path) -> Splits:
     meta = json.loads((entry / META).read_text())
     part = lambda name: load_from_disk(str(entry / name)) if name in meta["parts"] else None
     return Splits(train=part("train"), eval=part("eval"), format=meta["format"],
-                  eval_rows=part("eval_rows"), mix=meta.get("mix"))
+                  eval_rows=part("eval_rows"), mix=meta.get("mix"),
+                  notes=meta.get("notes", []))
 
 
 def _failure(exc: BaseException) -> str:

@@ -6,10 +6,12 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from finetune.config.formats import ROLES
+
 # format -> (required columns, optional columns)
 FORMATS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    "messages": (("messages",), ()),
-    "prompt_completion": (("prompt", "completion"), ()),
+    "messages": (("messages",), ("tools",)),
+    "prompt_completion": (("prompt", "completion"), ("tools",)),
     "text": (("text",), ()),
     "preference": (("chosen", "rejected"), ("prompt",)),
     "classification": (("text", "label"), ()),
@@ -19,7 +21,6 @@ WEIGHT = "weight"  # the per-sample weight column, whatever data.weight_column n
 # Weights are relative (the loss is sum(w x loss) / sum(w)); beyond this, w x loss summed
 # over a batch nears float32's range (3.4e38) and the model trains to NaN.
 MAX_WEIGHT = 1e6
-ROLES = ("system", "user", "assistant", "tool")
 
 
 def _check_messages(value: Any, field: str) -> str | None:
@@ -28,12 +29,40 @@ def _check_messages(value: Any, field: str) -> str | None:
     if not value:
         return f"`{field}` is an empty conversation"
     for i, message in enumerate(value):
-        if not isinstance(message, dict) or "role" not in message or "content" not in message:
+        calls = message.get("tool_calls") if isinstance(message, dict) else None
+        if not isinstance(message, dict) or "role" not in message or \
+                ("content" not in message and calls is None):
             return f"`{field}[{i}]` must have `role` and `content`"
         if message["role"] not in ROLES:
             return f"`{field}[{i}].role` is {message['role']!r}; expected one of {', '.join(ROLES)}"
-        if not isinstance(message["content"], str):
+        if calls is not None:
+            problem = _check_tool_calls(calls, f"{field}[{i}]", message["role"])
+            if problem:
+                return problem
+        elif not isinstance(message["content"], str):
             return f"`{field}[{i}].content` must be text, got {type(message['content']).__name__}"
+    return None
+
+
+def _check_tool_calls(calls: Any, where: str, role: str) -> str | None:
+    """OpenAI's assistant tool calls: [{type: function, function: {name, arguments}}]."""
+    if role != "assistant":
+        return f"`{where}.tool_calls` is on a {role} message; only assistant turns call tools"
+    if not isinstance(calls, list) or not calls:
+        return f"`{where}.tool_calls` must be a non-empty list of calls"
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            return f"`{where}.tool_calls[{j}]` must have `function` with a `name`"
+    return None
+
+
+def _check_tools(value: Any) -> str | None:
+    """The function schemas a row offers its conversation (a list, or one as JSON text)."""
+    if value is None or isinstance(value, str):
+        return None  # JSON text is parsed (and reported) where it is rendered
+    if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
+        return f"`tools` must be a list of function schemas, got {type(value).__name__}"
     return None
 
 
@@ -90,6 +119,8 @@ def check_row(row: dict[str, Any], fmt: str, labels: list[str] | None = None) ->
         problem = _check_weight(row[WEIGHT], WEIGHT)
         if problem:
             return problem
+    if fmt in ("messages", "prompt_completion") and _check_tools(row.get("tools")):
+        return _check_tools(row.get("tools"))
     if fmt == "messages":
         problem = _check_messages(row["messages"], "messages")
         if problem is None and not any(m["role"] == "assistant" for m in row["messages"]):
@@ -103,7 +134,7 @@ def check_row(row: dict[str, Any], fmt: str, labels: list[str] | None = None) ->
         if not isinstance(row["text"], str):
             return f"`text` must be a string, got {type(row['text']).__name__}"
         return None if row["text"].strip() else "`text` is empty"
-    fields = [f for f in required + optional if row.get(f) is not None]
+    fields = [f for f in required + optional if row.get(f) is not None and f != "tools"]
     for field in fields:
         problem = _check_text_or_messages(row[field], field)
         if problem:

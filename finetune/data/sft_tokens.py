@@ -18,6 +18,7 @@ from typing import Any
 
 from datasets import Dataset
 
+from finetune.data.formats import chat_message, row_tools
 from finetune.data.load import ORIGIN, WEIGHT
 from finetune.model.tokenizer import render_chat
 from finetune.errors import DataError
@@ -37,17 +38,17 @@ class Masking:
 
 
 def _render(tokenizer, messages: list[dict[str, Any]], generation_prompt: bool,
-            label: str) -> list[int]:
-    plain = [{"role": m["role"], "content": m["content"]} for m in messages]
-    return render_chat(tokenizer, plain, label, generation_prompt)
+            label: str, tools: list[dict[str, Any]] | None = None) -> list[int]:
+    plain = [chat_message(m) for m in messages]
+    return render_chat(tokenizer, plain, label, generation_prompt, tools)
 
 
 Tokens = tuple[list[int], list[bool], list[float]]  # ids, trained?, weight of each
 
 
 def _conversation(tokenizer, messages: list[dict[str, Any]], weight: float, masking: Masking,
-                  label: str) -> Tokens:
-    ids = _render(tokenizer, messages, False, label)
+                  label: str, tools: list[dict[str, Any]] | None = None) -> Tokens:
+    ids = _render(tokenizer, messages, False, label, tools)
     needs_turns = masking.assistant_only or any(m.get("weight") is not None for m in messages)
     trained, weights = [not masking.assistant_only] * len(ids), [weight] * len(ids)
     if not needs_turns:
@@ -55,8 +56,8 @@ def _conversation(tokenizer, messages: list[dict[str, Any]], weight: float, mask
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        start = _render(tokenizer, messages[:i], True, label) if i else []
-        end = _render(tokenizer, messages[: i + 1], False, label)
+        start = _render(tokenizer, messages[:i], True, label, tools) if i else []
+        end = _render(tokenizer, messages[: i + 1], False, label, tools)
         if ids[:len(start)] != start or ids[:len(end)] != end:
             raise DataError(f"{label}: the chat template does not render this conversation "
                             "turn by turn (a prefix renders differently), so assistant turns "
@@ -74,9 +75,10 @@ def _prompt_completion(tokenizer, row: dict[str, Any], weight: float, masking: M
     prompt, completion = row["prompt"], row["completion"]
     if isinstance(prompt, list):
         completion = [{**m, "weight": None} for m in completion]
+        tools = row_tools(row, label)
         ids, trained, weights = _conversation(tokenizer, prompt + completion, weight, masking,
-                                              label)
-        prompt_length = len(_render(tokenizer, prompt, True, label))
+                                              label, tools)
+        prompt_length = len(_render(tokenizer, prompt, True, label, tools))
     else:
         # As TRL: the joined text is tokenized, and the completion starts where it and the
         # prompt alone stop agreeing (tokens may merge across the boundary).
@@ -112,7 +114,7 @@ def tokenize(dataset: Dataset, tokenizer, fmt: str, masking: Masking, split: str
         weight = float(row.get(WEIGHT, 1.0))
         if fmt == "messages":
             ids, trained, weights = _conversation(tokenizer, row["messages"], weight, masking,
-                                                  label)
+                                                  label, row_tools(row, label))
         elif fmt == "prompt_completion":
             ids, trained, weights = _prompt_completion(tokenizer, row, weight, masking, label)
         else:

@@ -53,7 +53,7 @@ def end_marker(tokenizer: PreTrainedTokenizerBase) -> str:
 
 
 def render_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict], where: str,
-                generation_prompt: bool = False) -> list[int]:
+                generation_prompt: bool = False, tools: list[dict] | None = None) -> list[int]:
     """The token ids of a conversation through the chat template. A template that fails on
     it (a Jinja error, a raise_exception on roles it refuses) is a DataError naming
     `where` (the row's origin): every method renders every chat row while preparing."""
@@ -61,7 +61,8 @@ def render_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict], where:
 
     try:
         return list(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
-                                                  add_generation_prompt=generation_prompt)
+                                                  add_generation_prompt=generation_prompt,
+                                                  tools=tools or None)
                     ["input_ids"])
     except (jinja2.TemplateError, ValueError, TypeError) as exc:
         raise DataError(f"{where}: the chat template cannot render it ({type(exc).__name__}: "

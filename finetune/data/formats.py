@@ -1,0 +1,216 @@
+"""Rows in the schemas of public datasets, converted while reading into the formats the
+methods train on (data/rows.py FORMATS): alpaca and sharegpt (config/formats.py SOURCES),
+and preference rows whose `prompt` is text while `chosen`/`rejected` are message lists.
+Each conversion checks its rows first, so a bad one is reported as "FILE row N: problem";
+each returns a note saying what was done, for the start summary."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Callable
+
+from datasets import Dataset, LargeList, List, Value
+
+from finetune.config.formats import SHAREGPT_ROLES, SOURCES
+from finetune.data.rows import FORMATS, _shared_turns, check_row
+from finetune.errors import DataError
+
+# (row number from 1, problem) -> the error's text
+Failure = Callable[[int, str], str]
+
+
+def _text(row: dict[str, Any], field: str, optional: bool = False) -> str | None:
+    value = row.get(field)
+    if value is None:
+        return None if optional else f"missing `{field}`"
+    if not isinstance(value, str):
+        return f"`{field}` must be text, got {type(value).__name__}"
+    return None if optional or value.strip() else f"`{field}` is empty"
+
+
+def _alpaca_problem(row: dict[str, Any], roles: dict[str, str]) -> str | None:
+    for field, optional in (("instruction", False), ("input", True), ("output", False),
+                            ("system", True)):
+        problem = _text(row, field, optional)
+        if problem:
+            return problem
+    return None
+
+
+def _sharegpt_problem(row: dict[str, Any], roles: dict[str, str]) -> str | None:
+    turns = row.get("conversations")
+    if turns is None:
+        return "missing `conversations`"
+    if not isinstance(turns, list) or not turns:
+        return "`conversations` must be a non-empty list of {from, value} turns"
+    for i, turn in enumerate(turns):
+        if not isinstance(turn, dict) or turn.get("from") is None or turn.get("value") is None:
+            return f"`conversations[{i}]` must have `from` and `value`"
+        if turn["from"] not in roles:
+            return f"`conversations[{i}].from` is {turn['from']!r}, not a known speaker: " \
+                   "map it to a role with data.roles"
+        if not isinstance(turn["value"], str):
+            return f"`conversations[{i}].value` must be text, got {type(turn['value']).__name__}"
+    return _text(row, "system", optional=True)
+
+
+PROBLEMS = {"alpaca": _alpaca_problem, "sharegpt": _sharegpt_problem}
+
+
+def speaker_roles(overrides: dict[str, str]) -> dict[str, str]:
+    """sharegpt's `from` names -> roles: the usual ones, under data.roles."""
+    return {**SHAREGPT_ROLES, **overrides}
+
+
+def fit_problem(row: dict[str, Any], fmt: str, roles: dict[str, str],
+                labels: list[str] | None = None) -> str | None:
+    """Why a raw row is not of format fmt (a method's own or a source format), or None."""
+    if fmt in SOURCES:
+        return PROBLEMS[fmt](row, roles)
+    return check_row(row, fmt, labels)
+
+
+def _alpaca_prompt(row: dict[str, Any]) -> list[dict[str, str]]:
+    user = row["instruction"]
+    if row.get("input") and row["input"].strip():
+        user = f"{user}\n\n{row['input']}"  # as the Alpaca template joins them
+    system = [{"role": "system", "content": row["system"]}] if row.get("system") else []
+    return system + [{"role": "user", "content": user}]
+
+
+def _converted_row(row: dict[str, Any], fmt: str, target: str,
+                   roles: dict[str, str]) -> dict[str, Any]:
+    if fmt == "alpaca":
+        prompt = _alpaca_prompt(row)
+        if target == "prompt":
+            return {"prompt": prompt}
+        return {"prompt": prompt, "completion": [{"role": "assistant", "content": row["output"]}]}
+    system = [{"role": "system", "content": row["system"]}] if row.get("system") else []
+    return {"messages": system + [{"role": roles[t["from"]], "content": t["value"]}
+                                  for t in row["conversations"]]}
+
+
+def converted(label: str, ds: Dataset, fmt: str, target: str, roles: dict[str, str],
+              failure: Failure) -> tuple[Dataset, str]:
+    """Rows of source format fmt as rows of format target, and a note saying so."""
+    check = PROBLEMS[fmt]
+    for number, row in enumerate(ds, 1):
+        problem = check(row, roles)
+        if problem:
+            raise DataError(failure(number, problem))
+    # A prompt format keeps every other column (grpo/ppo's reward functions read them).
+    used = [c for c in (SOURCES[fmt][0] + ("input", "system")) if c in ds.column_names]
+    if target == "prompt":
+        used = [c for c in used if c != "output"]
+    out = ds.map(lambda row: _converted_row(row, fmt, target, roles), remove_columns=used,
+                 desc=f"converting {fmt} rows")
+    what = {"prompt_completion": "prompt/completion messages (instruction and input as the "
+                                 "user turn, output as the assistant's)",
+            "prompt": "prompts (instruction and input as the user turn; other columns kept)",
+            "messages": "messages (`from` names mapped to roles)"}[target]
+    return out, f"{label}: {fmt} rows read as {what}"
+
+
+def _split_prompt(row: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """One row's list prompt, and how it was found: 'shared', 'user', or a problem."""
+    prompt, chosen, rejected = row["prompt"], row["chosen"], row["rejected"]
+    if prompt is None or not isinstance(chosen, list) or not isinstance(rejected, list) \
+            or not chosen or not rejected:
+        return row, "as is"  # check_row and preference_problem report these
+    shared = _shared_turns(chosen, rejected)
+    if shared >= 1:
+        turns = chosen[:shared]
+        if not any(isinstance(t, dict) and isinstance(t.get("content"), str)
+                   and prompt.strip() in t["content"] for t in turns):
+            return row, "`prompt` is text that none of the leading turns `chosen` and " \
+                        "`rejected` share contains: give the prompt inside them or " \
+                        "outside, not both differently"
+        return {"prompt": turns, "chosen": chosen[shared:], "rejected": rejected[shared:]}, \
+            "shared"
+    if not prompt.strip():
+        return row, "`prompt` is empty"
+    return {"prompt": [{"role": "user", "content": prompt}], "chosen": chosen,
+            "rejected": rejected}, "user"
+
+
+def _as_turns(row: dict[str, Any]) -> dict[str, Any]:
+    out, kind = _split_prompt(row)
+    if kind == "as is":  # a row the checks refuse later; its prompt typed as the others'
+        return {"prompt": None if row["prompt"] is None
+                else [{"role": "user", "content": row["prompt"]}]}
+    return out
+
+
+def _is_text(feature) -> bool:
+    return isinstance(feature, Value) and feature.dtype in ("string", "large_string")
+
+
+def text_prompts(label: str, ds: Dataset, failure: Failure) -> tuple[Dataset, str | None]:
+    """Preference rows with a text `prompt` and message-list `chosen`/`rejected` (the
+    schema of most public preference sets) with the prompt as message turns: the turns
+    chosen and rejected share where they share any (TRL's implicit prompt; the text
+    prompt must be among them), else the text as the user turn."""
+    features = ds.features
+    if "prompt" not in features or not _is_text(features["prompt"]) or \
+            not isinstance(features.get("chosen"), (List, LargeList)):
+        return ds, None
+    how: dict[str, int] = {}
+    for number, row in enumerate(ds, 1):
+        kind = _split_prompt(row)[1]
+        if kind not in ("shared", "user", "as is"):
+            raise DataError(failure(number, kind))
+        how[kind] = how.get(kind, 0) + 1
+    target = features.copy()
+    target["prompt"] = features["chosen"]
+    out = ds.map(_as_turns, features=target, desc="preference prompts")
+    said = {"shared": "the turns chosen and rejected share (TRL's implicit prompt)",
+            "user": "the text as the user turn"}
+    parts = [f"{said[k]} ({how[k]} row(s))" for k in said if how.get(k)]
+    note = f"{label}: `prompt` given as text, `chosen`/`rejected` as messages: the prompt " \
+           f"used is {' and '.join(parts)}" if parts else None
+    return out, note
+
+
+def no_fit(row: dict[str, Any], tried: tuple[str, ...], roles: dict[str, str],
+           labels: list[str] | None) -> str:
+    """'fmt: why; fmt: why' for every format tried on a raw row."""
+    return "; ".join(f"{fmt}: {fit_problem(row, fmt, roles, labels) or 'fits'}"
+                     for fmt in tried)
+
+
+def required(fmt: str) -> tuple[str, ...]:
+    """The columns a format (a method's own or a source format) needs."""
+    return SOURCES[fmt][0] if fmt in SOURCES else FORMATS[fmt][0]
+
+
+def _without_nulls(value: Any) -> Any:
+    """A JSON value without the null keys Arrow adds: a file's rows share one schema, so a
+    key one row's tool schema or call has is null in every other row's."""
+    if isinstance(value, dict):
+        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_without_nulls(v) for v in value]
+    return value
+
+
+def chat_message(message: dict[str, Any]) -> dict[str, Any]:
+    """A message as the chat template gets it: role, content, and the tool fields it has
+    (tool_calls, tool_call_id, name); not finetune's own `weight`."""
+    out = {"role": message["role"], "content": message.get("content")}
+    for key in ("tool_calls", "tool_call_id", "name"):
+        if message.get(key) is not None:
+            out[key] = _without_nulls(message[key])
+    return out
+
+
+def row_tools(row: dict[str, Any], where: str) -> list[dict[str, Any]] | None:
+    """The row's `tools` (function schemas, a list or JSON text, as TRL takes them)."""
+    tools = row.get("tools")
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError as exc:
+            raise DataError(f"{where}: `tools` is text that is not JSON ({exc})") from None
+        if not isinstance(tools, list):
+            raise DataError(f"{where}: `tools` must be a list of function schemas")
+    return _without_nulls(tools) or None

@@ -1,0 +1,82 @@
+"""`finetune data`: rows as the model gets them with the trained tokens marked, token
+lengths, and what the max length cuts and drops, as the method's preparation does."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import TINY_MODEL, run_cli
+
+
+def rows(path, items):
+    path.write_text("".join(json.dumps(r) + "\n" for r in items))
+    return path
+
+
+def chat(i):
+    return {"messages": [{"role": "user", "content": "word " * i},
+                         {"role": "assistant", "content": f"answer {i}"}]}
+
+
+@pytest.mark.slow
+def test_data_marks_trained_tokens_and_counts_cut_and_dropped_rows(write, tmp_path):
+    data = rows(tmp_path / "chat.jsonl", [chat(i) for i in range(1, 11)])
+    config = write("sft.yaml", f"method: sft\nmodel: {{name_or_path: {TINY_MODEL}}}\n"
+                               f"data: {{train: {data}}}\ntraining: {{max_length: 20}}\n")
+    result = run_cli("data", str(config), "-n", "2", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    out = result.stdout
+    assert "data.train: 10 rows" in out and out.count(f"--- {data} row ") == 2
+    # assistant_only_loss false: the whole conversation is trained, as TRL does.
+    assert "⟦<|bos|><|user|> word <|end|><|assistant|> answer 1<|eos|>⟧" in out
+    # Only row 1 fits in 20 tokens; the others are cut, and none is dropped, as every
+    # token is trained.
+    line = next(l for l in out.splitlines() if "training.max_length 20" in l)
+    assert line.endswith(": 9 of 10 rows longer: 9 cut, 0 dropped by the method's "
+                         "preparation"), line
+
+
+@pytest.mark.slow
+def test_data_counts_rows_that_assistant_only_loss_and_max_length_drop(write, tmp_path):
+    data = rows(tmp_path / "chat.jsonl", [chat(i) for i in (1, 30, 30)])
+    config = write("sft.yaml", f"method: sft\nmodel: {{name_or_path: {TINY_MODEL}}}\n"
+                               f"data: {{train: {data}}}\n"
+                               "training: {max_length: 16, assistant_only_loss: true}\n")
+    result = run_cli("data", str(config), "-n", "1", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "<|user|> word <|end|><|assistant|>⟦ answer 1<|eos|>⟧" in result.stdout
+    # The short row is cut too (18 tokens), keeping its answer's start; the long rows'
+    # first 16 tokens hold only their user turn: dropped, as training drops them.
+    assert "training.max_length 16: 3 of 3 rows longer: 1 cut, 2 dropped by the method's " \
+           "preparation" in result.stdout
+
+
+@pytest.mark.slow
+def test_data_reports_a_bad_row_like_train(write, tmp_path):
+    data = rows(tmp_path / "chat.jsonl", [chat(1), {"messages": []}])
+    config = write("sft.yaml", f"method: sft\nmodel: {{name_or_path: {TINY_MODEL}}}\n"
+                               f"data: {{train: {data}}}\n")
+    result = run_cli("data", str(config), cwd=tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert f"error: {data} row 2: `messages` is an empty conversation" in result.stderr
+
+
+@pytest.mark.slow
+def test_data_shows_dpo_pairs_with_the_prompt_it_uses(write, tmp_path):
+    prompt = "sort: b a"
+    row = {"prompt": prompt, "score": 9,
+           "chosen": [{"role": "user", "content": prompt}, {"role": "assistant", "content": "a b"}],
+           "rejected": [{"role": "user", "content": prompt},
+                        {"role": "assistant", "content": "b a"}]}
+    data = rows(tmp_path / "prefs.jsonl", [row] * 3)
+    config = write("dpo.yaml", f"method: dpo\nmodel: {{name_or_path: {TINY_MODEL}}}\n"
+                               f"data: {{train: {data}}}\ntraining: {{max_length: 64}}\n")
+    result = run_cli("data", str(config), "-n", "1", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    out = result.stdout
+    assert "note: " in out and "(TRL's implicit prompt) (3 row(s))" in out
+    assert "chosen: <|bos|><|user|> sort: b a<|end|><|assistant|>⟦ a b<|eos|>⟧" in out
+    assert "rejected: <|bos|><|user|> sort: b a<|end|><|assistant|>⟦ b a<|eos|>⟧" in out
+    assert "training.max_length 64: 0 of 3 rows longer: 0 cut, 0 dropped" in out
