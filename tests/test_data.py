@@ -178,5 +178,5 @@ def test_a_directory_of_int_and_float_weights_concatenates(write, tmp_path):
         {**m, "name": "x"} for m in CHAT["messages"]]}])
     with pytest.raises(DataError) as info:
         load_data(experiment(write, "sft", folder, "  weight_column: w\n"))
-    assert str(info.value).startswith(f"data.train: {folder / 'a.jsonl'} and "
+    assert str(info.value).startswith(f"data.train[0]: {folder / 'a.jsonl'} and "
                                       f"{folder / 'c.jsonl'} do not share one schema")
