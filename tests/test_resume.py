@@ -125,7 +125,9 @@ def test_fault_injection_every_kill_point_survives(write, tmp_path):
         mid_save += caught_mid_save
         found = checkpoints.scan(run_dir / "checkpoints")
         assert found.newest is not None, f"attempt {attempt}: no complete checkpoint left"
-        assert len(found.complete) == 1  # save_total_limit, and never fewer
+        # save_total_limit 1, never fewer; two while a kill falls between sealing the new
+        # checkpoint and deleting the old one (the next attempt resumes from the newest).
+        assert 1 <= len(found.complete) <= 2, found.complete
         survived += 1
     last = Run("train", config, tmp_path, kills + 1)
     assert last.wait() == 0, last.text()[-3000:]
