@@ -23,12 +23,15 @@ def _add_experiment_args(parser: argparse.ArgumentParser) -> None:
 
 def _validate(args: argparse.Namespace) -> int:
     from finetune.config import load_experiment
+    from finetune.data.scan import check_data
     from finetune.render.bundle import resolved_yaml
 
     experiment = load_experiment(args.config, args.overrides)
+    read = [] if args.no_data else check_data(experiment)
     if args.print:
         sys.stdout.write(resolved_yaml(experiment))
     else:
+        print("\n".join(read + [""]), end="")
         print(f"{args.config}: ok ({experiment.method}, model {experiment.model.name_or_path}, "
               f"peft {experiment.peft.type})")
     return 0
@@ -239,9 +242,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     validate = commands.add_parser(
         "validate", help="check an experiment without loading anything heavy",
-        description="Check an experiment: schema, training fields, files, cross-field rules. "
+        description="Check an experiment: schema, training fields, files, cross-field rules, "
+                    "and every row of its local data files as training checks them. "
                     "Exit 0 if valid, 2 with one line per problem otherwise.")
     _add_experiment_args(validate)
+    validate.add_argument("--no-data", action="store_true",
+                          help="do not read the data files (only that they exist)")
     validate.add_argument("--print", action="store_true",
                           help="print the resolved experiment with every default filled")
     validate.set_defaults(func=_validate)

@@ -20,11 +20,13 @@ EVERY = import_graph.graph()  # every import, late ones (inside functions) too
 TOP = import_graph.graph(top_level=True)  # those that run when the module is imported
 
 # Packages and top-level modules that import torch, transformers, trl or peft (data/files.py
-# excepted: it reads and hashes files, and the fingerprint uses it; so is
+# excepted: it reads and hashes files, and the fingerprint uses it; data/scan.py, with the
+# row checks of data/rows.py and data/formats.py, is validate's data pass; so is
 # inference/commands.py: the CLI builds its parsers at every start).
 TORCH_SIDE = ("data", "model", "hardware", "methods", "trainers", "worker", "callbacks",
               "preemption", "inference", "build", "evaluate", "evaluation")
-NOT_TORCH_SIDE = ("finetune.data.files", "finetune.inference.commands")
+NOT_TORCH_SIDE = ("finetune.data.files", "finetune.data.rows", "finetune.data.formats",
+                  "finetune.data.scan", "finetune.inference.commands")
 # What `finetune validate/render/estimate/plot/push/eval --help/launch --dry-run` and a
 # launcher run: importing any of these must not load the torch side.
 TORCH_FREE = ("config", "render", "launch", "rundir", "resume", "fingerprint", "checkpoints",

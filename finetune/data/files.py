@@ -17,6 +17,7 @@ from typing import Any, Iterator
 from finetune.config.rules import DATA_SUFFIXES
 from finetune.errors import DataError, one_line
 
+BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 BLOCK = 16 * 2**20  # read in blocks: data files can be larger than memory
 # Longest first: the UTF-32 LE mark starts with the UTF-16 LE one.
 BOMS = ((codecs.BOM_UTF32_LE, "UTF-32"), (codecs.BOM_UTF32_BE, "UTF-32"),
@@ -150,7 +151,7 @@ def value_problem(row: Any) -> str | None:
     return None
 
 
-def _parse(text: str | bytes) -> tuple[Any, str | None]:
+def parse_json(text: str | bytes) -> tuple[Any, str | None]:
     try:
         return json.loads(text), None
     except json.JSONDecodeError as exc:
@@ -160,18 +161,18 @@ def _parse(text: str | bytes) -> tuple[Any, str | None]:
         return None, "nested too deeply to read (thousands of levels)"
 
 
-def _is_document(path: Path) -> bool:
+def is_document(path: Path) -> bool:
     """A JSON array (read whole by datasets), not JSON Lines."""
     with path.open("rb") as handle:
         return handle.read(4096).lstrip(codecs.BOM_UTF8 + b" \t\r\n").startswith(b"[")
 
 
 def _document_problem(path: Path) -> str | None:
-    rows, problem = _parse(path.read_bytes().removeprefix(codecs.BOM_UTF8))
+    rows, problem = parse_json(path.read_bytes().removeprefix(codecs.BOM_UTF8))
     if problem:
         return f"{path}: {problem}"
     for number, row in enumerate(rows if isinstance(rows, list) else [rows], 1):
-        problem = _not_an_object(row) or value_problem(row)
+        problem = not_an_object(row) or value_problem(row)
         if problem:
             return f"{path} row {number}: {problem}"
     return None
@@ -192,16 +193,16 @@ def _lines_problem(path: Path, wanted: tuple[bytes, ...] = ()) -> str | None:
     for number, line in _lines(path, wanted):
         if not line.strip():
             continue
-        row, problem = _parse(line.removeprefix(codecs.BOM_UTF8) if number == 1 else line)
+        row, problem = parse_json(line.removeprefix(codecs.BOM_UTF8) if number == 1 else line)
         if problem and wanted:
             continue
-        problem = problem or _not_an_object(row) or value_problem(row)
+        problem = problem or not_an_object(row) or value_problem(row)
         if problem:
             return f"{path} line {number}: {problem}"
     return None
 
 
-def _not_an_object(row: Any) -> str | None:
+def not_an_object(row: Any) -> str | None:
     if isinstance(row, dict):
         return None
     return f"a row must be a JSON object ({{\"column\": value, ...}}), got " \
@@ -218,7 +219,7 @@ def check_file(path: Path, builder: str) -> str | None:
     problem = _utf8_problem(path)
     if problem or builder != "json":
         return problem
-    if _is_document(path):
+    if is_document(path):
         with path.open("rb") as handle:
             text = handle.read()
         return _document_problem(path) if any(t in text for t in NON_FINITE_TOKENS) else None
@@ -227,7 +228,7 @@ def check_file(path: Path, builder: str) -> str | None:
 
 def diagnose_json(path: Path) -> str | None:
     """The first line (or array row) datasets could not read: syntax, nesting, numbers."""
-    if _is_document(path):
+    if is_document(path):
         return _document_problem(path)
     if not any(line.strip() for _, line in _lines(path)):
         return f"{path}: the file is empty (blank lines only)"

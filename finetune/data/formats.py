@@ -2,18 +2,24 @@
 methods train on (data/rows.py FORMATS): alpaca and sharegpt (config/formats.py SOURCES),
 and preference rows whose `prompt` is text while `chosen`/`rejected` are message lists.
 Each conversion checks its rows first, so a bad one is reported as "FILE row N: problem";
-each returns a note saying what was done, for the start summary."""
+each returns a note saying what was done, for the start summary.
+
+The row-level pieces (format detection, the checks, one row's conversion) are plain
+Python on dicts, without `datasets` at import: `finetune validate` reads rows with them
+(data/scan.py) as training does."""
 
 from __future__ import annotations
 
 import json
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
-from datasets import Dataset, LargeList, List, Value
-
-from finetune.config.formats import SHAREGPT_ROLES, SOURCES
+from finetune.config.formats import SHAREGPT_ROLES, SOURCES, accepted
+from finetune.config.methods import method as method_record
 from finetune.data.rows import FORMATS, _shared_turns, check_row
 from finetune.errors import DataError
+
+if TYPE_CHECKING:
+    from datasets import Dataset
 
 # (row number from 1, problem) -> the error's text
 Failure = Callable[[int, str], str]
@@ -90,6 +96,21 @@ def _converted_row(row: dict[str, Any], fmt: str, target: str,
                                   for t in row["conversations"]]}
 
 
+def _used_columns(fmt: str, target: str, columns: Iterable[str]) -> list[str]:
+    """The columns a conversion replaces; a prompt format keeps every other column
+    (grpo/ppo's reward functions read them)."""
+    used = [c for c in (SOURCES[fmt][0] + ("input", "system")) if c in columns]
+    return [c for c in used if c != "output"] if target == "prompt" else used
+
+
+def convert_row(row: dict[str, Any], fmt: str, target: str,
+                roles: dict[str, str]) -> dict[str, Any]:
+    """One checked row of source format fmt as `converted` makes it: other columns kept."""
+    used = _used_columns(fmt, target, row)
+    kept = {k: v for k, v in row.items() if k not in used}
+    return {**kept, **_converted_row(row, fmt, target, roles)}
+
+
 def converted(label: str, ds: Dataset, fmt: str, target: str, roles: dict[str, str],
               failure: Failure) -> tuple[Dataset, str]:
     """Rows of source format fmt as rows of format target, and a note saying so."""
@@ -98,10 +119,7 @@ def converted(label: str, ds: Dataset, fmt: str, target: str, roles: dict[str, s
         problem = check(row, roles)
         if problem:
             raise DataError(failure(number, problem))
-    # A prompt format keeps every other column (grpo/ppo's reward functions read them).
-    used = [c for c in (SOURCES[fmt][0] + ("input", "system")) if c in ds.column_names]
-    if target == "prompt":
-        used = [c for c in used if c != "output"]
+    used = _used_columns(fmt, target, ds.column_names)
     out = ds.map(lambda row: _converted_row(row, fmt, target, roles), remove_columns=used,
                  desc=f"converting {fmt} rows")
     what = {"prompt_completion": "prompt/completion messages (instruction and input as the "
@@ -141,7 +159,18 @@ def _as_turns(row: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def text_prompt_row(row: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
+    """One preference row with a text `prompt` and message-list `chosen`/`rejected` as
+    text_prompts makes it, or why it cannot be."""
+    kind = _split_prompt(row)[1]
+    if kind not in ("shared", "user", "as is"):
+        return row, kind
+    return {**row, **_as_turns(row)}, None
+
+
 def _is_text(feature) -> bool:
+    from datasets import Value
+
     return isinstance(feature, Value) and feature.dtype in ("string", "large_string")
 
 
@@ -150,6 +179,8 @@ def text_prompts(label: str, ds: Dataset, failure: Failure) -> tuple[Dataset, st
     schema of most public preference sets) with the prompt as message turns: the turns
     chosen and rejected share where they share any (TRL's implicit prompt; the text
     prompt must be among them), else the text as the user turn."""
+    from datasets import LargeList, List
+
     features = ds.features
     if "prompt" not in features or not _is_text(features["prompt"]) or \
             not isinstance(features.get("chosen"), (List, LargeList)):
@@ -181,6 +212,39 @@ def no_fit(row: dict[str, Any], tried: tuple[str, ...], roles: dict[str, str],
 def required(fmt: str) -> tuple[str, ...]:
     """The columns a format (a method's own or a source format) needs."""
     return SOURCES[fmt][0] if fmt in SOURCES else FORMATS[fmt][0]
+
+
+def names(columns: Iterable[str]) -> str:
+    """Column names as the data spells them; quoted where a name would break the line."""
+    return ", ".join(c if c.isprintable() else repr(c) for c in columns)
+
+
+def detect_format(columns: Iterable[str], method: str, label: str) -> str:
+    """The first format the method reads (its own, then those converted) whose columns
+    the file has."""
+    columns = set(columns)
+    candidates = accepted(method_record(method).formats)
+    for name in candidates:
+        if set(required(name)) <= columns:
+            return name
+    wanted = " or ".join("/".join(required(c)) + (f" ({c})" if c in SOURCES else "")
+                         for c in candidates)
+    raise DataError(f"{label}: method {method} needs columns {wanted}; found "
+                    f"{names(sorted(columns)) or 'none'} (rename with data.<split>[i].columns)")
+
+
+def failure_text(where: str, problem: str, raw_row: Callable[[], dict[str, Any]], fmt: str,
+                 forced: bool, method: str, roles: dict[str, str],
+                 labels: list[str] | None) -> str:
+    """A bad row's error: with `auto`, also why each other format the method reads does
+    not fit the row as the file has it (raw_row gives it, only then)."""
+    tried = tuple(f for f in accepted(method_record(method).formats) if f != fmt)
+    text = f"{where}: {problem}"
+    if "`weight`" in problem or ".weight`" in problem:
+        return text  # the format fits; a weight is wrong
+    if forced or not tried:
+        return f"{text} (data.format {fmt})" if forced else text
+    return f"{text} (read as {fmt}; tried {no_fit(raw_row(), tried, roles, labels)})"
 
 
 def _without_nulls(value: Any) -> Any:

@@ -12,16 +12,16 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 import pyarrow as pa
 from datasets import (Dataset, Features, LargeList, List, Value, concatenate_datasets,
                       load_dataset)
 
 from finetune.data import formats, mix
-from finetune.data.files import check_file, diagnose_json, list_data_files
+from finetune.data.files import BUILDERS, check_file, diagnose_json, list_data_files
 from finetune.data.rows import FORMATS, WEIGHT, check_row, preference_problem
-from finetune.config.formats import SOURCES, accepted, target as source_target
+from finetune.config.formats import SOURCES, target as source_target
 from finetune.config.methods import method as method_record
 from finetune.config.rules import is_local
 from finetune.config.schema import DataSource, Experiment
@@ -29,7 +29,6 @@ from finetune.config.effective import record, value
 from finetune.errors import DataError, one_line
 
 ORIGIN = "__origin__"  # "FILE row N" of every row, until data/prepare.py removes it
-BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 
 
 @dataclass
@@ -73,11 +72,6 @@ def _root_cause(exc: BaseException) -> str:
     # pandas counts this one's rows from 0, header included: the file's line is one more.
     text = re.sub(r"starting at row (\d+)", lambda m: f"starting at line {int(m[1]) + 1}", text)
     return one_line(text) or type(exc).__name__
-
-
-def _names(columns: Iterable[str]) -> str:
-    """Column names as the data spells them; quoted where a name would break the line."""
-    return ", ".join(c if c.isprintable() else repr(c) for c in columns)
 
 
 def _read_file(path: Path) -> Dataset:
@@ -126,24 +120,10 @@ def _read_source(source: DataSource, where: str) -> list[tuple[str, Dataset]]:
         for target, original in source.columns.items():
             if original not in ds.column_names:
                 raise DataError(f"{where}.columns.{target}: {label} has no column {original!r} "
-                                f"(columns: {_names(ds.column_names)})")
+                                f"(columns: {formats.names(ds.column_names)})")
             ds = _renamed(ds, original, target)
         out.append((label, ds))
     return out
-
-
-def detect_format(columns: Iterable[str], method: str, label: str) -> str:
-    """The first format the method reads (its own, then those converted) whose columns
-    the file has."""
-    columns = set(columns)
-    candidates = accepted(method_record(method).formats)
-    for name in candidates:
-        if set(formats.required(name)) <= columns:
-            return name
-    wanted = " or ".join("/".join(formats.required(c)) + (f" ({c})" if c in SOURCES else "")
-                         for c in candidates)
-    raise DataError(f"{label}: method {method} needs columns {wanted}; found "
-                    f"{_names(sorted(columns)) or 'none'} (rename with data.<split>[i].columns)")
 
 
 def _weighted(label: str, ds: Dataset, column: str | None) -> Dataset:
@@ -152,7 +132,7 @@ def _weighted(label: str, ds: Dataset, column: str | None) -> Dataset:
         return ds.remove_columns([WEIGHT]) if WEIGHT in ds.column_names else ds
     if column not in ds.column_names:
         raise DataError(f"{label}: no weight column {column!r} (data.weight_column); "
-                        f"columns: {_names(ds.column_names)}")
+                        f"columns: {formats.names(ds.column_names)}")
     return _renamed(ds, column, WEIGHT)
 
 
@@ -162,7 +142,7 @@ def _validated(label: str, ds: Dataset, fmt: str, experiment: Experiment,
     missing = [c for c in required if c not in ds.column_names]
     if missing:
         raise DataError(f"{label}: format {fmt} needs column(s) {', '.join(missing)}; "
-                        f"found {_names(ds.column_names)}")
+                        f"found {formats.names(ds.column_names)}")
     if fmt != "prompt":
         ds = _weighted(label, ds, experiment.data.weight_column)
         keep = [c for c in required + optional + (WEIGHT,) if c in ds.column_names]
@@ -229,20 +209,11 @@ def _label_ids(ds: Dataset, labels: list[str]) -> Dataset:
 
 def _failure(label: str, raw: Dataset, fmt: str, forced: bool, experiment: Experiment,
              roles: dict[str, str]) -> formats.Failure:
-    """(row number, problem) -> the error: with `auto`, also why each other format the
-    method reads does not fit the row as the file has it."""
-    tried = tuple(f for f in accepted(method_record(experiment.method).formats) if f != fmt)
+    """(row number, problem) -> the error (formats.failure_text)."""
     labels = experiment.classify.labels if experiment.classify else None
-
-    def failure(number: int, problem: str) -> str:
-        text = f"{label} row {number}: {problem}"
-        if "`weight`" in problem or ".weight`" in problem:
-            return text  # the format fits; a weight is wrong
-        if forced or not tried:
-            return f"{text} (data.format {fmt})" if forced else text
-        others = formats.no_fit(raw[number - 1], tried, roles, labels)
-        return f"{text} (read as {fmt}; tried {others})"
-    return failure
+    return lambda number, problem: formats.failure_text(
+        f"{label} row {number}", problem, lambda: raw[number - 1], fmt, forced,
+        experiment.method, roles, labels)
 
 
 def _read_part(label: str, ds: Dataset, fmt: str | None, experiment: Experiment,
@@ -250,7 +221,7 @@ def _read_part(label: str, ds: Dataset, fmt: str | None, experiment: Experiment,
     """One file's rows in format fmt (None: detected), converted to the format the method
     trains on and validated; and fmt."""
     forced = experiment.data.format != "auto"
-    fmt = fmt or detect_format(ds.column_names, experiment.method, label)
+    fmt = fmt or formats.detect_format(ds.column_names, experiment.method, label)
     roles = formats.speaker_roles(experiment.data.roles)
     failure = _failure(label, ds, fmt, forced, experiment, roles)
     trained = fmt
@@ -259,7 +230,7 @@ def _read_part(label: str, ds: Dataset, fmt: str | None, experiment: Experiment,
         missing = [c for c in SOURCES[fmt][0] if c not in ds.column_names]
         if missing:
             raise DataError(f"{label}: format {fmt} needs column(s) {', '.join(missing)}; "
-                            f"found {_names(ds.column_names)}")
+                            f"found {formats.names(ds.column_names)}")
         ds, note = formats.converted(label, ds, fmt, trained, roles, failure)
         notes.append(note)
     elif fmt == "preference":
