@@ -165,11 +165,12 @@ def test_the_student_learns_the_teacher(teachers, write, tmp_path):
     """Forward KL (beta 0), 60 steps from random weights: the held-out KL toward the
     teacher (on the teacher's own answers) and the eval loss both fall."""
     teacher = teachers / "full"
-    config = write("learn.yaml", experiment(teacher, steps=60, extra=(
-        "  beta: 0.0\n  learning_rate: 3e-3\n  per_device_train_batch_size: 16\n"
-        "  max_completion_length: 12\n  save_strategy: 'no'\n  seed: 1\n")).replace(
+    config = write("learn.yaml", experiment(teacher, steps=60).replace(
         "max_samples: 32}", "max_samples: 2000}").replace("max_samples: 8}", "max_samples: 32}"))
-    result = run_cli("train", str(config), cwd=tmp_path)
+    result = run_cli("train", str(config), "training.beta=0.0", "training.learning_rate=3e-3",
+                     "training.per_device_train_batch_size=16",
+                     "training.max_completion_length=12", "training.save_strategy='no'",
+                     "training.seed=1", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     run = tmp_path / "runs" / "learn"
     summary = json.loads((run / "summary.json").read_text())
