@@ -78,6 +78,8 @@ OVERRIDES = (
     Member("transformers:Trainer", "_load_from_checkpoint", ("resume_from_checkpoint", "model"),
            users="finetune.trainers.ppo:PPOTrainer"),
     Member("transformers:Trainer", "_load_best_model", users="finetune.trainers.ppo:PPOTrainer"),
+    Member("trl:DistillationTrainer", "_get_train_sampler", ("dataset",),
+           users="finetune.methods.distill:ResumableDistillationTrainer"),
 )
 
 

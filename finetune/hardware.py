@@ -26,7 +26,7 @@ class Hardware:
         return DTYPES[self.precision]
 
     def model_dtype(self, experiment: Experiment, role: str) -> torch.dtype:
-        """The dtype a model of the run is loaded in: role policy, reference, reward or
+        """The dtype a model of the run is loaded in: role policy, reference, teacher, reward or
         value (the rule: config/effective.py model_precision)."""
         return DTYPES[model_precision(role, experiment.peft.type, self.precision)]
 

@@ -19,7 +19,8 @@ from conftest import DATA, TINY_MODEL
 from finetune.errors import EXIT_PREEMPTED
 
 DATASETS = {"sft": "sft_train", "reward": "pref_train", "dpo": "pref_train",
-            "orpo": "pref_train", "cpo": "pref_train", "simpo": "pref_train"}
+            "orpo": "pref_train", "cpo": "pref_train", "simpo": "pref_train",
+            "distill": "sft_train"}
 
 
 def experiment(name: str, method: str, *, processes: int = 1, steps: int = 40,
@@ -38,8 +39,9 @@ def experiment(name: str, method: str, *, processes: int = 1, steps: int = 40,
             f"{distributed}evaluation: {{before_training: false}}\noutput: {{plot: false}}\n"
             f"training:\n  max_steps: {steps}\n  per_device_train_batch_size: {batch}\n"
             f"  gradient_accumulation_steps: {accumulation}\n  learning_rate: 1e-3\n"
-            f"  logging_steps: {logging_steps}\n  save_steps: 4\n  seed: 5\n  max_length: 64\n"
-            "  activation_checkpointing: false\n" + extra)
+            f"  logging_steps: {logging_steps}\n  save_steps: 4\n  seed: 5\n"
+            + ("  max_completion_length: 8\n" if method == "distill" else "  max_length: 64\n")
+            + "  activation_checkpointing: false\n" + extra)
 
 
 class Run:

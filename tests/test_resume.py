@@ -19,6 +19,7 @@ from conftest import DATA, TINY_MODEL, run_cli
 from finetune import checkpoints
 from resumable import (Run, assert_identical, experiment, final_weights, losses,
                        stopped_by_sigterm, wait_for_step)
+from teachers import tiny_teacher
 
 pytestmark = pytest.mark.slow  # every test trains, stops and resumes runs
 
@@ -27,22 +28,26 @@ STEPS = 40
 
 # Every method, and both process counts for sft; kept to six chains for the suite's time
 # (reward x1 and dpo x2 passed too when they were in the list). orpo x2 and cpo x1 stand
-# for TRL's experimental preference trainers (simpo is cpo's trainer).
+# for TRL's experimental preference trainers (simpo is cpo's trainer). distill x1: sampled
+# generations from a restored RNG, toward a teacher directory.
 @pytest.mark.parametrize("method,processes", [("sft", 1), ("sft", 2), ("reward", 2),
-                                              ("dpo", 1), ("orpo", 2), ("cpo", 1)])
+                                              ("dpo", 1), ("orpo", 2), ("cpo", 1),
+                                              ("distill", 1)])
 def test_sigterm_and_sigkill_then_resume_is_bitwise_identical(method, processes, write,
                                                               tmp_path):
     seed = random.randrange(10**6)
     rng = random.Random(seed)
     command = "launch" if processes > 1 else "train"
+    extra = f"distill: {{teacher: {tiny_teacher(tmp_path / 'teacher')}}}\n" \
+        if method == "distill" else ""
     # Logs every 3 steps, checkpoints every 4: a resume lands inside a logging window.
     reference = write("ref.yaml", experiment("ref", method, processes=processes, steps=STEPS,
-                                             logging_steps=3))
+                                             logging_steps=3, extra=extra))
     whole = Run(command, reference, tmp_path, 0)
     assert whole.wait() == 0, whole.text()[-3000:]
 
     config = write("cut.yaml", experiment("cut", method, processes=processes, steps=STEPS,
-                                          logging_steps=3))
+                                          logging_steps=3, extra=extra))
     run_dir = tmp_path / "runs" / "cut"
     term_at = rng.randint(2, 14)
     first = stopped_by_sigterm(command, config, run_dir, tmp_path, term_at)

@@ -60,10 +60,11 @@ def model_precision(role: str, peft_type: str, precision: str) -> str:
       bits); under (Q)LoRA the frozen base sits in the compute precision, half the memory.
     - reference: the policy's, so that it equals the starting policy (grpo's, built by
       TRL from the policy's own dtype, is the same).
+    - teacher (distill): a frozen model beside the policy, the reference's rule.
     - reward: the compute precision: it only scores, without gradients.
     - value: fp32: ppo's separate value model is trained in full, like the full policy.
     """
-    if role in ("policy", "reference"):
+    if role in ("policy", "reference", "teacher"):
         return "fp32" if peft_type == "none" else precision
     if role == "reward":
         return precision

@@ -114,7 +114,7 @@ def _local(value: Any, base: Path) -> Any:
 
 _PATH_KEYS = {("model", "name_or_path"), ("tokenizer", "name_or_path"), ("dpo", "ref_model"),
               ("tokenizer", "chat_template"), ("distributed", "deepspeed", "config_file"),
-              ("rewards", "model"), ("ppo", "value_model_path")}
+              ("rewards", "model"), ("ppo", "value_model_path"), ("distill", "teacher")}
 
 
 def is_input_path(loc: Loc) -> bool:

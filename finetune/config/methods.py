@@ -145,6 +145,14 @@ METHODS: dict[str, Method] = {m.name: m for m in (
            completion_length="ppo.max_new_tokens", reference=Reference(),
            value_model="ppo.value_model",
            weights=False, fused_loss=False, strategies=("none", "ddp")),
+    # Knowledge distillation through TRL's DistillationTrainer: on-policy only (the student
+    # generates from each prompt, GKD's lmbda 1) with the generalized JSD of training.beta
+    # (0 forward KL, 1 reverse KL) toward the frozen teacher of distill.teacher. Prompt
+    # data; sft's formats give their prompts (methods/distill.py). The loss is a token
+    # mean over the generated completions: no per-sample weights.
+    Method("distill", ("trl", "DistillationConfig"), ("prompt", "prompt_completion", "messages"),
+           "lm", "finetune.methods.distill", sections=("distill",),
+           completion_length="training.max_completion_length", weights=False),
 )}
 NAMES = tuple(METHODS)
 

@@ -308,8 +308,36 @@ def _credentials(exp: Experiment) -> Iterator[Problem]:
                         "~/.netrc) instead")
 
 
+def _distill(exp: Experiment) -> Iterator[Problem]:
+    """distill.teacher: a model directory (full or adapter), a finished run of a causal
+    LM (its final/), or a hub id. The vocabulary is checked where the model loads."""
+    if exp.distill is None:
+        return
+    loc, teacher = ("distill", "teacher"), exp.distill.teacher
+    bad = paths.problem(teacher)
+    if bad:
+        yield loc, bad
+    elif not is_local(teacher):
+        if not HUB_ID.fullmatch(teacher):
+            yield loc, f"neither a local directory nor a hub id: {teacher!r}"
+        else:
+            yield from models.offline(loc, teacher)
+    elif not paths.is_dir(teacher):
+        yield loc, f"no such model directory: {teacher}"
+    elif paths.is_file(Path(teacher) / "experiment.yaml"):  # a finetune run directory
+        final = Path(teacher) / "final"
+        if not any(paths.is_file(final / name) for name in ("config.json", "adapter_config.json")):
+            yield loc, f"{teacher} is a run directory with no final/ model yet: finish that " \
+                       "run first"
+    elif not any(paths.is_file(Path(teacher) / name)
+                 for name in ("config.json", "adapter_config.json")):
+        yield loc, f"{teacher} holds no model (neither config.json nor adapter_config.json)"
+    elif paths.is_file(Path(teacher) / "config.json"):
+        yield from models.remote_code(loc, teacher, exp.model.trust_remote_code)
+
+
 RULES = (_credentials, _paths, _peft, _data, _precision, _method_sections, _rewards, _ppo,
-         _classify, _distributed, _resume, values.check)
+         _classify, _distributed, _resume, values.check, _distill)
 
 
 def check(exp: Experiment) -> list[Problem]:

@@ -265,6 +265,15 @@ class ClassifySection(Section):
                             description="Truncate texts to this many tokens.")
 
 
+class DistillSection(Section):
+    teacher: str = Field(
+        description="method distill: the teacher whose next-token distribution the student "
+        "learns: a model directory or hub id (an adapter directory loads onto its base), or "
+        "the run directory of a finetune run of a causal LM (its final/ model or adapter). "
+        "It must share the student's vocabulary; frozen, loaded in the dtype of a reference "
+        "model (fp32 under full fine-tuning, the compute precision under LoRA/QLoRA).")
+
+
 class PPOSection(Section):
     value_model: Literal["separate", "shared"] = Field(
         "separate", description="separate: a value model of its own (a copy of the policy's "
@@ -432,6 +441,8 @@ class Experiment(Section):
         None, description="method classify: labels, class weights, focal loss, smoothing.")
     rewards: RewardsSection = Field(default_factory=RewardsSection)
     ppo: PPOSection = Field(default_factory=PPOSection)
+    distill: DistillSection | None = Field(
+        None, description="method distill: the teacher model.")
     distributed: DistributedSection = Field(default_factory=DistributedSection)
     output: OutputSection = Field(default_factory=OutputSection)
     resume: str = Field(

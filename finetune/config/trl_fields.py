@@ -44,6 +44,10 @@ OWNED: dict[str, str] = {
     "chat_template_path": "tokenizer.chat_template",
     "resume_from_checkpoint": "resume",
     "reward_weights": "rewards.weights",
+    # distill: finetune loads the teacher of distill.teacher itself.
+    "teacher_model_name_or_path": "distill.teacher",
+    "teacher_model_revision": "distill.teacher",
+    "teacher_model_init_kwargs": "distill.teacher",
     # TRL's configs read it only where they load models themselves; finetune loads them.
     "trust_remote_code": "model.trust_remote_code",
 }

@@ -120,6 +120,8 @@ def _not_counted(settings: Settings) -> list[str]:
     if own.generates:
         out.insert(0, f"{settings.method}: generation (KV cache, sampling), rollout buffers and "
                       "any reward model (rewards.model)")
+    if "distill" in own.sections:
+        out.append("distill.teacher: the frozen teacher's weights and forward pass")
     if own.reference and own.reference.setting and settings.reference == "copy":
         out.append(f"{own.reference.setting}: assumed to have the policy's architecture")
     return out

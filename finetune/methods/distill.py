@@ -1,0 +1,150 @@
+"""Knowledge distillation through TRL's DistillationTrainer (the top-level, stable one).
+
+On-policy: the student generates a completion from each prompt (sampled with
+training.temperature, top_p, top_k; up to max_completion_length tokens), and is trained
+to match the frozen teacher's next-token distribution on it, token by token, under the
+generalized Jensen-Shannon divergence of training.beta (0: forward KL(teacher||student),
+1: reverse KL, the default; 0.5: JSD), both distributions softened by the temperature.
+That is GKD (trl.experimental.gkd) with lmbda 1; TRL 1.16 has no top-level trainer that
+mixes in the data's own completions (GKD's lmbda < 1 or seq_kd), so the data gives prompts
+only: prompt rows as they are, prompt/completion rows their prompt, conversations the
+turns before their last assistant turn.
+
+The teacher (distill.teacher) is loaded here, frozen, in the reference model's dtype
+(config/effective.py model_precision, role teacher): a model directory or hub id, or a
+finetune run directory whose final/ model or adapter inference/load.py loads as
+generate and chat do. Its vocabulary must be the student's: checked as it loads.
+
+Exact resume: TRL's sampler draws each epoch's order from one generator seeded once, so
+a run resumed in a later epoch would replay the first epoch's order. Ours reseeds it from
+the epoch (the Trainer calls set_epoch before every epoch, resumed or not); the sampled
+completions then follow from the RNG state the checkpoint restores.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from datasets import Dataset
+from trl import DistillationTrainer
+from trl.trainer.utils import RepeatSampler
+
+from finetune.config.schema import Experiment
+from finetune.data.load import ORIGIN, Splits
+from finetune.data.prompts import checked_prompts
+from finetune.errors import ConfigError, DataError, first_line
+from finetune.methods import Job
+
+WHERE = "distill.teacher"
+
+
+def _prompt_of(row: dict, fmt: str) -> dict:
+    """A prompt row: the prompt of prompt/completion, the turns before the last
+    assistant turn of a conversation."""
+    if fmt == "prompt_completion":
+        return {"prompt": row["prompt"]}
+    messages = row["messages"]
+    last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=None)
+    prompt = messages[:last] if last is not None else messages
+    if not prompt or prompt[-1]["role"] == "assistant":
+        raise DataError(f"{row[ORIGIN]}: no prompt to distill from: the conversation has no "
+                        "turn before its last assistant answer")
+    return {"prompt": prompt}
+
+
+def _prompts(rows: Dataset | None, fmt: str) -> Dataset | None:
+    if rows is None or fmt == "prompt":
+        return rows
+    return Dataset.from_list([{**_prompt_of(row, fmt), ORIGIN: row[ORIGIN]} for row in rows])
+
+
+def prepare(splits: Splits, tokenizer, experiment: Experiment) -> Splits:
+    """Prompt rows, each rendered and counted against the model's context."""
+    if splits.format != "prompt":
+        splits = Splits(train=_prompts(splits.train, splits.format),
+                        eval=_prompts(splits.eval, splits.format), format=splits.format,
+                        mix=splits.mix, notes=[*splits.notes, "distill: the student "
+                        "generates its own completions; the data's are not used"])
+    return checked_prompts(splits, tokenizer, experiment)
+
+
+def _load(experiment: Experiment, dtype):
+    """(model, its tokenizer or None) of distill.teacher."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = experiment.distill.teacher
+    trust = experiment.model.trust_remote_code
+    if (Path(source) / "experiment.yaml").is_file():  # a finetune run: its final/
+        from finetune.inference.load import load_model, load_tokenizer, locate
+
+        run = locate(source)
+        if run.head != "lm":
+            raise ConfigError([f"{WHERE}: {source} is a {run.experiment.method} run: its "
+                               "model scores text and has no next-token distribution"])
+        tokenizer = load_tokenizer(run)
+        return load_model(run, tokenizer, dtype, "cpu"), tokenizer
+    try:
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, trust_remote_code=trust)
+    except (OSError, ValueError) as exc:
+        raise ConfigError([f"{WHERE}: cannot load {source!r} as a causal LM: "
+                           f"{first_line(exc)}"]) from None
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust)
+    except (OSError, ValueError):
+        tokenizer = None  # a model without its tokenizer: the vocabulary size still checks
+    return model, tokenizer
+
+
+def _vocabulary_problem(student, student_tokenizer, teacher, teacher_tokenizer) -> str | None:
+    """Why the teacher's next-token distribution is not over the student's tokens."""
+    ours = student.config.get_text_config().vocab_size
+    theirs = teacher.config.get_text_config().vocab_size
+    if ours != theirs:
+        return (f"the teacher's vocabulary has {theirs} entries (vocab_size), the student's "
+                f"{ours}")
+    if teacher_tokenizer is not None:
+        mine, other = student_tokenizer.get_vocab(), teacher_tokenizer.get_vocab()
+        differ = sorted(t for t in mine.keys() | other.keys() if mine.get(t) != other.get(t))
+        if differ:
+            return (f"the teacher's tokenizer maps {len(differ)} token(s) differently from "
+                    f"the student's (first: {differ[0]!r})")
+    return None
+
+
+def teacher_model(job: Job):
+    spec = job.experiment
+    teacher, tokenizer = _load(spec, job.hardware.model_dtype(spec, "teacher"))
+    problem = _vocabulary_problem(job.model, job.tokenizer, teacher, tokenizer)
+    if problem:
+        raise ConfigError([f"{WHERE}: {problem}; distillation compares the two next-token "
+                           "distributions, so the teacher must share the student's "
+                           "tokenizer (same family of models)"])
+    teacher.requires_grad_(False)
+    return teacher.eval()
+
+
+class EpochSampler(RepeatSampler):
+    """RepeatSampler whose shuffled order is a function of seed and epoch alone."""
+
+    def set_epoch(self, epoch: int) -> None:
+        if self.shuffle and self.seed is not None:
+            self.generator.manual_seed(self.seed + epoch)
+
+
+class ResumableDistillationTrainer(DistillationTrainer):
+    """DistillationTrainer whose training order survives a resume (see the module doc)."""
+
+    def _get_train_sampler(self, dataset=None):
+        s = super()._get_train_sampler(dataset)
+        return EpochSampler(s.data_source, s.mini_repeat_count, s.batch_size, s.repeat_count,
+                            s.shuffle, s.seed)
+
+
+def build_trainer(job: Job) -> DistillationTrainer:
+    if job.args.use_vllm:
+        raise ConfigError(["training.use_vllm: not supported by finetune's distill "
+                           "(generation runs in the trainer)"])
+    return ResumableDistillationTrainer(
+        model=job.model, teacher_model=teacher_model(job), args=job.args,
+        train_dataset=job.data.train, eval_dataset=job.data.eval,
+        processing_class=job.tokenizer, callbacks=job.callbacks)

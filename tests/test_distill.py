@@ -1,0 +1,183 @@
+"""method distill (TRL's DistillationTrainer): validation of distill.teacher naming its
+YAML path, end-to-end runs with full fine-tuning, LoRA and QLoRA from a teacher that is a
+model directory or a finetune run (full final/ or a LoRA adapter), the vocabulary check,
+refused weights, and a learning test: the student's held-out KL toward the teacher falls.
+Exact resume and data parallelism are in test_resume.py and test_data_parallel.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import yaml
+
+from conftest import DATA, QUICKSTART, REPO, TINY_MODEL, run_cli
+from finetune.config.load import load_experiment
+from finetune.errors import ConfigError
+from teachers import tiny_teacher
+
+
+def experiment(teacher, peft: str = "none", extra: str = "", steps: int = 3) -> str:
+    peft_block = f"peft:\n  type: {peft}\n  r: 4\n" if peft != "none" else ""
+    return (f"method: distill\nmodel:\n  name_or_path: {TINY_MODEL}\n  init: random\n"
+            f"{peft_block}distill: {{teacher: {teacher}}}\n"
+            f"data:\n  train: {{path: {DATA}/sft_train.jsonl, max_samples: 32}}\n"
+            f"  eval: {{path: {DATA}/sft_eval.jsonl, max_samples: 8}}\n"
+            f"output: {{plot: false}}\n"
+            f"training:\n  max_steps: {steps}\n  per_device_train_batch_size: 8\n"
+            "  logging_steps: 1\n  learning_rate: 1e-3\n  max_completion_length: 8\n"
+            "  activation_checkpointing: false\n" + extra)
+
+
+def _problems(write, text: str) -> str:
+    try:
+        load_experiment(write("d.yaml", text))
+    except ConfigError as exc:
+        return str(exc)
+    return ""
+
+
+def test_teacher_is_required_and_must_hold_a_model(write, tmp_path):
+    without = experiment("x").replace("distill: {teacher: x}\n", "")
+    assert "distill: method distill needs distill.teacher" in _problems(write, without)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert f"distill.teacher: {empty} holds no model (neither config.json nor " \
+           "adapter_config.json)" in _problems(write, experiment(empty))
+    assert f"distill.teacher: no such model directory: {tmp_path}/gone" in \
+        _problems(write, experiment(tmp_path / "gone"))
+    unfinished = tmp_path / "runs" / "unfinished"
+    unfinished.mkdir(parents=True)
+    (unfinished / "experiment.yaml").write_text("method: sft\n")
+    assert f"distill.teacher: {unfinished} is a run directory with no final/ model yet: " \
+           "finish that run first" in _problems(write, experiment(unfinished))
+    # distill.teacher belongs to method distill; training's teacher fields are finetune's
+    assert "distill: options for method distill, but method is sft" in _problems(
+        write, experiment(TINY_MODEL).replace("method: distill", "method: sft")
+        .replace("max_completion_length", "max_length"))
+    assert "training.teacher_model_name_or_path: not set here: finetune sets it from " \
+           "`distill.teacher`" in _problems(
+               write, experiment(TINY_MODEL, extra="  teacher_model_name_or_path: x\n"))
+
+
+def test_weights_are_refused_with_the_reason(write):
+    text = experiment(TINY_MODEL).replace("max_samples: 32}", "max_samples: 32}\n"
+                                          "  weight_column: w")
+    assert "data.weight_column: not used by method distill: its trainer has no per-sample " \
+           "loss weights" in _problems(write, text)
+
+
+def test_example_config_validates(online, tmp_path):
+    exp = load_experiment(REPO / "configs" / "examples" / "qwen2.5-0.5b-distill-lora.yaml")
+    assert (exp.method, exp.distill.teacher, exp.peft.type) == (
+        "distill", "Qwen/Qwen2.5-1.5B-Instruct", "lora")
+
+
+@pytest.fixture(scope="module")
+def teachers(tmp_path_factory):
+    """finetune sft runs of the quickstart (a few seconds each): full and LoRA."""
+    root = tmp_path_factory.mktemp("teachers")
+    for name, peft in (("full", "none"), ("lora", "lora")):
+        result = run_cli("train", str(QUICKSTART / "sft.yaml"), f"name={name}",
+                         f"peft.type={peft}", "training.max_steps=40",
+                         "training.learning_rate=3e-3", "evaluation.exact_match=false",
+                         "evaluation.before_training=false", "output.plot=false", cwd=root)
+        assert result.returncode == 0, result.stderr[-3000:]
+    return root / "runs"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("peft,teacher", [("none", "lora"), ("lora", "full"),
+                                          ("qlora", "directory")])
+def test_train_writes_a_complete_run_directory(peft, teacher, teachers, write, tmp_path):
+    source = tiny_teacher(tmp_path / "teacher") if teacher == "directory" else teachers / teacher
+    config = write(f"d-{peft}.yaml", experiment(source, peft))
+    result = run_cli("train", str(config), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    run = tmp_path / "runs" / f"d-{peft}"
+    resolved = yaml.safe_load((run / "experiment.yaml").read_text())
+    assert resolved["distill"]["teacher"] == str(source)
+    args = json.loads((run / "training_args.json").read_text())
+    assert args["max_completion_length"] == 8 and args["beta"] == 1.0
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in records if "loss" in r]
+    assert len(losses) == 3 and all(isinstance(x, float) and x == x for x in losses)
+    assert any("completions/mean_length" in r for r in records)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["global_step"] == 3 and "eval_loss" in summary["after"]
+    final = run / "final"
+    assert (final / "tokenizer.json").exists()
+    assert (final / ("model.safetensors" if peft == "none" else
+                     "adapter_model.safetensors")).exists()
+    if peft != "none":
+        assert f"peft {peft}" in result.stdout
+    assert "finetune: done in" in result.stdout
+
+
+@pytest.mark.slow
+def test_a_teacher_of_another_vocabulary_is_refused(write, tmp_path):
+    other = tiny_teacher(tmp_path / "other", vocab_size=300)
+    result = run_cli("train", str(write("v.yaml", experiment(other))), cwd=tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert "distill.teacher: the teacher's vocabulary has 300 entries (vocab_size), the " \
+           "student's" in result.stderr
+
+
+@pytest.mark.slow
+def test_a_classifier_run_is_not_a_teacher(write, tmp_path):
+    result = run_cli("train", str(QUICKSTART / "classify.yaml"), "name=cls",
+                     "training.max_steps=2", "evaluation.before_training=false",
+                     "output.plot=false", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    result = run_cli("train", str(write("c.yaml", experiment(tmp_path / "runs" / "cls"))),
+                     cwd=tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert "is a classify run: its model scores text" in result.stderr
+
+
+def _held_out_kl(student_dir, teacher_dir) -> float:
+    """Mean per-token KL(teacher || student) over the teacher's greedy answers to the
+    held-out prompts: a fixed measure, independent of what the student generates."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(teacher_dir)
+    teacher = AutoModelForCausalLM.from_pretrained(teacher_dir).eval()
+    student = AutoModelForCausalLM.from_pretrained(student_dir).eval()
+    rows = [json.loads(line) for line in (DATA / "sft_eval.jsonl").read_text().splitlines()]
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for row in rows[:32]:
+            prompt = tokenizer.apply_chat_template(row["messages"][:1], add_generation_prompt=True,
+                                                   return_tensors="pt", return_dict=True)
+            ids = teacher.generate(**prompt, max_new_tokens=10, do_sample=False,
+                                   pad_token_id=tokenizer.pad_token_id)
+            start = prompt["input_ids"].shape[1] - 1
+            p = teacher(ids).logits[0, start:-1].log_softmax(-1)
+            q = student(ids).logits[0, start:-1].log_softmax(-1)
+            total += (p.exp() * (p - q)).sum().item()
+            count += p.shape[0]
+    return total / count
+
+
+@pytest.mark.slow
+def test_the_student_learns_the_teacher(teachers, write, tmp_path):
+    """Forward KL (beta 0), 60 steps from random weights: the held-out KL toward the
+    teacher (on the teacher's own answers) and the eval loss both fall."""
+    teacher = teachers / "full"
+    config = write("learn.yaml", experiment(teacher, steps=60).replace(
+        "max_samples: 32}", "max_samples: 2000}").replace("max_samples: 8}", "max_samples: 32}"))
+    result = run_cli("train", str(config), "training.beta=0.0", "training.learning_rate=3e-3",
+                     "training.per_device_train_batch_size=16",
+                     "training.max_completion_length=12", "training.save_strategy='no'",
+                     "training.seed=1", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    run = tmp_path / "runs" / "learn"
+    summary = json.loads((run / "summary.json").read_text())
+    before_loss, after_loss = summary["before"]["eval_loss"], summary["after"]["eval_loss"]
+    before = _held_out_kl(run / "init-model", teacher / "final")
+    after = _held_out_kl(run / "final", teacher / "final")
+    print(f"held-out KL(teacher||student) {before:.3f} -> {after:.3f}; eval loss "
+          f"{before_loss:.3f} -> {after_loss:.3f} in {summary['seconds']} s")
+    assert after < 0.5 * before
+    assert after_loss < 0.5 * before_loss
