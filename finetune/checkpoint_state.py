@@ -6,7 +6,8 @@ resumed run also needs to continue bitwise is kept per rank in this record (the
 checkpoint manifest seals it with every other file):
 
   loss_window  the Trainer's open logging window (callbacks.LossWindow), every method
-  grpo         GRPO's generation window: buffer, micro-step, open metrics (methods/grpo.py)
+  grpo         GRPO's generation window: buffer, micro-step, open metrics (methods/online.py)
+  rloo         RLOO's generation window, as grpo's (methods/online.py)
   ppo          PPO's rollout buffer, KL coefficient, statistics window (trainers/ppo.py)
 
 A part is a dict of tensors and plain Python values: loaded with weights_only=True, so

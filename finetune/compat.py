@@ -42,6 +42,9 @@ ATTRIBUTES = (
     Member("trl:GRPOTrainer", "_step", users="grpo_generation, set_grpo_generation"),
     Member("trl:GRPOTrainer", "_buffered_inputs", users="grpo_generation, set_grpo_generation"),
     Member("trl:GRPOTrainer", "_metrics", users="grpo_generation, set_grpo_generation"),
+    Member("trl:RLOOTrainer", "_step", users="grpo_generation, set_grpo_generation"),
+    Member("trl:RLOOTrainer", "_buffered_inputs", users="grpo_generation, set_grpo_generation"),
+    Member("trl:RLOOTrainer", "_metrics", users="grpo_generation, set_grpo_generation"),
     Member("trl:RewardTrainer", "_metrics", users="log_metric"),
     Member("trl:DPOTrainer", "_metrics", users="log_metric"),
     Member("transformers:PretrainedConfig", "_attn_implementation",
@@ -98,7 +101,7 @@ def set_loss_window(trainer, loss_sum, since: int) -> None:
     trainer._globalstep_last_logged = since
 
 
-# ---- GRPO's generation window (methods/grpo.py) ----
+# ---- GRPO's and RLOO's generation window (methods/online.py) ----
 
 @dataclass
 class GenerationWindow:
@@ -108,9 +111,10 @@ class GenerationWindow:
 
 
 def grpo_generation(trainer) -> GenerationWindow:
-    """GRPOTrainer sets _step, _buffered_inputs and _metrics in __init__; _prepare_inputs
-    generates when _step % (steps_per_generation x num_iterations) == 0 or the buffer is
-    None, training_step counts _step, log() averages and clears _metrics[mode]."""
+    """GRPOTrainer (and RLOOTrainer, alike) sets _step, _buffered_inputs and _metrics in
+    __init__; _prepare_inputs generates when _step % (steps_per_generation x
+    num_iterations) == 0 or the buffer is None, training_step counts _step, log()
+    averages and clears _metrics[mode]."""
     return GenerationWindow(trainer._step, trainer._buffered_inputs,
                             dict(trainer._metrics["train"]))
 
@@ -187,8 +191,8 @@ def sft_trainer_on_our_tokens(args):
 
 @contextmanager
 def grpo_reference_from(config, path: str):
-    """Without PEFT and with beta > 0, GRPOTrainer.__init__ (trl 1.16) builds the
-    reference model with create_model_from_path(get_config_model_id(model.config)), which
+    """Without PEFT and with beta > 0, GRPOTrainer.__init__ (and RLOOTrainer's, trl 1.16)
+    builds the reference model with create_model_from_path(get_config_model_id(model.config)), which
     reads config._name_or_path: what the public config.name_or_path sets. Point it at
     `path` while the trainer is built."""
     original = config.name_or_path

@@ -99,7 +99,7 @@ def _classify(rows, tokenizer, experiment: Experiment, splits, split: str) -> It
 
 
 SAMPLES = {"sft": _sft, "reward": _reward, "dpo": _dpo, "grpo": _prompts, "ppo": _prompts,
-           "classify": _classify}
+           "classify": _classify, "rloo": _prompts}
 
 
 def _percentile(values: list[int], q: float) -> int:

@@ -27,7 +27,8 @@ OURS = ("finetune.trainers.classify:ClassifyTrainer",
         "finetune.trainers.weighted:WeightedRewardTrainer",
         "finetune.trainers.weighted:WeightedDPOTrainer",
         "finetune.trainers.ppo:PPOTrainer",
-        "finetune.methods.grpo:ResumableGRPOTrainer")
+        "finetune.methods.grpo:ResumableGRPOTrainer",
+        "finetune.methods.rloo:ResumableRLOOTrainer")
 # PPOTrainer's own private instance attributes: a Trainer must not have them already.
 PPO_OWN = ("_micro", "_position", "_stats", "_stat_steps")
 CPU = dict(report_to="none", use_cpu=True, bf16=False, fp16=False, save_strategy="no",
@@ -187,11 +188,14 @@ def test_the_trainer_logs_the_loss_window_compat_reopens(tmp_path):
     assert not clash, f"PPOTrainer's own attributes {clash} are the Trainer's now"
 
 
-def test_grpo_keeps_its_generation_window_where_compat_reads_it(tmp_path, tokenizer):
+@pytest.mark.parametrize("name", ["GRPO", "RLOO"])
+def test_grpo_keeps_its_generation_window_where_compat_reads_it(name, tmp_path, tokenizer):
     """One step of steps_per_generation 2: the buffer holds 2 batches, the micro-step
     count is 1, the metrics of the step wait for the log. Without PEFT and with beta > 0
-    the reference is loaded from where compat.grpo_reference_from points."""
-    from trl import GRPOConfig, GRPOTrainer
+    the reference is loaded from where compat.grpo_reference_from points. RLOOTrainer
+    keeps the same state (methods/online.py serves both)."""
+    import trl
+    GRPOConfig, GRPOTrainer = getattr(trl, f"{name}Config"), getattr(trl, f"{name}Trainer")
 
     def length(completions, **kwargs):
         return [float(len(c)) for c in completions]
@@ -215,8 +219,8 @@ def test_grpo_keeps_its_generation_window_where_compat_reads_it(tmp_path, tokeni
     probe.trainer = trainer
     names = set(dir(trainer))
     for member in compat.ATTRIBUTES:
-        if member.owner == "trl:GRPOTrainer":
-            assert member.name in names, f"GRPOTrainer has no {member.name} after __init__"
+        if member.owner == f"trl:{name}Trainer":
+            assert member.name in names, f"{name}Trainer has no {member.name} after __init__"
     start = compat.grpo_generation(trainer)
     assert (start.step, start.buffer, start.metrics) == (0, None, {})
     trainer.train()
@@ -228,7 +232,7 @@ def test_grpo_keeps_its_generation_window_where_compat_reads_it(tmp_path, tokeni
 
 
 @pytest.mark.parametrize("member", [m for m in compat.ATTRIBUTES if m.owner not in (
-    "transformers:Trainer", "trl:GRPOTrainer")], ids=lambda m: f"{m.owner}.{m.name}")
+    "transformers:Trainer", "trl:GRPOTrainer", "trl:RLOOTrainer")], ids=lambda m: f"{m.owner}.{m.name}")
 def test_private_attributes_exist_on_built_objects(member, seen):
     assert member.name in seen[member.owner], f"{member.owner} has no {member.name} " \
         f"(compat: {member.users})"

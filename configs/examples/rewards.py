@@ -1,4 +1,4 @@
-"""Example reward functions for grpo and ppo (named in YAML as rewards.py:<function>).
+"""Example reward functions for grpo, rloo and ppo (named in YAML as rewards.py:<function>).
 
 Each is called with keyword arguments: prompts, completions (text, or message lists for
 chat data), completion_ids, and every other data column, one entry per completion; it

@@ -153,6 +153,12 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("distill", ("trl", "DistillationConfig"), ("prompt", "prompt_completion", "messages"),
            "lm", "finetune.methods.distill", sections=("distill",),
            completion_length="training.max_completion_length", weights=False),
+    # REINFORCE Leave-One-Out: grpo's data, rewards and generation; the baseline of each
+    # completion is the mean reward of its prompt's other completions, and the KL to the
+    # reference (beta, 0.05 by default) is subtracted from the reward.
+    Method("rloo", ("trl", "RLOOConfig"), ("prompt",), "lm", "finetune.methods.rloo",
+           sections=("rewards",), completion_length="training.max_completion_length",
+           reference=Reference(switch="beta"), weights=False),
 )}
 NAMES = tuple(METHODS)
 

@@ -1,152 +1,28 @@
-"""Group relative policy optimisation through TRL's GRPOTrainer.
+"""Group relative policy optimisation through TRL's GRPOTrainer: completions generated
+for each prompt are scored by the rewards section, and each one's advantage is its
+reward against its group's mean (scaled by the group's spread); the KL to the reference
+(beta > 0) is a term of the per-token loss.
 
-Rewards: the reward model of rewards.model first (if any), then the Python functions of
-rewards.functions in order, weighted by rewards.weights (GRPOConfig.reward_weights, set
-here: finetune owns that field). Each function is wrapped so that one that raises, or
-returns something other than one number (or None) per completion, stops the run with an
-error naming it (rewards.functions[i]). None keeps TRL's meaning: "this function does
-not score this completion" (multi-task rewards); the weighted sum skips it, and a
-completion no function scores gets advantage 0 (TRL warns).
-
-Reference model (beta > 0): under LoRA/QLoRA TRL keeps a frozen copy of the starting
-adapter (equal to the adapter-disabled base for a fresh adapter). Without PEFT it
-reloads the policy from its config's name_or_path, which is empty for `model.init:
-random`: we point it at the run's init-model/ (the starting weights, saved by rank 0)
-while the trainer is built (compat.grpo_reference_from), and pass the model's revision.
-
-Exact resume: TRL generates completions for steps_per_generation x num_iterations
-micro-steps at once and keeps them in memory, counting micro-steps; a resumed TRL
-trainer starts with neither, so a checkpoint that falls inside a generation window would
-be continued with fresh, different completions. Every checkpoint therefore also holds,
-per rank, the micro-step count, the buffer and the open window of GRPO's own metrics
-(reward, kl, ... averaged at each log), read and set through compat.grpo_generation: the
-"grpo" part of finetune's state record (checkpoint_state.py), written when the Trainer
-saves and restored as training begins, so a resumed run continues bitwise like an
-uninterrupted one. A checkpoint of another layout (processes, batch, accumulation,
-generation window) or without the part continues as TRL would, from freshly generated
-completions, but with the micro-step where the uninterrupted run would have it, so later
-windows stay aligned.
+Reward sources, the reference model without PEFT and the exact resume of the
+generation window (the "grpo" part of finetune's state record) are shared with rloo:
+see methods/online.py.
 """
 
 from __future__ import annotations
 
-import functools
-import inspect
-from contextlib import contextmanager
-
-import torch
 from trl import GRPOTrainer
 
-from finetune import compat
 from finetune.data.prompts import checked_prompts
-from finetune.model.rewards import (reward_call_error, reward_functions, reward_model,
-                                    reward_problem, reward_weights, unique_names)
-from finetune.errors import ConfigError, RunError
 from finetune.methods import Job
+from finetune.methods.online import GenerationState, build_online_trainer
+from finetune.methods.online import checked_reward as _checked  # noqa: F401 (tests use it)
 
 
-def _checked(function, where: str):
-    """The user's function, raising RunError naming `where` when it fails or returns
-    something unusable. Keeps the name (TRL's metric key rewards/<name>/...) and
-    async-ness (TRL awaits async functions)."""
-
-    def check(output, completions):
-        problem = reward_problem(output, len(completions), allow_none=True)
-        if problem:
-            raise RunError(f"{where}: {problem}")
-        return output.tolist() if isinstance(output, torch.Tensor) else list(output)
-
-    if inspect.iscoroutinefunction(function) or \
-            inspect.iscoroutinefunction(getattr(function, "__call__", None)):
-        @functools.wraps(function)
-        async def wrapper(*args, completions, **kwargs):
-            try:
-                output = await function(*args, completions=completions, **kwargs)
-            except RunError:
-                raise
-            except Exception as exc:
-                raise reward_call_error(exc, where) from exc
-            return check(output, completions)
-    else:
-        @functools.wraps(function)
-        def wrapper(*args, completions, **kwargs):
-            try:
-                output = function(*args, completions=completions, **kwargs)
-            except RunError:
-                raise
-            except Exception as exc:
-                raise reward_call_error(exc, where) from exc
-            return check(output, completions)
-    return wrapper
-
-
-class ResumableGRPOTrainer(GRPOTrainer):
-    """GRPOTrainer whose checkpoints carry its generation window (see the module doc),
-    as the "grpo" part of finetune's state record (callbacks.ResumeState)."""
+class ResumableGRPOTrainer(GenerationState, GRPOTrainer):
+    """GRPOTrainer whose checkpoints carry its generation window (methods/online.py), as
+    the "grpo" part of finetune's state record (callbacks.ResumeState)."""
 
     state_part = "grpo"
-
-    def _layout(self) -> dict[str, int]:
-        args = self.args
-        return {"world_size": args.world_size,
-                "per_device_train_batch_size": args.per_device_train_batch_size,
-                "gradient_accumulation_steps": args.gradient_accumulation_steps,
-                "steps_per_generation": args.steps_per_generation,
-                "num_iterations": args.num_iterations,
-                "num_generations": args.num_generations}
-
-    def state_to_save(self) -> dict:
-        window = compat.grpo_generation(self)
-        buffer = window.buffer
-        if buffer is not None:
-            buffer = [{k: (v.detach().cpu() if isinstance(v, torch.Tensor) else v)
-                       for k, v in part.items()} for part in buffer]
-        return {"layout": self._layout(), "step": window.step,
-                "global_step": self.state.global_step, "buffer": buffer,
-                "metrics": {k: list(v) for k, v in window.metrics.items()}}
-
-    def restore_state(self, saved: dict | None, own: bool) -> None:
-        usable = saved is not None and own and saved["layout"] == self._layout() and \
-            saved["global_step"] == self.state.global_step
-        if usable:
-            device = self.accelerator.device
-            buffer = saved["buffer"]
-            if buffer is not None:
-                buffer = [{k: (v.to(device) if isinstance(v, torch.Tensor) else v)
-                           for k, v in part.items()} for part in buffer]
-            compat.set_grpo_generation(self, compat.GenerationWindow(
-                int(saved["step"]), buffer, {k: list(v) for k, v in saved["metrics"].items()}))
-            return
-        # Another layout (or no state for this rank): continue as TRL does, generating
-        # afresh from the current prompts, with the micro-step where an uninterrupted run
-        # would have it.
-        step = self.state.global_step * self.args.gradient_accumulation_steps
-        compat.set_grpo_generation(self, compat.GenerationWindow(step, None, None))
-        generate_every = self.args.steps_per_generation * self.args.num_iterations
-        if self.args.process_index == 0 and step % generate_every:
-            why = "was written with another batch layout" if saved is not None else \
-                "has no GRPO generation state"
-            print(f"finetune: the checkpoint at step {self.state.global_step} {why}: GRPO "
-                  "regenerates the completions of the current generation window, so this "
-                  "resume is not bitwise exact", flush=True)
-
-
-@contextmanager
-def _reference_source(job: Job):
-    """Without PEFT and with beta > 0, TRL builds the reference by reloading the policy
-    from its config's name_or_path; make that the starting weights."""
-    spec = job.experiment
-    # TRL loads it with the policy's dtype and attention; revision and remote code are ours.
-    extra = {k: v for k, v in (("revision", spec.model.revision if spec.model.init != "random"
-                                else None),
-                               ("trust_remote_code", spec.model.trust_remote_code)) if v}
-    if extra:
-        job.args.model_init_kwargs = {**(job.args.model_init_kwargs or {}), **extra}
-    if spec.model.init == "random":
-        with compat.grpo_reference_from(job.model.config, str(job.run_dir / "init-model")):
-            yield
-    else:
-        yield
 
 
 def prepare(splits, tokenizer, experiment):
@@ -155,34 +31,4 @@ def prepare(splits, tokenizer, experiment):
 
 
 def build_trainer(job: Job) -> GRPOTrainer:
-    spec = job.experiment
-    if job.args.use_vllm:
-        raise ConfigError(["training.use_vllm: not supported by finetune's grpo (generation "
-                           "runs in the trainer)"])
-    functions = reward_functions(spec)  # ConfigError naming rewards.functions[i]
-    funcs, processors, names = [], [], []
-    if spec.rewards.model is not None:
-        model, tokenizer = reward_model(spec, job.hardware.model_dtype(spec, "reward"))
-        funcs.append(model)
-        processors.append(tokenizer)
-        names.append("reward_model")
-    for i, (name, function) in enumerate(zip(spec.rewards.functions, functions)):
-        funcs.append(_checked(function, f"rewards.functions[{i}] ({name})"))
-        processors.append(None)
-        names.append(name.rpartition(":")[2])
-    job.args.reward_weights = reward_weights(spec)
-
-    needs_reference = job.args.beta != 0.0 and spec.peft.type == "none"
-    with _reference_source(job) if needs_reference else _nothing():
-        trainer = ResumableGRPOTrainer(
-            model=job.model, reward_funcs=funcs, args=job.args, train_dataset=job.data.train,
-            eval_dataset=job.data.eval, processing_class=job.tokenizer,
-            reward_processing_classes=processors, callbacks=job.callbacks)
-    # Metric keys rewards/<name>/mean: the function's name, "reward_model" for the model.
-    trainer.reward_func_names = unique_names(names)
-    return trainer
-
-
-@contextmanager
-def _nothing():
-    yield
+    return build_online_trainer(job, ResumableGRPOTrainer)
