@@ -132,13 +132,15 @@ def test_sigterm_inside_a_generation_window_then_resume_is_bitwise_identical(wri
     a time and kept in memory; SIGTERM lands inside such a window (and inside a logging
     window, logging_steps 2), the checkpoint carries the buffer, and the resumed run ends
     with bitwise the same weights, losses and GRPO metrics (reward, kl, ...) as an
-    uninterrupted one, across an epoch boundary (12 prompts: 2 generations per epoch)."""
+    uninterrupted one. 12 prompts: 2 generations (12 steps) per epoch; the checkpoint is
+    in the second epoch, whose order the resumed run must draw as the uninterrupted one
+    did (TRL's sampler seeds its generator once: methods/online.py EpochOrder)."""
     write("rewards.py", REWARDS)
     data = prompts(tmp_path / "prompts.jsonl", 12)
     extra = ("  learning_rate: 0.05\n  steps_per_generation: 3\n  num_iterations: 2\n"
              "  save_steps: 4\n")
     peft = "{type: lora, r: 8, dropout: 0.1, modules_to_save: [norm]}"
-    text = grpo("cut", data, steps=14, peft=peft, extra=extra).replace(
+    text = grpo("cut", data, steps=20, peft=peft, extra=extra).replace(
         "logging_steps: 1", "logging_steps: 2")
     reference = write("whole.yaml", text.replace("name: cut", "name: whole"))
     whole = Run("train", reference, tmp_path, 0)
@@ -146,9 +148,10 @@ def test_sigterm_inside_a_generation_window_then_resume_is_bitwise_identical(wri
 
     config = write("cut.yaml", text)
     run_dir = tmp_path / "runs" / "cut"
-    stopped_by_sigterm("train", config, run_dir, tmp_path, 2)
+    stopped_by_sigterm("train", config, run_dir, tmp_path, 14)
     saved_at = json.loads((run_dir / checkpoints.STOPPED).read_text())["step"]
     checkpoint = run_dir / "checkpoints" / f"checkpoint-{saved_at}"
+    assert json.loads((checkpoint / "trainer_state.json").read_text())["epoch"] > 1
     state = checkpoint_state.load(checkpoint, 0)["grpo"]
     assert state["step"] == saved_at and saved_at % 6, saved_at  # mid-window
     assert len(state["buffer"]) == 3  # one slice of the generation per step
@@ -164,9 +167,9 @@ def test_sigterm_inside_a_generation_window_then_resume_is_bitwise_identical(wri
     def metrics(run):
         return [{k: v for k, v in r.items() if k not in CLOCK} for r in logged(run)]
     assert metrics(run_dir) == metrics(tmp_path / "runs" / "whole")
-    # Rewards are logged where completions were generated: steps 1, 7 and 13.
-    assert [r["step"] for r in rewarded(run_dir)] == [1, 8, 14]
-    assert [r["step"] for r in logged(run_dir) if "loss" in r] == [1, 2, 4, 6, 8, 10, 12, 14]
+    # Rewards are logged where completions were generated: steps 1, 7, 13 and 19.
+    assert [r["step"] for r in rewarded(run_dir)] == [1, 8, 14, 20]
+    assert [r["step"] for r in logged(run_dir) if "loss" in r] == [1, *range(2, 21, 2)]
 
 
 @pytest.mark.slow

@@ -15,10 +15,9 @@ The teacher (distill.teacher) is loaded here, frozen, in the reference model's d
 finetune run directory whose final/ model or adapter inference/load.py loads as
 generate and chat do. Its vocabulary must be the student's: checked as it loads.
 
-Exact resume: TRL's sampler draws each epoch's order from one generator seeded once, so
-a run resumed in a later epoch would replay the first epoch's order. Ours reseeds it from
-the epoch (the Trainer calls set_epoch before every epoch, resumed or not); the sampled
-completions then follow from the RNG state the checkpoint restores.
+Exact resume: the training order per epoch is methods/online.py's EpochOrder (as grpo's
+and rloo's); the sampled completions then follow from the RNG state the checkpoint
+restores.
 """
 
 from __future__ import annotations
@@ -27,13 +26,13 @@ from pathlib import Path
 
 from datasets import Dataset
 from trl import DistillationTrainer
-from trl.trainer.utils import RepeatSampler
 
 from finetune.config.schema import Experiment
 from finetune.data.load import ORIGIN, Splits
 from finetune.data.prompts import checked_prompts
 from finetune.errors import ConfigError, DataError, first_line
 from finetune.methods import Job
+from finetune.methods.online import EpochOrder
 
 WHERE = "distill.teacher"
 
@@ -123,21 +122,8 @@ def teacher_model(job: Job):
     return teacher.eval()
 
 
-class EpochSampler(RepeatSampler):
-    """RepeatSampler whose shuffled order is a function of seed and epoch alone."""
-
-    def set_epoch(self, epoch: int) -> None:
-        if self.shuffle and self.seed is not None:
-            self.generator.manual_seed(self.seed + epoch)
-
-
-class ResumableDistillationTrainer(DistillationTrainer):
+class ResumableDistillationTrainer(EpochOrder, DistillationTrainer):
     """DistillationTrainer whose training order survives a resume (see the module doc)."""
-
-    def _get_train_sampler(self, dataset=None):
-        s = super()._get_train_sampler(dataset)
-        return EpochSampler(s.data_source, s.mini_repeat_count, s.batch_size, s.repeat_count,
-                            s.shuffle, s.seed)
 
 
 def build_trainer(job: Job) -> DistillationTrainer:

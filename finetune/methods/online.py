@@ -29,6 +29,11 @@ so a resumed run continues bitwise like an uninterrupted one. A checkpoint of an
 layout (processes, batch, accumulation, generation window) or without the part
 continues as TRL would, from freshly generated completions, but with the micro-step
 where the uninterrupted run would have it, so later windows stay aligned.
+
+Exact order: TRL's RepeatSampler (grpo, rloo and distill) draws every epoch's order from
+one generator seeded once, so a run resumed from a checkpoint in a later epoch would
+replay the first epoch's order. EpochOrder reseeds it from seed + epoch (the Trainer
+calls set_epoch before every epoch, resumed or not).
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ import inspect
 from contextlib import contextmanager, nullcontext
 
 import torch
+from trl.trainer.utils import RepeatSampler
 
 from finetune import compat
 from finetune.errors import ConfigError, RunError
@@ -81,7 +87,25 @@ def checked_reward(function, where: str):
     return wrapper
 
 
-class GenerationState:
+class EpochSampler(RepeatSampler):
+    """RepeatSampler whose shuffled order is a function of seed and epoch alone."""
+
+    def set_epoch(self, epoch: int) -> None:
+        if self.shuffle and self.seed is not None:
+            self.generator.manual_seed(self.seed + epoch)
+
+
+class EpochOrder:
+    """Mixin for a TRL trainer sampling with RepeatSampler: the same order per epoch
+    whether the run was resumed or not (see the module doc)."""
+
+    def _get_train_sampler(self, dataset=None):
+        s = super()._get_train_sampler(dataset)
+        return EpochSampler(s.data_source, s.mini_repeat_count, s.batch_size, s.repeat_count,
+                            s.shuffle, s.seed)
+
+
+class GenerationState(EpochOrder):
     """Mixin for a TRL generating trainer whose checkpoints carry its generation window
     (see the module doc) as its `state_part` of finetune's state record
     (callbacks.ResumeState)."""
