@@ -233,6 +233,12 @@ class DPOSection(Section):
         "(the adapter-disabled model under LoRA, a frozen copy otherwise).")
 
 
+class KTOSection(Section):
+    ref_model: str | None = Field(
+        None, description="Reference model path or hub id. Default: the starting policy "
+        "(the adapter-disabled model under LoRA, a frozen copy otherwise).")
+
+
 class RewardsSection(Section):
     model: str | None = Field(
         None, description=_for_methods(lambda m: m.rewarded) + "a reward model: the run "
@@ -428,6 +434,7 @@ class Experiment(Section):
             lambda m: ".".join(m.config_class)) + "): any of its fields under its own name.")
     evaluation: EvaluationSection = Field(default_factory=EvaluationSection)
     dpo: DPOSection = Field(default_factory=DPOSection)
+    kto: KTOSection = Field(default_factory=KTOSection)
     classify: ClassifySection | None = Field(
         None, description="method classify: labels, class weights, focal loss, smoothing.")
     rewards: RewardsSection = Field(default_factory=RewardsSection)
