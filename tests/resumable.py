@@ -19,7 +19,8 @@ from conftest import DATA, TINY_MODEL
 from finetune.errors import EXIT_PREEMPTED
 
 DATASETS = {"sft": "sft_train", "reward": "pref_train", "dpo": "pref_train",
-            "orpo": "pref_train", "cpo": "pref_train", "simpo": "pref_train"}
+            "orpo": "pref_train", "cpo": "pref_train", "simpo": "pref_train",
+            "kto": "pref_train"}
 
 
 def experiment(name: str, method: str, *, processes: int = 1, steps: int = 40,
