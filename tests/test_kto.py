@@ -25,11 +25,11 @@ def pairs(count: int, source: str = "pref_train") -> list[dict]:
     return [json.loads(line) for line in lines]
 
 
-def unpaired_rows(count: int, text: bool = False) -> list[dict]:
+def unpaired_rows(count: int, text: bool = False, source: str = "pref_train") -> list[dict]:
     """The quickstart pairs as unpaired rows, alternating desirable and undesirable;
     text: the message contents as plain text."""
     rows = []
-    for i, pair in enumerate(pairs(count)):
+    for i, pair in enumerate(pairs(count, source)):
         answer = "chosen" if i % 2 == 0 else "rejected"
         prompt, completion = pair["prompt"], pair[answer]
         if text:
@@ -44,11 +44,12 @@ def jsonl(path: Path, rows: list[dict]) -> Path:
 
 
 def experiment(peft: str = "none", train: str = f"{DATA}/pref_train.jsonl",
-               extra: str = "", top: str = "", batch: int = 8) -> str:
+               extra: str = "", top: str = "", batch: int = 8,
+               evaluation: str = f"{DATA}/pref_eval.jsonl") -> str:
     peft_block = f"peft:\n  type: {peft}\n  r: 4\n" if peft != "none" else ""
     return (f"method: kto\nmodel:\n  name_or_path: {TINY_MODEL}\n  init: random\n"
             f"{peft_block}{top}data:\n  train: {{path: {train}, max_samples: 48}}\n"
-            f"  eval: {{path: {DATA}/pref_eval.jsonl, max_samples: 16}}\n"
+            f"  eval: {{path: {evaluation}, max_samples: 16}}\n"
             f"output: {{plot: false}}\n"
             f"training:\n  max_steps: {STEPS}\n  per_device_train_batch_size: {batch}\n"
             "  logging_steps: 1\n  learning_rate: 1e-3\n  max_length: 64\n" + extra)
@@ -58,17 +59,20 @@ def experiment(peft: str = "none", train: str = f"{DATA}/pref_train.jsonl",
 @pytest.mark.parametrize("peft,data", [("none", "pairs"), ("lora", "unpaired-chat"),
                                        ("qlora", "unpaired-text")])
 def test_train_writes_a_complete_run_directory(peft, data, write, tmp_path):
-    train = f"{DATA}/pref_train.jsonl"
-    if data != "pairs":
-        train = str(jsonl(tmp_path / "u.jsonl", unpaired_rows(48, text=data.endswith("text"))))
-    config = write(f"kto-{peft}.yaml", experiment(peft, train))
+    train, evaluation = f"{DATA}/pref_train.jsonl", f"{DATA}/pref_eval.jsonl"
+    if data != "pairs":  # every file of a run in one format: eval rows unpaired too
+        text = data.endswith("text")
+        train = str(jsonl(tmp_path / "u.jsonl", unpaired_rows(48, text)))
+        evaluation = str(jsonl(tmp_path / "e.jsonl", unpaired_rows(32, text, "pref_eval")))
+    config = write(f"kto-{peft}.yaml", experiment(peft, train, evaluation=evaluation))
     result = run_cli("train", str(config), cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "data format unpaired_preference" in result.stdout
     # Pairs become two rows each; the data layer says so.
     assert ("48 training and 16 eval preference pair(s) read as unpaired rows"
             in result.stdout) is (data == "pairs")
-    assert f"{96 if data == 'pairs' else 48} train rows, 32 eval rows" in result.stdout
+    assert f"{96 if data == 'pairs' else 48} train rows, {32 if data == 'pairs' else 16} " \
+           "eval rows" in result.stdout
     run = tmp_path / "runs" / f"kto-{peft}"
     assert yaml.safe_load((run / "experiment.yaml").read_text())["method"] == "kto"
     args = json.loads((run / "training_args.json").read_text())
