@@ -284,3 +284,13 @@ def test_data_parallel_matches_one_big_batch(write, tmp_path):
           f"{kto['single-1x4']['kl']}")
     assert worst <= 1e-5, worst
     assert kto["ddp-2x2"]["kl"] == pytest.approx(kto["single-1x4"]["kl"], rel=1e-4, abs=1e-7)
+
+
+@pytest.mark.slow
+def test_data_command_shows_unpaired_rows(write, tmp_path):
+    result = run_cli("data", str(write("k.yaml", experiment())), "-n", "2", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "method kto, data format unpaired_preference" in result.stdout
+    assert "preference pair(s) read as unpaired rows" in result.stdout
+    assert "data.train: 96 rows" in result.stdout and "data.eval: 32 rows" in result.stdout
+    assert "(chosen) (" in result.stdout or "(rejected) (" in result.stdout
