@@ -98,8 +98,26 @@ def _classify(rows, tokenizer, experiment: Experiment, splits, split: str) -> It
         yield Sample(row[ORIGIN], [(f"label {row['label']}", ids, [False] * len(ids))])
 
 
+def _kto(rows, tokenizer, experiment: Experiment, splits, split: str) -> Iterator[Sample]:
+    """An unpaired row as KTOTrainer tokenizes it (EOS after a text completion); dropped
+    where the prompt alone fills max_length, as KTOTrainer drops it."""
+    limit = value(experiment, "max_length")
+    eos = tokenizer.eos_token or ""
+    for row in rows:
+        where, prompt, completion = row[ORIGIN], row["prompt"], row["completion"]
+        head = prompt_ids(tokenizer, prompt, where)
+        if isinstance(prompt, list):
+            ids = render_chat(tokenizer, prompt + completion, f"{where}, `completion`")
+        else:
+            ids = tokenizer(prompt + completion + ("" if completion.endswith(eos) else eos))[
+                "input_ids"]
+        name = "desirable" if row["label"] else "undesirable"
+        yield Sample(where, [(name, ids, [i >= len(head) for i in range(len(ids))])],
+                     limit is not None and len(head) >= limit)
+
+
 SAMPLES = {"sft": _sft, "reward": _reward, "dpo": _dpo, "grpo": _prompts, "ppo": _prompts,
-           "classify": _classify, "rloo": _prompts}
+           "classify": _classify, "rloo": _prompts, "kto": _kto}
 
 
 def _percentile(values: list[int], q: float) -> int:

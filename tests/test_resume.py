@@ -26,13 +26,14 @@ pytestmark = pytest.mark.slow  # every test trains, stops and resumes runs
 STEPS = 40
 
 
-# Every method, and both process counts for sft; kept to six chains for the suite's time
+# Every method family, and both process counts for sft; kept to eight chains for time
 # (reward x1 and dpo x2 passed too when they were in the list). orpo x2 and cpo x1 stand
-# for TRL's experimental preference trainers (simpo is cpo's trainer). distill x1: sampled
-# generations from a restored RNG, toward a teacher directory.
+# for TRL's experimental preference trainers (simpo is cpo's trainer); kto x2 for a
+# trainer that samples its rows in order; distill x1: sampled generations from a
+# restored RNG, toward a teacher directory.
 @pytest.mark.parametrize("method,processes", [("sft", 1), ("sft", 2), ("reward", 2),
                                               ("dpo", 1), ("orpo", 2), ("cpo", 1),
-                                              ("distill", 1)])
+                                              ("kto", 2), ("distill", 1)])
 def test_sigterm_and_sigkill_then_resume_is_bitwise_identical(method, processes, write,
                                                               tmp_path):
     seed = random.randrange(10**6)

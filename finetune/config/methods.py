@@ -133,6 +133,13 @@ METHODS: dict[str, Method] = {m.name: m for m in (
            "finetune.methods.cpo", max_length="training.max_length", sequences=2,
            shared_prompt=True, weights=False, trl_casts=False,
            defaults={"loss_type": "simpo", "cpo_alpha": 0.0}),
+    # Kahneman-Tversky optimisation: single completions labelled desirable or not; pairs
+    # are read as two such rows (data/load.py). Its KL term compares mismatched prompt and
+    # completion pairs of a batch, a second (no-grad) pass: one trained sequence per row.
+    # KTOTrainer's loss weighs by label only (desirable_weight, undesirable_weight).
+    Method("kto", ("trl", "KTOConfig"), ("unpaired_preference", "preference"), "lm",
+           "finetune.methods.kto", sections=("kto",), max_length="training.max_length",
+           reference=Reference(setting="kto.ref_model"), shared_prompt=True, weights=False),
     # Our own trainers take transformers' arguments; their options are in their sections.
     Method("classify", ("transformers", "TrainingArguments"), ("classification",), "score",
            "finetune.methods.classify", sections=("classify",), labels="classify.labels",

@@ -54,6 +54,7 @@ def _paths(exp: Experiment) -> Iterator[Problem]:
     for loc, value in ((("model", "name_or_path"), exp.model.name_or_path),
                        (("tokenizer", "name_or_path"), exp.tokenizer.name_or_path),
                        (("dpo", "ref_model"), exp.dpo.ref_model),
+                       (("kto", "ref_model"), exp.kto.ref_model),
                        (("rewards", "model"), exp.rewards.model),
                        (("ppo", "value_model_path"), exp.ppo.value_model_path)):
         if value is None:

@@ -175,7 +175,9 @@ class DataSection(Section):
         "auto", description="Row format; 'auto' detects it from the columns. "
         + _by_method(lambda m: methods.spoken(m.formats, "or"))
         + ". classification rows are text and label; prompt rows a prompt (text or "
-        "messages) plus any columns the reward functions read. Converted while reading: "
+        "messages) plus any columns the reward functions read; unpaired_preference rows a "
+        "prompt, a completion and a boolean label (true: desirable), and kto reads "
+        "preference pairs as two such rows each. Converted while reading: "
         "alpaca (instruction, optional input and system, output: prompt/completion messages "
         "for sft, a prompt for grpo and ppo) and sharegpt (conversations of from/value turns: "
         "messages, for sft); 'auto' detects them too where no other format's columns are there.")
@@ -228,6 +230,12 @@ class DataSection(Section):
 
 
 class DPOSection(Section):
+    ref_model: str | None = Field(
+        None, description="Reference model path or hub id. Default: the starting policy "
+        "(the adapter-disabled model under LoRA, a frozen copy otherwise).")
+
+
+class KTOSection(Section):
     ref_model: str | None = Field(
         None, description="Reference model path or hub id. Default: the starting policy "
         "(the adapter-disabled model under LoRA, a frozen copy otherwise).")
@@ -437,6 +445,7 @@ class Experiment(Section):
             lambda m: ".".join(m.config_class)) + "): any of its fields under its own name.")
     evaluation: EvaluationSection = Field(default_factory=EvaluationSection)
     dpo: DPOSection = Field(default_factory=DPOSection)
+    kto: KTOSection = Field(default_factory=KTOSection)
     classify: ClassifySection | None = Field(
         None, description="method classify: labels, class weights, focal loss, smoothing.")
     rewards: RewardsSection = Field(default_factory=RewardsSection)

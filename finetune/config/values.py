@@ -140,6 +140,38 @@ def _generation_batches(exp: Experiment) -> Iterator[Problem]:
             f"multiple of the {eval_groups} generations per prompt"
 
 
+def _kl_batches(exp: Experiment) -> Iterator[Problem]:
+    """KTOConfig's KL term (every loss_type but apo_zero_unpaired): KTOTrainer pairs each
+    row's prompt with the previous row's completion inside blocks of
+    per_device_train_batch_size rows, fixed when it prepares the data, and reads those
+    blocks back as its batches in order. A block of one pairs a row with itself, and
+    another sampler or batch size breaks the pairing (TRL refuses both when training
+    starts). Only KTOConfig has desirable_weight."""
+    if "desirable_weight" not in trl_fields.fields_of(exp.method):
+        return
+
+    def value(key: str) -> Any:
+        return effective_value(exp, key)
+
+    loss = value("loss_type")
+    if loss == "apo_zero_unpaired":
+        return
+    why = f"loss_type {loss} estimates its KL term from mismatched prompt/completion " \
+          "pairs within each per-device batch"
+    batch = value("per_device_train_batch_size")
+    if _number(batch) and batch == 1:
+        yield ("training", "per_device_train_batch_size"), f"at least 2: {why} (with one " \
+            "row the only pair is the row itself); or loss_type apo_zero_unpaired, which " \
+            "has no KL term"
+    if value("train_sampling_strategy") != "sequential":
+        yield ("training", "train_sampling_strategy"), f"must be sequential: {why}, paired " \
+            "in the order the rows are prepared (finetune shuffles the rows once, with the " \
+            "data seed, instead)"
+    if value("auto_find_batch_size"):
+        yield ("training", "auto_find_batch_size"), f"not supported: {why}, paired for " \
+            "blocks of the configured per_device_train_batch_size"
+
+
 def _attention(exp: Experiment) -> Iterator[Problem]:
     missing = attention.missing_package(exp.model.attn_implementation, installed)
     if missing:
@@ -148,4 +180,4 @@ def _attention(exp: Experiment) -> Iterator[Problem]:
 
 def check(exp: Experiment) -> list[Problem]:
     return [*_ranges(exp.training), *_schedule(exp), *_generation_batches(exp),
-            *integrations.check(exp), *_attention(exp)]
+            *_kl_batches(exp), *integrations.check(exp), *_attention(exp)]

@@ -202,6 +202,21 @@ def text_prompts(label: str, ds: Dataset, failure: Failure) -> tuple[Dataset, st
     return out, note
 
 
+def unpaired(ds: Dataset, origin: str) -> Dataset:
+    """Validated preference pairs as unpaired rows (kto), with TRL's own functions: the
+    prompt taken from the turns chosen and rejected share where the rows give none
+    (extract_prompt, as DPOTrainer takes it), then each pair as its chosen answer labelled
+    true and its rejected one labelled false (unpair_preference_dataset); a row's origin
+    (column `origin`) says which answer it was."""
+    from trl.data_utils import extract_prompt, unpair_preference_dataset
+
+    if "prompt" not in ds.column_names:
+        ds = ds.map(extract_prompt, desc="preference prompts")
+    ds = unpair_preference_dataset(ds, desc="unpairing preference pairs")
+    answer = lambda row: {origin: f"{row[origin]} ({'chosen' if row['label'] else 'rejected'})"}
+    return ds.map(answer, desc="unpaired rows' origins")
+
+
 def no_fit(row: dict[str, Any], tried: tuple[str, ...], roles: dict[str, str],
            labels: list[str] | None) -> str:
     """'fmt: why; fmt: why' for every format tried on a raw row."""

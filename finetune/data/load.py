@@ -291,5 +291,16 @@ def load_data(experiment: Experiment) -> Splits:
     elif spec.eval_fraction is not None:
         seed = value(experiment, "seed")
         train, evaluation = _held_out(train, spec.eval_fraction, seed)
-    trained = source_target(fmt, method_record(experiment.method).formats) or fmt
+    own = method_record(experiment.method).formats
+    trained = source_target(fmt, own) or fmt
+    if trained == "preference" and "unpaired_preference" in own:
+        # After the eval split, so that both answers of a pair stay on one side.
+        counts = f"{len(train)} training" + ("" if evaluation is None else
+                                            f" and {len(evaluation)} eval")
+        train = formats.unpaired(train, ORIGIN)
+        evaluation = None if evaluation is None else formats.unpaired(evaluation, ORIGIN)
+        trained = "unpaired_preference"
+        notes.append(f"data: {counts} preference pair(s) read as unpaired rows (method "
+                     f"{experiment.method}): each pair's chosen answer as a desirable row "
+                     "(label true), its rejected answer as an undesirable one (label false)")
     return Splits(train=train, eval=evaluation, format=trained, mix=mixture, notes=notes)

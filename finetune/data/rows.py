@@ -14,6 +14,8 @@ FORMATS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "prompt_completion": (("prompt", "completion"), ("tools",)),
     "text": (("text",), ()),
     "preference": (("chosen", "rejected"), ("prompt",)),
+    # kto: one completion, labelled desirable (true) or not (false); no partner needed.
+    "unpaired_preference": (("prompt", "completion", "label"), ()),
     "classification": (("text", "label"), ()),
     "prompt": (("prompt",), ()),  # every other column is kept for the reward functions
 }
@@ -134,7 +136,11 @@ def check_row(row: dict[str, Any], fmt: str, labels: list[str] | None = None) ->
         if not isinstance(row["text"], str):
             return f"`text` must be a string, got {type(row['text']).__name__}"
         return None if row["text"].strip() else "`text` is empty"
-    fields = [f for f in required + optional if row.get(f) is not None and f != "tools"]
+    if fmt == "unpaired_preference" and not isinstance(row["label"], bool):
+        return f"`label` must be true (a desirable completion) or false (an undesirable " \
+               f"one), got {type(row['label']).__name__} {row['label']!r}"
+    fields = [f for f in required + optional
+              if row.get(f) is not None and f not in ("tools", "label")]
     for field in fields:
         problem = _check_text_or_messages(row[field], field)
         if problem:
