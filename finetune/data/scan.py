@@ -201,7 +201,8 @@ class FileCheck:
         return DataError(formats.failure_text(where, problem, lambda: raw, self.fmt, forced,
                                               self.experiment.method, self.roles, self.labels))
 
-    def check(self, where: str, raw: dict[str, Any]) -> None:
+    def check(self, where: str, raw: dict[str, Any]) -> dict[str, Any]:
+        """The row as training reads it (renamed, converted), once checked."""
         if self.rows == 0:
             self._first(raw)
         self.rows += 1
@@ -226,6 +227,7 @@ class FileCheck:
             problem = self._preference(where, row, raw)
         if problem:
             raise self._fail(where, problem, raw)
+        return row
 
     def _preference(self, where: str, row: dict[str, Any], raw: dict[str, Any]) -> str | None:
         """preference_problem, whose `has_prompt` is the whole file's: a row without a
