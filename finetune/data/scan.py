@@ -281,6 +281,9 @@ def check_data(experiment: Experiment) -> list[str]:
                     for at, row in file_rows(path, progress):
                         check.check(at, row)
                     check.finish()
+                    if experiment.data.streaming and split == "train" and check.trained != "text":
+                        raise DataError(f"{where}: {path} is format {check.fmt}; data.streaming "
+                                        "streams text rows (a `text` column) only")
                     fmt, rows = check.fmt, rows + check.rows
                 read_as = "" if check.fmt == check.trained else f", read as {check.trained}"
                 lines.append(f"{where}: {source.path}: {rows} rows, format {check.fmt}{read_as}")
