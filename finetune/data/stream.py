@@ -23,9 +23,8 @@ from datasets import Features, IterableDataset, Value, interleave_datasets
 
 from finetune.config.schema import DataSource, Experiment
 from finetune.data.files import list_data_files
-from finetune.data.load import ORIGIN
 from finetune.data.mix import seed_of
-from finetune.data.scan import FileCheck, file_rows
+from finetune.data.scan import ORIGIN, FileCheck, file_rows  # ORIGIN: data/load.py's
 from finetune.errors import DataError
 
 FEATURES = Features({"text": Value("string"), ORIGIN: Value("string")})
