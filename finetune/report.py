@@ -59,6 +59,8 @@ def start_summary(job, trainable: int, total: int) -> str:
     effective = args.per_device_train_batch_size * args.gradient_accumulation_steps * world
     length = f"{args.max_steps} steps" if args.max_steps > 0 else f"{args.num_train_epochs} epochs"
     eval_rows = len(job.data.eval) if job.data.eval is not None else 0
+    train_rows = f"streamed train blocks of {args.max_length} tokens" \
+        if exp.data.streaming else f"{len(job.data.train)} train rows"
     lines = [
         f"finetune: run {exp.name} in {job.run_dir}",
         f"  method     {exp.method} (data format {job.data.format})",
@@ -66,7 +68,7 @@ def start_summary(job, trainable: int, total: int) -> str:
         f"  parameters {_count(trainable)} trainable of {_count(total)} "
         f"({100 * trainable / max(total, 1):.2f}%), peft {exp.peft.type}",
         f"  hardware   {job.hardware.device}, precision {job.hardware.precision}",
-        f"  data       {len(job.data.train)} train rows, {eval_rows} eval rows",
+        f"  data       {train_rows}, {eval_rows} eval rows",
         f"  batch      {args.per_device_train_batch_size} per device x "
         f"{args.gradient_accumulation_steps} accumulation x {world} process(es) "
         f"= {effective} effective; {length}, learning rate {args.learning_rate:g}",

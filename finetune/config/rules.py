@@ -129,6 +129,38 @@ def _data(exp: Experiment) -> Iterator[Problem]:
             f"{_methods(lambda m: m.weights)})"
         yield ("data", "weight_column"), f"not used by method {exp.method}{why}"
     yield from _tokenization(exp)
+    yield from _streaming(exp)
+
+
+def _streaming(exp: Experiment) -> Iterator[Problem]:
+    """data.streaming: a lazily read, packed stream of text rows for sft (data/stream.py)."""
+    if not exp.data.streaming:
+        return
+    here = ("data", "streaming")
+    setting = lambda key: value(exp, key, default=None)
+    if exp.method != "sft":
+        yield here, f"streams text rows for method sft (continued pretraining); method " \
+                    f"{exp.method} reads its data whole"
+    elif exp.data.format not in ("auto", "text"):
+        yield here, f"streams text rows only; data.format is {exp.data.format}"
+    if (setting("max_steps") or -1) <= 0:
+        yield here, "needs training.max_steps: a stream has no length to count epochs in"
+    if not setting("packing"):
+        yield here, "needs training.packing: true (the stream is packed into max_length " \
+                    "blocks as it is read)"
+    if setting("shuffle_dataset"):
+        yield ("training", "shuffle_dataset"), "not with data.streaming: the stream is read " \
+                                               "in order (interleaved at random by weight)"
+    if exp.data.eval_fraction is not None:
+        yield ("data", "eval_fraction"), "not with data.streaming (a stream cannot be split " \
+                                         "without reading it all): give data.eval"
+    for i, source in enumerate(exp.data.train):
+        if not is_local(source.path):
+            yield ("data", "train", i, "path"), "data.streaming reads local files; this is a " \
+                                                "hub dataset"
+        if source.max_samples is not None:
+            yield ("data", "train", i, "max_samples"), "not with data.streaming (a sample " \
+                "needs the source's length); the stream is cut by training.max_steps"
 
 
 def _tokenization(exp: Experiment) -> Iterator[Problem]:

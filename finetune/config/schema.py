@@ -196,6 +196,14 @@ class DataSection(Section):
         "accumulation and data parallelism. sft messages may also carry a `weight` on "
         "assistant messages (same bounds): a per-token weight for that turn's tokens.")
 
+    streaming: bool = Field(
+        False, description="sft on text rows (continued pretraining): read the local "
+        "training files lazily, row by row, tokenize and pack them to training.max_length "
+        "blocks on the fly, never holding the data in memory nor caching it. Needs "
+        "training.max_steps and training.packing; the files are read in order, again and "
+        "again until max_steps (weighted sources interleaved at random, seeded by "
+        "data.seed); a resumed run re-reads the stream up to its step, so it trains on "
+        "exactly what an uninterrupted run would. Eval data (data.eval) is read whole.")
     cache: bool = Field(
         True, description="Cache the prepared (validated, tokenized) data on disk, keyed by "
         "the data files, tokenizer and settings: the other ranks and later runs reuse it.")

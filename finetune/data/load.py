@@ -57,7 +57,7 @@ class Splits:
     def without_origin(self) -> "Splits":
         """Without the ORIGIN column: what trainers (and grpo's reward functions) see."""
         drop = lambda ds: ds.remove_columns(ORIGIN) \
-            if ds is not None and ORIGIN in ds.column_names else ds
+            if ds is not None and ORIGIN in (ds.column_names or ()) else ds
         return Splits(train=drop(self.train), eval=drop(self.eval), format=self.format,
                       eval_rows=drop(self.eval_rows), mix=self.mix, notes=self.notes)
 
@@ -283,7 +283,14 @@ def load_data(experiment: Experiment) -> Splits:
     spec = experiment.data
     fmt = None if spec.format == "auto" else spec.format
     notes: list[str] = []
-    train, fmt, mixture = _load_split(spec.train, "train", experiment, fmt, notes)
+    if spec.streaming:  # read as training goes (data/stream.py); eval data is read whole
+        from finetune.data.stream import train_stream
+
+        train, fmt, mixture = train_stream(experiment), "text", []
+        notes.append("data.train is streamed: read, tokenized and packed as training goes, "
+                     "not cached")
+    else:
+        train, fmt, mixture = _load_split(spec.train, "train", experiment, fmt, notes)
     evaluation = None
     if spec.eval is not None:
         evaluation, _, eval_mixture = _load_split(spec.eval, "eval", experiment, fmt, notes)

@@ -129,7 +129,8 @@ def prepare(experiment: Experiment, tokenizer, method_prepare: MethodPrepare) ->
     """Read and validate the rows, then let the method tokenize (or check) them. The rows'
     origins go once the method has used them for its errors."""
     splits = load_data(experiment)
-    require_chat_template(splits, tokenizer, experiment)
+    if not experiment.data.streaming:  # a stream is text rows: no template renders them
+        require_chat_template(splits, tokenizer, experiment)
     if method_prepare:
         splits = method_prepare(splits, tokenizer, experiment)
     return splits.without_origin()
@@ -351,7 +352,7 @@ def prepared_data(experiment: Experiment, tokenizer, method_prepare: MethodPrepa
     method_prepare: the method's own preparation (finetune.methods.preparation);
     `launched`: when this process started (time.time())."""
     env = os.environ if env is None else env
-    if not experiment.data.cache:
+    if not experiment.data.cache or experiment.data.streaming:  # a stream is never stored
         return prepare(experiment, tokenizer, method_prepare)
     entry = cache_root(experiment, run_dir) / cache_key(experiment, tokenizer)
     rank = int(env.get("RANK", "0"))

@@ -201,7 +201,8 @@ class FileCheck:
         return DataError(formats.failure_text(where, problem, lambda: raw, self.fmt, forced,
                                               self.experiment.method, self.roles, self.labels))
 
-    def check(self, where: str, raw: dict[str, Any]) -> None:
+    def check(self, where: str, raw: dict[str, Any]) -> dict[str, Any]:
+        """The row as training reads it (renamed, converted), once checked."""
         if self.rows == 0:
             self._first(raw)
         self.rows += 1
@@ -226,6 +227,7 @@ class FileCheck:
             problem = self._preference(where, row, raw)
         if problem:
             raise self._fail(where, problem, raw)
+        return row
 
     def _preference(self, where: str, row: dict[str, Any], raw: dict[str, Any]) -> str | None:
         """preference_problem, whose `has_prompt` is the whole file's: a row without a
@@ -279,6 +281,9 @@ def check_data(experiment: Experiment) -> list[str]:
                     for at, row in file_rows(path, progress):
                         check.check(at, row)
                     check.finish()
+                    if experiment.data.streaming and split == "train" and check.trained != "text":
+                        raise DataError(f"{where}: {path} is format {check.fmt}; data.streaming "
+                                        "streams text rows (a `text` column) only")
                     fmt, rows = check.fmt, rows + check.rows
                 read_as = "" if check.fmt == check.trained else f", read as {check.trained}"
                 lines.append(f"{where}: {source.path}: {rows} rows, format {check.fmt}{read_as}")

@@ -101,11 +101,8 @@ def _text(tokenizer, row: dict[str, Any], weight: float) -> Tokens:
     return ids, [True] * len(ids), [weight] * len(ids)
 
 
-def tokenize(dataset: Dataset, tokenizer, fmt: str, masking: Masking, split: str,
-             num_proc: int | None = None) -> Dataset:
-    """input_ids, labels and (masking.weighted) token_weights per row. Rows left with no
-    trained token after truncation are dropped, as TRL does; none left is an error.
-    num_proc: processes (data/parallel.py); the result is the same with any count."""
+def row_tokenizer(tokenizer, fmt: str, masking: Masking, split: str):
+    """(row, index) -> input_ids, labels and (masking.weighted) token_weights."""
     cut = None if masking.max_length is None else (
         slice(-masking.max_length, None) if masking.keep_end else slice(None, masking.max_length))
 
@@ -128,6 +125,15 @@ def tokenize(dataset: Dataset, tokenizer, fmt: str, masking: Masking, split: str
             out["token_weights"] = [w if keep else 0.0 for w, keep in zip(weights, trained)]
         return out
 
+    return one
+
+
+def tokenize(dataset: Dataset, tokenizer, fmt: str, masking: Masking, split: str,
+             num_proc: int | None = None) -> Dataset:
+    """input_ids, labels and (masking.weighted) token_weights per row. Rows left with no
+    trained token after truncation are dropped, as TRL does; none left is an error.
+    num_proc: processes (data/parallel.py); the result is the same with any count."""
+    one = row_tokenizer(tokenizer, fmt, masking, split)
     tokenized = dataset.map(one, with_indices=True, remove_columns=dataset.column_names,
                             num_proc=num_proc, desc=f"tokenizing {split}")
     kept = tokenized.filter(lambda row: any(t != IGNORE for t in row["labels"]),
@@ -136,6 +142,14 @@ def tokenize(dataset: Dataset, tokenizer, fmt: str, masking: Masking, split: str
         raise DataError(f"data.{split}: no row has a trained token left after truncation to "
                         f"max_length {masking.max_length}")
     return kept
+
+
+def tokenize_stream(stream, tokenizer, masking: Masking):
+    """A stream of text rows (data/stream.py), tokenized row by row as it is read. A text
+    row always trains its tokens (its EOS at least, whatever max_length cuts), so none is
+    dropped."""
+    one = row_tokenizer(tokenizer, "text", masking, "train")
+    return stream.map(one, with_indices=True, remove_columns=stream.column_names)
 
 
 def _untrained_reason(fmt: str, masking: Masking) -> str:

@@ -57,9 +57,29 @@ def _packed(dataset, experiment: Experiment):
     return pack_dataset(dataset, value("max_length"), value("packing_strategy"))
 
 
+def _streamed(splits: Splits, tokenizer, experiment: Experiment,
+              masking: sft_tokens.Masking) -> Splits:
+    """data.streaming: the train stream tokenized and packed as it is read. TRL's
+    pack_dataset maps a stream in batches of 1000 rows, so the packs are made within each
+    such window (wrapped: a short last block per window), never across the whole data."""
+    from trl import pack_dataset
+
+    value = _value(experiment)
+    stream = sft_tokens.tokenize_stream(splits.train, tokenizer, masking)
+    out = splits.tokenized(lambda rows, split: stream if split == "train" else
+                           sft_tokens.tokenize(rows, tokenizer, splits.format, masking, split,
+                                               processes(experiment, len(rows))))
+    out.train = pack_dataset(stream, value("max_length"), value("packing_strategy"))
+    if out.eval is not None and value("eval_packing") is not False:
+        out.eval = _packed(out.eval, experiment)
+    return out
+
+
 def prepare(splits: Splits, tokenizer, experiment: Experiment) -> Splits:
     """Tokenized (and packed, with training.packing) train and eval rows."""
     masking = _masking(splits, experiment)
+    if experiment.data.streaming:
+        return _streamed(splits, tokenizer, experiment, masking)
     out = splits.tokenized(
         lambda rows, split: sft_tokens.tokenize(rows, tokenizer, splits.format, masking, split,
                                                 processes(experiment, len(rows))))
@@ -79,7 +99,13 @@ def build_trainer(job: Job) -> SFTTrainer:
     kwargs = dict(model=job.model, args=args, train_dataset=job.data.train,
                   eval_dataset=job.data.eval, processing_class=job.tokenizer,
                   callbacks=job.callbacks)
-    if "token_weights" in job.data.train.column_names:
+    if job.experiment.data.streaming:
+        # Every process reads the stream and keeps its own batches of each global batch
+        # (accelerate's IterableDatasetShard). Dispatching (rank 0 reads, the default for
+        # an iterable dataset) concatenates the processes' batches, which packed batches
+        # of different lengths cannot be.
+        args.accelerator_config.dispatch_batches = False
+    if "token_weights" in (job.data.train.column_names or ()):
         from finetune.trainers.weighted import WeightedSFTTrainer, pad_batch
 
         args.remove_unused_columns = False  # TRL must keep the column it does not know
