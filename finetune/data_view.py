@@ -70,7 +70,9 @@ def _dpo(rows, tokenizer, experiment: Experiment, splits, split: str) -> Iterato
     from trl.data_utils import extract_prompt
 
     limit = value(experiment, "max_length")
-    keep_start = value(experiment, "truncation_mode") == "keep_start"
+    # dpo drops a pair whose prompt alone fills max_length (keep_start); orpo/cpo/simpo,
+    # without truncation_mode, refuse it while preparing (methods/pairs.py).
+    keep_start = value(experiment, "truncation_mode", default=None) == "keep_start"
     for row in rows:
         if "prompt" not in row or row["prompt"] is None:
             row = {**row, **extract_prompt(row)}
@@ -116,8 +118,20 @@ def _kto(rows, tokenizer, experiment: Experiment, splits, split: str) -> Iterato
                      limit is not None and len(head) >= limit)
 
 
-SAMPLES = {"sft": _sft, "reward": _reward, "dpo": _dpo, "grpo": _prompts, "ppo": _prompts,
-           "classify": _classify, "rloo": _prompts, "kto": _kto}
+def _view(experiment: Experiment):
+    """How a method's rows are shown, from its record: a score head's pairs or labelled
+    texts, a generating method's prompts, unpaired or paired preference rows, or sft's
+    tokens."""
+    own = record(experiment)
+    if own.head == "score":
+        return _classify if own.labels else _reward
+    if own.generates:
+        return _prompts
+    if "unpaired_preference" in own.formats:
+        return _kto
+    return _dpo if own.sequences == 2 else _sft
+
+
 
 
 def _percentile(values: list[int], q: float) -> int:
@@ -160,7 +174,11 @@ def report(experiment: Experiment, shown: int) -> list[str]:
     require_chat_template(splits, tokenizer, experiment)
     lines = [f"method {experiment.method}, data format {splits.format}; trained tokens "
              f"between {OPEN} and {CLOSE}"] + [f"note: {note}" for note in splits.notes]
-    sample = SAMPLES[experiment.method]
+    sample = _view(experiment)
+    if record(experiment).generates:  # the prompts its preparation makes of the rows
+        from finetune.methods import preparation
+
+        splits = preparation(experiment)(splits, tokenizer, experiment)
     for split, rows in (("train", splits.train), ("eval", splits.eval)):
         if rows is None:
             continue

@@ -80,3 +80,47 @@ def test_data_shows_dpo_pairs_with_the_prompt_it_uses(write, tmp_path):
     assert "chosen: <|bos|><|user|> sort: b a<|end|><|assistant|>⟦ a b<|eos|>⟧" in out
     assert "rejected: <|bos|><|user|> sort: b a<|end|><|assistant|>⟦ b a<|eos|>⟧" in out
     assert "training.max_length 64: 0 of 3 rows longer: 0 cut, 0 dropped" in out
+
+
+def _every_method_config(name: str, tmp_path) -> str:
+    """A small experiment of method `name` on the quickstart data (prompts for the
+    generating methods, with a reward function where they need one)."""
+    from conftest import DATA
+    from finetune.config.methods import method
+
+    own = method(name)
+    prompts = rows(tmp_path / "prompts.jsonl", [{"prompt": f"count to {i}"} for i in range(4)])
+    data = {"score": DATA / "classify_train.jsonl" if own.labels else DATA / "pref_train.jsonl",
+            "lm": DATA / "sft_train.jsonl"}[own.head]
+    if own.head == "lm" and "preference" in own.formats:
+        data = DATA / "pref_train.jsonl"
+    if own.rewarded:
+        data = prompts
+    extra = {"classify": "classify: {labels: [early, middle, late]}\n",
+             "distill": f"distill: {{teacher: {TINY_MODEL}}}\n",
+             "ppo": "ppo: {max_new_tokens: 8}\n"}.get(name, "")
+    if own.completion_length == "training.max_completion_length":
+        extra += "training: {max_completion_length: 8}\n"
+    if own.rewarded:
+        (tmp_path / "rewards.py").write_text(
+            "def short(completions, **kw):\n    return [0.0 for _ in completions]\n")
+        extra += "rewards: {functions: [rewards.py:short]}\n"
+    return f"method: {name}\nmodel: {{name_or_path: {TINY_MODEL}}}\ndata: {{train: {data}}}\n" \
+           + extra
+
+
+@pytest.mark.slow
+def test_data_shows_every_method(write, tmp_path):
+    """Every method record has a view (derived from the record, not a table of names): its
+    rows as the method's preparation sees them, with a length summary."""
+    from finetune.config.load import load_experiment
+    from finetune.config.methods import METHODS
+    from finetune.data_view import report
+
+    for name in METHODS:
+        config = write(f"{name}.yaml", _every_method_config(name, tmp_path))
+        lines = report(load_experiment(config), 1)
+        assert lines[0].startswith(f"method {name}, data format "), lines[:2]
+        assert any(line.startswith("data.train: ") and not line.startswith("data.train: 0 ")
+                   for line in lines), (name, lines)
+        assert any("token lengths: min" in line for line in lines), (name, lines)

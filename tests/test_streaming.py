@@ -47,7 +47,7 @@ def errors(result) -> list[str]:
 
 @pytest.mark.parametrize("change,expected", [
     ({"training": "max_steps"}, "data.streaming: needs training.max_steps"),
-    ({"method": "reward"}, "data.streaming: streams text rows for method sft"),
+    ({"method": "reward"}, "data.streaming: streams text rows (continued pretraining), for method sft"),
     ({"eval_fraction": 0.1}, "data.eval_fraction: not with data.streaming"),
     ({"max_samples": 10}, "data.train[0].max_samples: not with data.streaming"),
     ({"training": "packing"}, "data.streaming: needs training.packing: true"),

@@ -147,6 +147,12 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("grpo", ("trl", "GRPOConfig"), ("prompt",), "lm", "finetune.methods.grpo",
            sections=("rewards",), completion_length="training.max_completion_length",
            reference=Reference(switch="beta"), weights=False),
+    # REINFORCE Leave-One-Out: grpo's data, rewards and generation; the baseline of each
+    # completion is the mean reward of its prompt's other completions, and the KL to the
+    # reference (beta, 0.05 by default) is subtracted from the reward.
+    Method("rloo", ("trl", "RLOOConfig"), ("prompt",), "lm", "finetune.methods.rloo",
+           sections=("rewards",), completion_length="training.max_completion_length",
+           reference=Reference(switch="beta"), weights=False),
     Method("ppo", ("transformers", "TrainingArguments"), ("prompt",), "lm",
            "finetune.methods.ppo", sections=("ppo", "rewards"),
            completion_length="ppo.max_new_tokens", reference=Reference(),
@@ -160,12 +166,6 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("distill", ("trl", "DistillationConfig"), ("prompt", "prompt_completion", "messages"),
            "lm", "finetune.methods.distill", sections=("distill",),
            completion_length="training.max_completion_length", weights=False),
-    # REINFORCE Leave-One-Out: grpo's data, rewards and generation; the baseline of each
-    # completion is the mean reward of its prompt's other completions, and the KL to the
-    # reference (beta, 0.05 by default) is subtracted from the reward.
-    Method("rloo", ("trl", "RLOOConfig"), ("prompt",), "lm", "finetune.methods.rloo",
-           sections=("rewards",), completion_length="training.max_completion_length",
-           reference=Reference(switch="beta"), weights=False),
 )}
 NAMES = tuple(METHODS)
 

@@ -138,9 +138,10 @@ def _streaming(exp: Experiment) -> Iterator[Problem]:
         return
     here = ("data", "streaming")
     setting = lambda key: value(exp, key, default=None)
-    if exp.method != "sft":
-        yield here, f"streams text rows for method sft (continued pretraining); method " \
-                    f"{exp.method} reads its data whole"
+    if "text" not in record(exp).formats:
+        yield here, f"streams text rows (continued pretraining), for " \
+                    f"{_methods(lambda m: 'text' in m.formats)}; method {exp.method} " \
+                    "reads its data whole"
     elif exp.data.format not in ("auto", "text"):
         yield here, f"streams text rows only; data.format is {exp.data.format}"
     if (setting("max_steps") or -1) <= 0:
