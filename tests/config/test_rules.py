@@ -82,7 +82,7 @@ def test_config_rules_for_new_methods(write, tmp_path):
     assert "weights must be >= 0" in text
     text = config_problems(write, f"method: sft\ndata: {{train: {data}}}\n"
                                   "rewards: {functions: [m:f]}\nppo: {kl_coef: 0.1}\n")
-    assert "rewards: options for methods grpo, ppo and rloo, but method is sft" in text
+    assert "rewards: options for methods grpo, rloo and ppo, but method is sft" in text
     assert "ppo: options for method ppo, but method is sft" in text
     text = config_problems(write, f"method: sft\ndata: {{train: {data}, weight_column: w}}\n"
                                   "training: {packing: true}\n")
