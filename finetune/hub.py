@@ -133,7 +133,7 @@ def add_commands(commands: Any) -> None:
 
 
 def _command(args: argparse.Namespace) -> int:
-    from finetune.config.schema import REPO_ID_RE
+    from finetune.config.section import REPO_ID_RE
 
     if args.repo is not None and not REPO_ID_RE.fullmatch(args.repo):
         raise RunError(f"--repo {args.repo!r}: not a hub repository id ([namespace/]name)")

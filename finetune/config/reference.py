@@ -10,7 +10,8 @@ from pydantic_core import PydanticUndefined
 
 from finetune.config import yamltext
 from finetune.config.methods import METHODS
-from finetune.config.schema import Experiment, Section
+from finetune.config.schema import Experiment
+from finetune.config.section import Section
 
 
 def _type_name(annotation) -> str:

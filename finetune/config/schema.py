@@ -10,49 +10,18 @@ from __future__ import annotations
 import re
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
 
 from finetune.config import attention, methods
 from finetune.config import formats as source_formats
+from finetune.config.method_sections import (ClassifySection, DistillSection, DPOSection,
+                                             KTOSection, PPOSection, RewardsSection)
 from finetune.config.script_values import (MAX_LENGTH, MAX_MACHINES, MAX_PROCESSES,
-                                    MAX_PROCESSES_PER_MACHINE, control_problem, host_problem)
+                                    MAX_PROCESSES_PER_MACHINE, host_problem)
+from finetune.config.section import (Section, by_method, check_no_control, check_repo_id,
+                                     check_revision, for_methods)
 
 Method = Literal[methods.NAMES]  # type: ignore[valid-type]
-
-
-# A branch, tag or commit as the hub names them (git's ref rules, simplified).
-REVISION_RE = re.compile(r"(?!.*\.\.)[A-Za-z0-9][A-Za-z0-9._/-]{0,199}")
-
-
-def _revision(value: str | None) -> str | None:
-    if value is not None and not REVISION_RE.fullmatch(value):
-        raise ValueError("not a branch, tag or commit name (letters, digits, '.', '_', '-', "
-                         "'/'; at most 200)")
-    return value
-
-
-# A hub repository: [namespace/]name, each at most 96 letters, digits, '.', '_', '-'.
-REPO_ID_RE = re.compile(r"([A-Za-z0-9][\w.-]{0,95}/)?[A-Za-z0-9][\w.-]{0,95}")
-
-
-def _repo_id(value: str | None) -> str | None:
-    if value is not None and (not REPO_ID_RE.fullmatch(value) or ".." in value
-                              or value.endswith((".git", "."))):
-        raise ValueError("not a hub repository id: [namespace/]name, letters, digits, '.', "
-                         "'_', '-' (at most 96 each)")
-    return value
-
-
-def _no_control(value: str | None) -> str | None:
-    problem = value and control_problem(value)  # written into generated files
-    if problem:
-        raise ValueError(problem)
-    return value
-
-
-class Section(BaseModel):
-    # NaN and infinity are no setting's value (pydantic's float takes them by default).
-    model_config = ConfigDict(extra="forbid", validate_default=True, allow_inf_nan=False)
 
 
 class ModelSection(Section):
@@ -63,7 +32,7 @@ class ModelSection(Section):
         description="'pretrained' loads weights; 'random' builds the architecture from "
         "config.json with freshly initialised weights (seeded by training.seed).")
     revision: str | None = Field(None, description="Hub revision (branch, tag or commit).")
-    _revision = field_validator("revision")(classmethod(lambda cls, v: _revision(v)))
+    _revision = field_validator("revision")(classmethod(lambda cls, v: check_revision(v)))
     trust_remote_code: bool = Field(
         False, description="Run modelling code shipped with the model. Off unless you trust it.")
     attn_implementation: str = Field(
@@ -121,7 +90,7 @@ class DataSource(Section):
     split: str = Field("train", description="Split to read from a hub dataset.")
     subset: str | None = Field(None, description="Hub dataset configuration name.")
     revision: str | None = Field(None, description="Hub dataset revision.")
-    _revision = field_validator("revision")(classmethod(lambda cls, v: _revision(v)))
+    _revision = field_validator("revision")(classmethod(lambda cls, v: check_revision(v)))
     columns: dict[str, str] = Field(
         default_factory=dict,
         description="Rename columns, as {expected_name: name_in_the_file}, e.g. "
@@ -151,19 +120,6 @@ def _as_source_list(value: Any) -> Any:
 DataFormat = Literal[("auto",) + methods.formats() + tuple(source_formats.SOURCES)]  # type: ignore[valid-type]
 
 
-def _by_method(describe) -> str:
-    """'sft: A; reward and dpo: B; ...': describe(record) per group of methods sharing it."""
-    groups: dict[str, list[str]] = {}
-    for record in methods.METHODS.values():
-        groups.setdefault(describe(record), []).append(record.name)
-    return "; ".join(f"{methods.spoken(names)}: {text}" for text, names in groups.items())
-
-
-def _for_methods(wanted) -> str:
-    """'sft, reward: ' for the methods whose record satisfies wanted(record)."""
-    return ", ".join(methods.names_where(wanted)) + ": "
-
-
 class DataSection(Section):
     train: list[DataSource] = Field(description="Training data: one source or a list.")
     eval: list[DataSource] | None = Field(
@@ -173,7 +129,7 @@ class DataSection(Section):
         "(shuffled with training.seed) when no eval data is given.")
     format: DataFormat = Field(
         "auto", description="Row format; 'auto' detects it from the columns. "
-        + _by_method(lambda m: methods.spoken(m.formats, "or"))
+        + by_method(lambda m: methods.spoken(m.formats, "or"))
         + ". classification rows are text and label; prompt rows a prompt (text or "
         "messages) plus any columns the reward functions read; unpaired_preference rows a "
         "prompt, a completion and a boolean label (true: desirable), and kto reads "
@@ -190,7 +146,7 @@ class DataSection(Section):
         "weight); default training.seed. The same seed gives the same rows on every rank "
         "and every run.")
     weight_column: str | None = Field(
-        None, description=_for_methods(lambda m: m.weights) + "a numeric column of per-sample "
+        None, description=for_methods(lambda m: m.weights) + "a numeric column of per-sample "
         "loss weights (>= 0 and <= 1e6: weights are relative, so scale larger ones down). The loss "
         "is sum(w x loss) / sum(w) over the global batch, the same under gradient "
         "accumulation and data parallelism. sft messages may also carry a `weight` on "
@@ -237,104 +193,11 @@ class DataSection(Section):
         return value
 
 
-class DPOSection(Section):
-    ref_model: str | None = Field(
-        None, description="Reference model path or hub id. Default: the starting policy "
-        "(the adapter-disabled model under LoRA, a frozen copy otherwise).")
-
-
-class KTOSection(Section):
-    ref_model: str | None = Field(
-        None, description="Reference model path or hub id. Default: the starting policy "
-        "(the adapter-disabled model under LoRA, a frozen copy otherwise).")
-
-
-class RewardsSection(Section):
-    model: str | None = Field(
-        None, description=_for_methods(lambda m: m.rewarded) + "a reward model: the run "
-        "directory of a `method: reward` run (its final/ model or adapter is used) or a model "
-        "directory / hub id with a one-logit sequence-classification head.")
-    functions: list[str] = Field(
-        default_factory=list,
-        description=_for_methods(lambda m: m.rewarded) + "Python reward functions as "
-        "'module:function' (an importable module, or a .py file relative to the YAML file). "
-        "Called as f(prompts=[...], "
-        "completions=[...], completion_ids=[...], trainer_state=..., **columns) and "
-        "returning one float per completion (None: grpo skips it; ppo stops with an error).")
-    weights: list[float] | None = Field(
-        None, description="One weight per reward source, the model first, then the "
-        "functions in order; default 1 each. The reward is their weighted sum.")
-
-
-class ClassifySection(Section):
-    labels: list[str] = Field(
-        description="Class names in index order. The data's `label` is a class name or an "
-        "index into this list.")
-    class_weights: list[float] | Literal["balanced"] | None = Field(
-        None, description="Loss weight per class (one per label), or 'balanced': "
-        "n_samples / (n_classes x count) from the training labels.")
-    focal_gamma: float = Field(
-        0.0, ge=0, description="Focal loss exponent: (1 - p_true)^gamma scales each sample's "
-        "cross-entropy; 0 is plain cross-entropy.")
-    label_smoothing: float = Field(0.0, ge=0, lt=1, description="Label smoothing.")
-    max_length: int = Field(512, gt=0, le=MAX_LENGTH,
-                            description="Truncate texts to this many tokens.")
-
-
-class DistillSection(Section):
-    teacher: str = Field(
-        description="method distill: the teacher whose next-token distribution the student "
-        "learns: a model directory or hub id (an adapter directory loads onto its base), or "
-        "the run directory of a finetune run of a causal LM (its final/ model or adapter). "
-        "It must share the student's vocabulary; frozen, loaded in the dtype of a reference "
-        "model (fp32 under full fine-tuning, the compute precision under LoRA/QLoRA).")
-
-
-class PPOSection(Section):
-    value_model: Literal["separate", "shared"] = Field(
-        "separate", description="separate: a value model of its own (a copy of the policy's "
-        "base with a scalar head, or value_model_path); shared: a value head on the policy's "
-        "backbone. Under lora/qlora a separate value model is a full trainable copy of the "
-        "base model in fp32; use shared to save memory.")
-    value_model_path: str | None = Field(
-        None, description="separate only: initialise the value model from this model "
-        "directory (for example the reward model) instead of the policy's base.")
-    max_new_tokens: int = Field(64, gt=0, le=MAX_LENGTH,
-                                description="Response length limit of a rollout.")
-    stop_strings: list[str] = Field(
-        default_factory=list, description="A response also ends at one of these strings "
-        "(it always ends at the EOS token).")
-    temperature: float = Field(1.0, gt=0, description="Sampling temperature of rollouts.")
-    top_k: int | None = Field(None, gt=0, le=MAX_LENGTH, description="Sample from the top k tokens only.")
-    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
-    rollout_batches: int = Field(
-        4, ge=1, le=MAX_LENGTH, description="Mini-batches per rollout: each rollout samples "
-        "rollout_batches x per_device_train_batch_size x gradient_accumulation_steps prompts "
-        "per process, then trains on them in that many optimizer steps per PPO epoch.")
-    ppo_epochs: int = Field(4, ge=1, le=MAX_LENGTH, description="Passes over each rollout.")
-    kl_coef: float = Field(0.05, ge=0, description="Per-token KL penalty coefficient "
-                           "(the starting value when kl_target is set).")
-    kl_target: float | None = Field(
-        None, gt=0, description="Adaptive KL control: steer the coefficient so the "
-        "rollout KL approaches this value.")
-    kl_horizon: int = Field(10000, gt=0, le=MAX_LENGTH, description="Adaptive KL: horizon in samples.")
-    gamma: float = Field(1.0, ge=0, le=1, description="Discount factor.")
-    lam: float = Field(0.95, ge=0, le=1, description="GAE lambda.")
-    cliprange: float = Field(0.2, gt=0, description="Policy ratio clip range.")
-    cliprange_value: float = Field(0.2, gt=0, description="Value prediction clip range.")
-    vf_coef: float = Field(0.1, ge=0, description="Value loss coefficient.")
-    whiten_advantages: bool = Field(True, description="Normalise advantages over the "
-                                    "global rollout batch.")
-    missing_eos_penalty: float | None = Field(
-        None, description="Subtracted from the reward of a response that ends without EOS "
-        "or a stop string.")
-
-
 class EvaluationSection(Section):
     before_training: bool = Field(
         True, description="Evaluate once before training, so the summary shows the change.")
     exact_match: bool = Field(
-        False, description=_for_methods(lambda m: m.exact_match) + "greedy-generate answers "
+        False, description=for_methods(lambda m: m.exact_match) + "greedy-generate answers "
         "for the eval prompts and report the fraction that equals the reference exactly "
         "(after stripping whitespace).")
     max_new_tokens: int = Field(64, gt=0, le=MAX_LENGTH,
@@ -357,7 +220,7 @@ class DeepSpeedSection(Section):
         "checked against the experiment (stage, precision, batch, accumulation, clipping).")
 
     _paths = field_validator("nvme_path", "config_file")(
-        classmethod(lambda cls, v: _no_control(v)))
+        classmethod(lambda cls, v: check_no_control(v)))
 
 
 class FSDPSection(Section):
@@ -423,8 +286,8 @@ class OutputSection(Section):
         "training.push_to_hub uploads the final model to, with a model card; default: the "
         "run name.")
 
-    _dir = field_validator("dir")(classmethod(lambda cls, v: _no_control(v)))
-    _hub_model_id = field_validator("hub_model_id")(classmethod(lambda cls, v: _repo_id(v)))
+    _dir = field_validator("dir")(classmethod(lambda cls, v: check_no_control(v)))
+    _hub_model_id = field_validator("hub_model_id")(classmethod(lambda cls, v: check_repo_id(v)))
 
 
 class PreemptionSection(Section):
@@ -449,7 +312,7 @@ class Experiment(Section):
         "supports it, fp16 on older GPUs, fp32 on CPU.")
     training: dict[str, Any] = Field(
         default_factory=dict,
-        description="Passed to the method's config class (" + _by_method(
+        description="Passed to the method's config class (" + by_method(
             lambda m: ".".join(m.config_class)) + "): any of its fields under its own name.")
     evaluation: EvaluationSection = Field(default_factory=EvaluationSection)
     dpo: DPOSection = Field(default_factory=DPOSection)
