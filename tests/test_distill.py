@@ -52,7 +52,7 @@ def test_teacher_is_required_and_must_hold_a_model(write, tmp_path):
     assert f"distill.teacher: {unfinished} is a run directory with no final/ model yet: " \
            "finish that run first" in _problems(write, experiment(unfinished))
     # distill.teacher belongs to method distill; training's teacher fields are finetune's
-    assert "distill: options for method distill, but method is sft" in _problems(
+    assert "distill: options for methods distill and gkd, but method is sft" in _problems(
         write, experiment(TINY_MODEL).replace("method: distill", "method: sft")
         .replace("max_completion_length", "max_length"))
     assert "training.teacher_model_name_or_path: not set here: finetune sets it from " \
