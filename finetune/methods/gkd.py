@@ -20,7 +20,9 @@ for the template, and rendering them as a chat would train on other text than th
 Loss normalisation: TRL divides the summed divergence by the global count of completion
 tokens but, overriding compute_loss, skips the Trainer's scaling by the number of
 processes that goes with that global count; the subclass adds it back, so 2 processes
-take the step 1 process takes with the same global batch.
+take the step 1 process takes with the same global batch (tests/test_data_parallel.py;
+without it the 2-process update is half as large). The count is the data's completion
+tokens, taken before a batch's completions are replaced by sampled ones (TRL's order).
 
 Exact resume: GKDTrainer is an SFTTrainer with the Trainer's own sampler (reseeded per
 epoch); the on-policy draw is Python's `random`, whose state the checkpoint restores.
