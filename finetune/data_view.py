@@ -118,6 +118,22 @@ def _kto(rows, tokenizer, experiment: Experiment, splits, split: str) -> Iterato
                      limit is not None and len(head) >= limit)
 
 
+def _last_turn(rows, tokenizer, experiment: Experiment, splits, split: str) -> Iterator[Sample]:
+    """gkd's conversations as TRL's GKD collator renders them: the last (assistant) turn
+    trained, the turns before it the prompt, cut from its start where the row is longer
+    than max_length."""
+    for row in rows:
+        where, messages = row[ORIGIN], row["messages"]
+        ids = render_chat(tokenizer, messages, where)
+        head = prompt_ids(tokenizer, messages[:-1], where)
+        yield Sample(where, [("", ids, [i >= len(head) for i in range(len(ids))])])
+
+
+def _distills_data(own) -> bool:
+    """A distillation method (the teacher's section) on the data's own completions."""
+    return "distill" in own.sections and not own.generates
+
+
 def _view(experiment: Experiment):
     """How a method's rows are shown, from its record: a score head's pairs or labelled
     texts, a generating method's prompts, unpaired or paired preference rows, or sft's
@@ -127,6 +143,8 @@ def _view(experiment: Experiment):
         return _classify if own.labels else _reward
     if own.generates:
         return _prompts
+    if _distills_data(own):
+        return _last_turn
     if "unpaired_preference" in own.formats:
         return _kto
     return _dpo if own.sequences == 2 else _sft
@@ -175,7 +193,8 @@ def report(experiment: Experiment, shown: int) -> list[str]:
     lines = [f"method {experiment.method}, data format {splits.format}; trained tokens "
              f"between {OPEN} and {CLOSE}"] + [f"note: {note}" for note in splits.notes]
     sample = _view(experiment)
-    if record(experiment).generates:  # the prompts its preparation makes of the rows
+    own = record(experiment)
+    if own.generates or _distills_data(own):  # the prompts or conversations it prepares
         from finetune.methods import preparation
 
         splits = preparation(experiment)(splits, tokenizer, experiment)

@@ -20,7 +20,7 @@ from finetune.errors import EXIT_PREEMPTED
 
 DATASETS = {"sft": "sft_train", "reward": "pref_train", "dpo": "pref_train",
             "orpo": "pref_train", "cpo": "pref_train", "simpo": "pref_train",
-            "distill": "sft_train", "kto": "pref_train"}
+            "distill": "sft_train", "kto": "pref_train", "gkd": "sft_train"}
 
 
 def experiment(name: str, method: str, *, processes: int = 1, steps: int = 40,

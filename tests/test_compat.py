@@ -28,7 +28,8 @@ OURS = ("finetune.trainers.classify:ClassifyTrainer",
         "finetune.trainers.weighted:WeightedDPOTrainer",
         "finetune.trainers.ppo:PPOTrainer",
         "finetune.methods.grpo:ResumableGRPOTrainer",
-        "finetune.methods.rloo:ResumableRLOOTrainer")
+        "finetune.methods.rloo:ResumableRLOOTrainer",
+        "finetune.methods.gkd:ProcessScaledGKDTrainer")
 # PPOTrainer's own private instance attributes: a Trainer must not have them already.
 PPO_OWN = ("_micro", "_position", "_stats", "_stat_steps")
 CPU = dict(report_to="none", use_cpu=True, bf16=False, fp16=False, save_strategy="no",

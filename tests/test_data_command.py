@@ -98,6 +98,7 @@ def _every_method_config(name: str, tmp_path) -> str:
         data = prompts
     extra = {"classify": "classify: {labels: [early, middle, late]}\n",
              "distill": f"distill: {{teacher: {TINY_MODEL}}}\n",
+             "gkd": f"distill: {{teacher: {TINY_MODEL}}}\n",
              "ppo": "ppo: {max_new_tokens: 8}\n"}.get(name, "")
     if own.completion_length == "training.max_completion_length":
         extra += "training: {max_completion_length: 8}\n"

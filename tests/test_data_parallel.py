@@ -1,7 +1,7 @@
 """Data-parallel equivalence, measured: 2 processes x batch b (gloo, launched by
 `finetune launch`) end with the same weights as 1 process x batch 2b and as 1 process x
 batch b x accumulation 2 (fp32, SGD), for sft (through finetune_varlen), reward, dpo,
-simpo and distill (greedy generation). (orpo and cpo add an NLL term that TRL averages over each micro-batch's tokens, so
+simpo, distill (greedy generation) and gkd (lmbda 0: on the data's completions). (orpo and cpo add an NLL term that TRL averages over each micro-batch's tokens, so
 theirs is a mean of per-process means: equal only where the processes' token counts are;
 their 2-process runs are checked by test_resume.py.)
 
@@ -21,11 +21,12 @@ from teachers import tiny_teacher
 pytestmark = pytest.mark.slow  # training runs on several processes
 
 DATASETS = {"sft": "sft_train", "reward": "pref_train", "dpo": "pref_train",
-            "simpo": "pref_train", "distill": "sft_train"}
+            "simpo": "pref_train", "distill": "sft_train", "gkd": "sft_train"}
 # distill generates greedily here: sampled completions come from each process's own RNG
 # stream (TRL seeds them apart), so only greedy ones are the same in every layout.
 DISTILL = ("  max_completion_length: 8\n  generation_kwargs: {do_sample: false}\n"
            "distill: {teacher: TEACHER}\n")
+GKD = "  lmbda: 0.0\n  max_length: 64\ndistill: {teacher: TEACHER}\n"
 STEPS = 3
 LAYOUTS = {  # name: (processes, per-device batch, accumulation)
     "ddp-2x2": (2, 2, 1),
@@ -48,13 +49,14 @@ def experiment(method: str, processes: int, batch: int, accumulation: int) -> st
             f"  gradient_accumulation_steps: {accumulation}\n  optim: sgd\n"
             "  learning_rate: 0.1\n  lr_scheduler_type: constant\n  weight_decay: 0.0\n"
             "  max_grad_norm: 0.0\n  activation_checkpointing: false\n  logging_steps: 1\n"
-            "  save_strategy: 'no'\n  seed: 3\n" + (DISTILL if method == "distill" else ""))
+            "  save_strategy: 'no'\n  seed: 3\n"
+            + {"distill": DISTILL, "gkd": GKD}.get(method, ""))
 
 
 def train(method: str, layout: str, write, tmp_path) -> dict[str, torch.Tensor]:
     processes, batch, accumulation = LAYOUTS[layout]
     text = experiment(method, processes, batch, accumulation)
-    if method == "distill":
+    if method in ("distill", "gkd"):
         text = text.replace("TEACHER", str(tiny_teacher(tmp_path / "teacher")))
     config = write(f"{method}-{layout}.yaml", text)
     command = "launch" if processes > 1 else "train"
@@ -67,7 +69,7 @@ def train(method: str, layout: str, write, tmp_path) -> dict[str, torch.Tensor]:
         run / "init-model" / "model.safetensors")
 
 
-@pytest.mark.parametrize("method", ["sft", "reward", "dpo", "simpo", "distill"])
+@pytest.mark.parametrize("method", ["sft", "reward", "dpo", "simpo", "distill", "gkd"])
 def test_data_parallel_and_accumulation_match_one_big_batch(method, write, tmp_path):
     runs = {layout: train(method, layout, write, tmp_path) for layout in LAYOUTS}
     reference, init = runs["single-1x4"]

@@ -9,13 +9,12 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 import yaml
 
 from conftest import DATA, QUICKSTART, REPO, TINY_MODEL, run_cli
 from finetune.config.load import load_experiment
 from finetune.errors import ConfigError
-from teachers import tiny_teacher
+from teachers import held_out_kl, tiny_teacher
 
 
 def experiment(teacher, peft: str = "none", extra: str = "", steps: int = 3) -> str:
@@ -53,7 +52,7 @@ def test_teacher_is_required_and_must_hold_a_model(write, tmp_path):
     assert f"distill.teacher: {unfinished} is a run directory with no final/ model yet: " \
            "finish that run first" in _problems(write, experiment(unfinished))
     # distill.teacher belongs to method distill; training's teacher fields are finetune's
-    assert "distill: options for method distill, but method is sft" in _problems(
+    assert "distill: options for methods distill and gkd, but method is sft" in _problems(
         write, experiment(TINY_MODEL).replace("method: distill", "method: sft")
         .replace("max_completion_length", "max_length"))
     assert "training.teacher_model_name_or_path: not set here: finetune sets it from " \
@@ -136,30 +135,6 @@ def test_a_classifier_run_is_not_a_teacher(write, tmp_path):
     assert "is a classify run: its model scores text" in result.stderr
 
 
-def _held_out_kl(student_dir, teacher_dir) -> float:
-    """Mean per-token KL(teacher || student) over the teacher's greedy answers to the
-    held-out prompts: a fixed measure, independent of what the student generates."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(teacher_dir)
-    teacher = AutoModelForCausalLM.from_pretrained(teacher_dir).eval()
-    student = AutoModelForCausalLM.from_pretrained(student_dir).eval()
-    rows = [json.loads(line) for line in (DATA / "sft_eval.jsonl").read_text().splitlines()]
-    total, count = 0.0, 0
-    with torch.no_grad():
-        for row in rows[:32]:
-            prompt = tokenizer.apply_chat_template(row["messages"][:1], add_generation_prompt=True,
-                                                   return_tensors="pt", return_dict=True)
-            ids = teacher.generate(**prompt, max_new_tokens=10, do_sample=False,
-                                   pad_token_id=tokenizer.pad_token_id)
-            start = prompt["input_ids"].shape[1] - 1
-            p = teacher(ids).logits[0, start:-1].log_softmax(-1)
-            q = student(ids).logits[0, start:-1].log_softmax(-1)
-            total += (p.exp() * (p - q)).sum().item()
-            count += p.shape[0]
-    return total / count
-
-
 @pytest.mark.slow
 def test_the_student_learns_the_teacher(teachers, write, tmp_path):
     """Forward KL (beta 0), 60 steps from random weights: the held-out KL toward the
@@ -175,8 +150,8 @@ def test_the_student_learns_the_teacher(teachers, write, tmp_path):
     run = tmp_path / "runs" / "learn"
     summary = json.loads((run / "summary.json").read_text())
     before_loss, after_loss = summary["before"]["eval_loss"], summary["after"]["eval_loss"]
-    before = _held_out_kl(run / "init-model", teacher / "final")
-    after = _held_out_kl(run / "final", teacher / "final")
+    before = held_out_kl(run / "init-model", teacher / "final")
+    after = held_out_kl(run / "final", teacher / "final")
     print(f"held-out KL(teacher||student) {before:.3f} -> {after:.3f}; eval loss "
           f"{before_loss:.3f} -> {after_loss:.3f} in {summary['seconds']} s")
     assert after < 0.5 * before

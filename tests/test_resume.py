@@ -30,10 +30,11 @@ STEPS = 40
 # (reward x1 and dpo x2 passed too when they were in the list). orpo x2 and cpo x1 stand
 # for TRL's experimental preference trainers (simpo is cpo's trainer); kto x2 for a
 # trainer that samples its rows in order; distill x1: sampled generations from a
-# restored RNG, toward a teacher directory.
+# restored RNG, toward a teacher directory; gkd x1: half its batches on the student's
+# samples (Python's restored `random` picks which), half on the data's completions.
 @pytest.mark.parametrize("method,processes", [("sft", 1), ("sft", 2), ("reward", 2),
                                               ("dpo", 1), ("orpo", 2), ("cpo", 1),
-                                              ("kto", 2), ("distill", 1)])
+                                              ("kto", 2), ("distill", 1), ("gkd", 1)])
 def test_sigterm_and_sigkill_then_resume_is_bitwise_identical(method, processes, write,
                                                               tmp_path):
     seed = random.randrange(10**6)
@@ -41,6 +42,9 @@ def test_sigterm_and_sigkill_then_resume_is_bitwise_identical(method, processes,
     command = "launch" if processes > 1 else "train"
     extra = f"distill: {{teacher: {tiny_teacher(tmp_path / 'teacher')}}}\n" \
         if method == "distill" else ""
+    if method == "gkd":
+        extra = ("  lmbda: 0.5\n  max_new_tokens: 8\n"
+                 f"distill: {{teacher: {tiny_teacher(tmp_path / 'teacher')}}}\n")
     # Logs every 3 steps, checkpoints every 4: a resume lands inside a logging window.
     reference = write("ref.yaml", experiment("ref", method, processes=processes, steps=STEPS,
                                              logging_steps=3, extra=extra))

@@ -58,8 +58,8 @@ class ClassifySection(Section):
 
 class DistillSection(Section):
     teacher: str = Field(
-        description="method distill: the teacher whose next-token distribution the student "
-        "learns: a model directory or hub id (an adapter directory loads onto its base), or "
+        description=for_methods(lambda m: "distill" in m.sections) + "the teacher whose "
+        "next-token distribution the student learns: a model directory or hub id (an adapter directory loads onto its base), or "
         "the run directory of a finetune run of a causal LM (its final/ model or adapter). "
         "It must share the student's vocabulary; frozen, loaded in the dtype of a reference "
         "model (fp32 under full fine-tuning, the compute precision under LoRA/QLoRA).")

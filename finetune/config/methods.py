@@ -166,6 +166,14 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("distill", ("trl", "DistillationConfig"), ("prompt", "prompt_completion", "messages"),
            "lm", "finetune.methods.distill", sections=("distill",),
            completion_length="training.max_completion_length", weights=False),
+    # Generalized knowledge distillation through TRL's experimental GKDTrainer: the JSD of
+    # training.beta toward distill.teacher's logits on the data's completions (lmbda 0: no
+    # generation), the student's own samples (a fraction lmbda of the batches) or the
+    # teacher's (seq_kd). Conversations only: GKD's collator renders `messages`
+    # (methods/gkd.py). The loss is a token sum over the batch: no per-sample weights.
+    Method("gkd", ("trl.experimental.gkd", "GKDConfig"), ("messages", "prompt_completion"),
+           "lm", "finetune.methods.gkd", sections=("distill",),
+           max_length="training.max_length", weights=False),
 )}
 NAMES = tuple(METHODS)
 

@@ -322,7 +322,8 @@ class Experiment(Section):
     rewards: RewardsSection = Field(default_factory=RewardsSection)
     ppo: PPOSection = Field(default_factory=PPOSection)
     distill: DistillSection | None = Field(
-        None, description="method distill: the teacher model.")
+        None, description=for_methods(lambda m: "distill" in m.sections) + "the teacher "
+        "model.")
     distributed: DistributedSection = Field(default_factory=DistributedSection)
     output: OutputSection = Field(default_factory=OutputSection)
     resume: str = Field(
