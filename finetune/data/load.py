@@ -110,6 +110,8 @@ def _read_source(source: DataSource, where: str) -> list[tuple[str, Dataset]]:
     if is_local(source.path):
         parts = [(str(f), _read_file(f)) for f in list_data_files(Path(source.path))]
     else:
+        # datasets' shared cache: a hub dataset's arrow is keyed by its revision and, read
+        # without force_redownload, prepared once under datasets' lock and never deleted.
         try:
             parts = [(source.path, load_dataset(source.path, source.subset, split=source.split,
                                                 data_files=source.data_files,
