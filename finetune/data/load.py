@@ -18,7 +18,7 @@ import pyarrow as pa
 from datasets import (Dataset, Features, LargeList, List, Value, concatenate_datasets,
                       load_dataset)
 
-from finetune.data import formats, mix
+from finetune.data import formats, mix, scratch
 from finetune.data.files import BUILDERS, check_file, diagnose_json, list_data_files
 from finetune.data.rows import FORMATS, WEIGHT, check_row, preference_problem
 from finetune.config.formats import SOURCES, target as source_target
@@ -85,9 +85,11 @@ def _read_file(path: Path) -> Dataset:
     try:
         # datasets keys its own cache of a local file by path and mtime only: an edit that
         # keeps the mtime (cp -p, touch -r) would read the old rows. finetune caches the
-        # prepared data by content (data/prepare.py), so the file is converted afresh.
+        # prepared data by content (data/prepare.py), so the file is converted afresh, into
+        # a new directory of this process's own (data/scratch.py): a shared one would be
+        # rewritten by another process's read while this one writes or maps files in it.
         return load_dataset(builder, data_files=str(path), split="train",
-                            download_mode="force_redownload")
+                            cache_dir=scratch.read_dir())
     except Exception as exc:  # datasets raises many types; the user needs file and cause
         located = diagnose_json(path) if builder == "json" else None
         raise DataError(located or f"{path}: cannot read as {builder}: {_root_cause(exc)}") \
@@ -108,6 +110,8 @@ def _read_source(source: DataSource, where: str) -> list[tuple[str, Dataset]]:
     if is_local(source.path):
         parts = [(str(f), _read_file(f)) for f in list_data_files(Path(source.path))]
     else:
+        # datasets' shared cache: a hub dataset's arrow is keyed by its revision and, read
+        # without force_redownload, prepared once under datasets' lock and never deleted.
         try:
             parts = [(source.path, load_dataset(source.path, source.subset, split=source.split,
                                                 data_files=source.data_files,
