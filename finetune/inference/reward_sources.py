@@ -49,7 +49,8 @@ def _model_problem(path: Path) -> str | None:
         config = json.loads(config_file.read_text())
     except (OSError, ValueError) as exc:
         return f"{config_file}: cannot read it ({exc})"
-    heads = [a for a in config.get("architectures") or [] if a.endswith("ForSequenceClassification")]
+    heads = [a for a in config.get("architectures") or []
+             if a.endswith("ForSequenceClassification")]
     labels = len(config.get("id2label") or {0: 0, 1: 1})
     if not heads or labels != 1:
         return f"{path} is not a reward model: it needs a sequence-classification head with " \
