@@ -38,12 +38,26 @@ def _top_p(text: str) -> float:
     return value
 
 
-def _sampling_args(parser: argparse.ArgumentParser) -> None:
+def _weights(text: str) -> list[float]:
+    """--reward-weights 1,0.5: finite numbers, comma-separated."""
+    import math
+
+    try:
+        values = [float(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected numbers separated by commas, got {text!r}") \
+            from None
+    if not all(math.isfinite(v) for v in values):
+        raise argparse.ArgumentTypeError(f"weights must be finite, got {text!r}")
+    return values
+
+
+def _sampling_args(parser: argparse.ArgumentParser, temperature_help: str =
+                   "0 (the default) decodes greedily; above 0 samples") -> None:
     parser.add_argument("--max-new-tokens", type=whole(1, 1_000_000), default=256,
                         help="tokens to generate at most (default 256; never past the "
                              "model's context)")
-    parser.add_argument("--temperature", type=_temperature, default=0.0,
-                        help="0 (the default) decodes greedily; above 0 samples")
+    parser.add_argument("--temperature", type=_temperature, default=None, help=temperature_help)
     parser.add_argument("--top-p", type=_top_p, default=1.0, help="nucleus sampling (with "
                         "--temperature above 0)")
     parser.add_argument("--seed", type=whole(0, 2**32 - 1), default=0, help="sampling seed")
@@ -82,24 +96,61 @@ def _output(path: str | None, force: bool):
     return target
 
 
+def _best_of_problems(args: argparse.Namespace) -> list[str]:
+    """The flags --best-of needs, or that need it."""
+    if args.best_of is None:
+        named = [flag for flag, value in (("--reward", args.reward), ("--reward-weights",
+                 args.reward_weights), ("--pairs", args.pairs)) if value is not None]
+        return [f"{flag}: only with --best-of N" for flag in named]
+    problems = []
+    if args.temperature == 0:
+        problems.append("--temperature 0 with --best-of: greedy decoding gives the same "
+                        "completion N times; sample (the default with --best-of is 1.0)")
+    if args.reward_weights is not None and not args.reward:
+        problems.append("--reward-weights: only with --reward (the run's own rewards: "
+                        "section has its weights)")
+    return problems
+
+
 def _generate(args: argparse.Namespace) -> int:
     _quiet()
-    from finetune.errors import RunError
-    from finetune.inference.generate import generate
+    from finetune.errors import ConfigError, RunError
+
+    problems = _best_of_problems(args)
+    if problems:
+        raise ConfigError(problems)
+    target = _output(args.out, args.force)
+    if args.best_of is not None:
+        from finetune.inference import reward_sources
+        from finetune.inference.load import read_experiment
+
+        sources = reward_sources.from_flags(args.reward, args.reward_weights) if args.reward \
+            else reward_sources.from_run(Path(args.run_dir).absolute(),
+                                         read_experiment(Path(args.run_dir).absolute()))
     from finetune.inference.prompts import from_file, from_texts
 
     prompts = from_texts(args.prompt) if args.prompt else from_file(args.file)
-    target = _output(args.out, args.force)
     partial = target.with_name(f".{target.name}.partial") if target else None
     options = dict(model_choice=args.model, max_new_tokens=args.max_new_tokens,
-                   temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-                   raw=args.raw, batch_size=args.batch_size, dtype=args.dtype)
+                   top_p=args.top_p, seed=args.seed, raw=args.raw,
+                   batch_size=args.batch_size, dtype=args.dtype)
+    if args.best_of is None:
+        from finetune.inference.generate import generate
+
+        options.update(temperature=args.temperature or 0.0, top_k=args.top_k)
+        write = lambda out: generate(args.run_dir, prompts, out, **options)  # noqa: E731
+    else:
+        from finetune.inference.best_of_n import best_of_n
+
+        options.update(temperature=1.0 if args.temperature is None else args.temperature,
+                       top_k=args.top_k, n=args.best_of, pairs=args.pairs or "best-worst")
+        write = lambda out: best_of_n(args.run_dir, prompts, out, sources, **options)  # noqa
     if partial is None:
-        generate(args.run_dir, prompts, sys.stdout, **options)
+        write(sys.stdout)
         return 0
     try:
         with partial.open("w", encoding="utf-8") as out:
-            generate(args.run_dir, prompts, out, **options)
+            write(out)
         partial.replace(target)
     except OSError as exc:
         raise RunError(f"cannot write {exc.filename or target}: {exc.strerror or exc}") from None
@@ -113,7 +164,7 @@ def _chat(args: argparse.Namespace) -> int:
     from finetune.inference.chat import chat
 
     return chat(args.run_dir, model_choice=args.model, system=args.system,
-                max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                max_new_tokens=args.max_new_tokens, temperature=args.temperature or 0.0,
                 top_p=args.top_p, seed=args.seed, dtype=args.dtype)
 
 
@@ -158,7 +209,28 @@ def add_commands(commands) -> None:
     generate.add_argument("--force", action="store_true", help="replace an existing --out")
     generate.add_argument("--batch-size", type=whole(1, 4096), default=8,
                           help="prompts generated together (default 8)")
-    _sampling_args(generate)
+    _sampling_args(generate, "0 decodes greedily (the default; with --best-of, 1.0); above "
+                             "0 samples")
+    generate.add_argument("--top-k", type=whole(1, 1_000_000), metavar="K",
+                          help="sample from the K likeliest tokens only (with --temperature "
+                               "above 0; default: the model's generation config)")
+    best = generate.add_argument_group(
+        "best-of-N", "sample N completions per prompt, score them with a reward and write "
+        "the best and the worst as a preference row (prompt, chosen, rejected, chosen_score, "
+        "rejected_score, scores) that method dpo and reward train on")
+    best.add_argument("--best-of", type=whole(2, 1024), metavar="N",
+                      help="completions sampled per prompt")
+    best.add_argument("--reward", action="append", metavar="SOURCE",
+                      help="a `method: reward` run directory, a reward model directory, or a "
+                           "function as module:function or file.py:function (repeat for "
+                           "more; at most one model); default: the run's own rewards: "
+                           "section (grpo, ppo, rloo)")
+    best.add_argument("--reward-weights", type=_weights, metavar="W1,W2",
+                      help="one weight per --reward, in their order (default 1 each); the "
+                           "score is the weighted sum")
+    best.add_argument("--pairs", choices=["best-worst", "all"],
+                      help="best-worst (default): one row per prompt, the best against the "
+                           "worst; all: the best against each sample scored below it")
     generate.set_defaults(func=_generate)
 
     chat = commands.add_parser(

@@ -50,13 +50,14 @@ def new_tokens(model, prompt_length: int, wanted: int, where: str) -> int:
 
 @torch.no_grad()
 def complete(model, tokenizer, batch: list[list[int]], max_new_tokens: int,
-             temperature: float, top_p: float) -> list[str]:
+             temperature: float, top_p: float, top_k: int | None = None) -> list[str]:
     """Completions of token-id prompts, left-padded into one batch."""
     width = max(len(ids) for ids in batch)
     pad = tokenizer.pad_token_id
     input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in batch])
     mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in batch])
-    sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p} \
+    sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p,
+                **({"top_k": top_k} if top_k is not None else {})} \
         if temperature > 0 else {"do_sample": False, "temperature": None, "top_p": None,
                                  "top_k": None}
     out = model.generate(input_ids=input_ids.to(model.device),
@@ -72,7 +73,7 @@ def batches(items: list, size: int) -> Iterable[list]:
 
 def generate(run_dir: str, prompts: list[Prompt], out: TextIO, *, model_choice: str | None,
              max_new_tokens: int, temperature: float, top_p: float, seed: int, raw: bool,
-             batch_size: int, dtype: str) -> int:
+             batch_size: int, dtype: str, top_k: int | None = None) -> int:
     run = locate(run_dir, model_choice)
     require_lm(run, "generate")
     tokenizer = load_tokenizer(run)
@@ -85,7 +86,7 @@ def generate(run_dir: str, prompts: list[Prompt], out: TextIO, *, model_choice: 
     written = 0
     for chunk in batches(list(zip(prompts, encoded, budgets)), batch_size):
         texts = complete(model, tokenizer, [ids for _, ids, _ in chunk],
-                         min(b for _, _, b in chunk), temperature, top_p)
+                         min(b for _, _, b in chunk), temperature, top_p, top_k)
         for (prompt, _, _), text in zip(chunk, texts):
             row = {"prompt": prompt.given(), "completion": text}
             if prompt.reference is not None:

@@ -10,7 +10,7 @@ reference too.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,7 @@ class Prompt:
     text: str | None = None          # a plain prompt (chat-wrapped unless raw)
     messages: list[dict] | None = None
     reference: str | None = None
+    columns: dict[str, Any] = field(default_factory=dict)  # the row's other columns
 
     def given(self) -> str | list[dict]:
         return self.messages if self.messages is not None else self.text
@@ -62,8 +63,9 @@ def _row(row: Any, where: str) -> Prompt:
                         f"'messages'; it has {sorted(row) or 'no keys'}")
     key, value = keys[0], row[keys[0]]
     reference = _reference(row.get("completion"))
+    columns = {k: v for k, v in row.items() if k not in ("prompt", "messages", "completion")}
     if key == "prompt" and isinstance(value, str):
-        return Prompt(where, text=value, reference=reference)
+        return Prompt(where, text=value, reference=reference, columns=columns)
     problem = _messages_problem(value)
     if problem:
         raise DataError(f"{where}: {key} {problem}")
@@ -71,7 +73,7 @@ def _row(row: Any, where: str) -> Prompt:
         if len(value) == 1:
             raise DataError(f"{where}: messages is one assistant turn: nothing to prompt with")
         reference, value = value[-1]["content"], value[:-1]
-    return Prompt(where, messages=value, reference=reference)
+    return Prompt(where, messages=value, reference=reference, columns=columns)
 
 
 def from_file(path: str) -> list[Prompt]:

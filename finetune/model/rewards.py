@@ -19,7 +19,9 @@ from finetune.errors import ConfigError, RunError
 RewardFunction = Callable[..., list]
 
 
-def _import(spec: str, where: str) -> RewardFunction:
+def import_function(spec: str, where: str) -> RewardFunction:
+    """The function 'module:function' or 'file.py:function' names; ConfigError naming
+    `where` when it cannot be imported."""
     module_name, _, function_name = spec.rpartition(":")
     try:
         if module_name.endswith(".py"):
@@ -39,7 +41,7 @@ def _import(spec: str, where: str) -> RewardFunction:
 
 
 def reward_functions(experiment: Experiment) -> list[RewardFunction]:
-    return [_import(spec, f"rewards.functions[{i}]")
+    return [import_function(spec, f"rewards.functions[{i}]")
             for i, spec in enumerate(experiment.rewards.functions)]
 
 
@@ -68,7 +70,8 @@ def reward_problem(output: Any, count: int, allow_none: bool) -> str | None:
         if value is None:
             if allow_none:
                 continue
-            return f"returned None at index {i}; ppo needs a reward for every completion"
+            return f"returned None at index {i}; ppo and best-of-n need a reward for " \
+                   "every completion"
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
             return f"returned {type(value).__name__} {value!r} at index {i}; rewards are " \
                    f"numbers{', or None for a completion it does not score' if allow_none else ''}"
