@@ -194,3 +194,23 @@ def test_tpe_searches_with_optuna(write, tmp_path):
         assert 1e-4 <= trial["params"]["training.learning_rate"] <= 1e-2
         summary = json.loads((out / trial["name"] / "summary.json").read_text())
         assert summary["global_step"] == trial["params"]["training.max_steps"]
+
+
+@pytest.mark.slow
+def test_median_pruning_stops_a_trial_worse_than_the_finished_ones(write, tmp_path):
+    grid = sweep_file(write, "method: grid\nprune: {min_trials: 2}\nparameters:\n"
+                             "  training.learning_rate: {values: [3.0e-3, 2.0e-3, 1.0e-7]}\n")
+    out = tmp_path / "sweep"
+    result = run_cli("sweep", SFT, grid, "--out", str(out), *FAST, "training.max_steps=30",
+                     "training.warmup_steps=0", "training.eval_strategy=steps",
+                     "training.eval_steps=2", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    trials = state(out)["trials"]
+    assert [t["status"] for t in trials] == ["finished", "finished", "pruned"]
+    assert "pruning trial-002 at step" in result.stdout
+    pruned = out / "trial-002"
+    assert not (pruned / "summary.json").exists() and (pruned / "stopped.json").is_file()
+    step = max(int(s) for s in trials[2]["intermediate"])
+    assert step < 30
+    # worse than the median of the finished trials at a step it was evaluated at
+    assert trials[2]["metric"] > min(t["intermediate"][str(step)] for t in trials[:2])
