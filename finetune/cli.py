@@ -337,9 +337,10 @@ def build_parser() -> argparse.ArgumentParser:
     # Commands whose parsers live beside their code (each torch-free at import).
     from finetune import data_command, eval_run, hub, plots
     from finetune.inference import commands as inference
+    from finetune.sweep import command as sweep
 
-    # eval; merge, generate, chat; plot; push; data
-    for module in (eval_run, inference, plots, hub, data_command):
+    # eval; merge, generate, chat; plot; push; data; sweep
+    for module in (eval_run, inference, plots, hub, data_command, sweep):
         module.add_commands(commands)
     return parser
 

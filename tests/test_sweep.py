@@ -1,0 +1,216 @@
+"""`finetune sweep`: trials are real tiny runs of the quickstart sft, each in a subprocess;
+the sweep is stopped (SIGTERM) and killed (SIGKILL) mid-trial and continued."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import QUICKSTART, REPO, run_cli
+
+SFT = str(QUICKSTART / "sft.yaml")
+# Seconds per trial, not minutes: no evaluation before training, no generation.
+FAST = ["evaluation.before_training=false", "evaluation.exact_match=false"]
+
+
+def sweep_file(write, text: str, name: str = "sweep.yaml") -> str:
+    return str(write(name, "metric: eval_loss\ngoal: minimize\n" + text))
+
+
+def state(sweep_dir: Path) -> dict:
+    return json.loads((sweep_dir / "sweep.json").read_text())
+
+
+@pytest.mark.slow
+def test_bad_sweep_keys_exit_2_naming_them(write, tmp_path):
+    bad = sweep_file(write, "method: grid\ntrails: 3\nparameters:\n"
+                            "  training.max_steps: {values: [2], log: true}\n")
+    result = run_cli("sweep", SFT, bad, cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert "sweep.yaml: trails: unknown key" in result.stderr
+    assert "parameters.training.max_steps: give either values" in result.stderr
+    # a key the experiment does not have: refused before any trial runs, as validate would
+    bad = sweep_file(write, "method: grid\nparameters:\n  training.learnin_rate: {values: [1e-3]}\n"
+                            "  training.max_steps: {values: [2, many]}\n", "bad2.yaml")
+    result = run_cli("sweep", SFT, bad, cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert "bad2.yaml: parameters.training.learnin_rate: 0.001" in result.stderr
+    assert "did you mean learning_rate?" in result.stderr
+    assert "bad2.yaml: parameters.training.max_steps: 'many'" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "runs").exists()
+    reserved = sweep_file(write, "method: grid\nparameters:\n  output.dir: {values: [a]}\n",
+                          "bad3.yaml")
+    result = run_cli("sweep", SFT, reserved, cwd=tmp_path)
+    assert result.returncode == 2 and "parameters.output.dir: set by the sweep" in result.stderr
+
+
+@pytest.mark.slow
+def test_random_is_reproducible_from_its_seed(write, tmp_path):
+    text = ("method: random\ntrials: 5\nseed: {seed}\nparameters:\n"
+            "  training.learning_rate: {{low: 1.0e-4, high: 1.0e-2, log: true}}\n"
+            "  training.max_steps: {{low: 2, high: 9, type: int}}\n"
+            "  peft.type: {{values: [none, lora]}}\n")
+    plans = [run_cli("sweep", SFT, sweep_file(write, text.format(seed=seed), f"s{i}.yaml"),
+                     "--dry-run", cwd=tmp_path) for i, seed in enumerate((3, 3, 4))]
+    assert all(p.returncode == 0 for p in plans), plans[0].stderr
+    assert plans[0].stdout == plans[1].stdout != plans[2].stdout
+    lines = [line for line in plans[0].stdout.splitlines() if line.startswith("trial-")]
+    assert len(lines) == 5
+    for line in lines:
+        params = dict(part.split("=") for part in line.split("  ", 1)[1].split(", "))
+        assert 1e-4 <= float(params["training.learning_rate"]) <= 1e-2
+        assert 2 <= int(params["training.max_steps"]) <= 9
+        assert params["peft.type"] in ("none", "lora")
+
+
+@pytest.mark.slow
+def test_example_sweep_file_is_valid(tmp_path):
+    result = run_cli("sweep", SFT, str(REPO / "configs" / "examples" / "sweep.yaml"),
+                     "--dry-run", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("trial-") == 6
+
+
+@pytest.mark.slow
+def test_grid_runs_every_combination_and_names_the_best(write, tmp_path):
+    grid = sweep_file(write, "method: grid\nparameters:\n"
+                             "  training.learning_rate: {values: [1.0e-3, 3.0e-3]}\n"
+                             "  training.max_steps: {values: [2, 4]}\n")
+    out = tmp_path / "sweep"
+    result = run_cli("sweep", SFT, grid, "--out", str(out), *FAST, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    record = state(out)
+    assert record["status"] == "finished"
+    assert [t["status"] for t in record["trials"]] == ["finished"] * 4
+    losses = {}
+    for trial in record["trials"]:
+        run_dir = out / trial["name"]
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert summary["global_step"] == trial["params"]["training.max_steps"]
+        assert trial["metric"] == summary["after"]["eval_loss"]
+        losses[trial["name"]] = trial["metric"]
+        assert (run_dir / "final").is_dir() and (run_dir / "experiment.yaml").is_file()
+    best = min(losses, key=losses.get)
+    assert f"finetune: best {best}: eval_loss" in result.stdout
+    with open(out / "sweep_results.csv") as file:
+        rows = list(csv.DictReader(file))
+    assert [r["trial"] for r in rows] == sorted(losses)
+    assert {r["trial"]: float(r["eval_loss"]) for r in rows} == losses
+    assert (out / "sweep.png").stat().st_size > 0
+    # run again: nothing is rerun
+    stamps = {name: (out / name / "summary.json").stat().st_mtime_ns for name in losses}
+    again = run_cli("sweep", SFT, grid, "--out", str(out), *FAST, cwd=tmp_path)
+    assert again.returncode == 0 and "4 of 4 trials done" in again.stdout
+    assert stamps == {n: (out / n / "summary.json").stat().st_mtime_ns for n in losses}
+    # a changed sweep is refused
+    changed = sweep_file(write, Path(grid).read_text().replace("[2, 4]", "[2, 5]")
+                         .split("goal: minimize\n", 1)[1], "changed.yaml")
+    refused = run_cli("sweep", SFT, changed, "--out", str(out), *FAST, cwd=tmp_path)
+    assert refused.returncode == 2 and "a different sweep" in refused.stderr
+
+
+def _start(args: list[str], cwd: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "finetune", "sweep", *args], cwd=cwd,
+                            text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def _wait_for_training(metrics: Path, timeout: float = 300) -> None:
+    """Until the trial has logged a few optimizer steps."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if metrics.exists() and metrics.read_text().count('"loss"') >= 2:
+            return
+        time.sleep(0.3)
+    raise AssertionError(f"{metrics}: no training logged in {timeout} s")
+
+
+def _stop_mid_trial(write, tmp_path, how: signal.Signals):
+    """A 2-trial sweep stopped while its second trial trains; returns what the rerun needs."""
+    grid = sweep_file(write, "method: grid\nparameters:\n  training.max_steps: {values: [2, 40]}\n")
+    out = tmp_path / "sweep"
+    args = [SFT, grid, "--out", str(out), *FAST, "training.logging_steps=1",
+            "training.save_steps=1000"]
+    sweep = _start(args, tmp_path)
+    _wait_for_training(out / "trial-001" / "metrics.jsonl")
+    first = (out / "trial-000" / "summary.json").stat().st_mtime_ns
+    os.kill(sweep.pid, how)
+    output, _ = sweep.communicate(timeout=300)
+    return args, out, first, sweep.returncode, output
+
+
+def _continues(args, out, first, tmp_path):
+    again = run_cli("sweep", *args, cwd=tmp_path)
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
+    assert "1 of 2 trials done" in again.stdout
+    assert "resuming from" in again.stdout + again.stderr  # the run resumed, not restarted
+    assert (out / "trial-000" / "summary.json").stat().st_mtime_ns == first  # not rerun
+    assert json.loads((out / "trial-001" / "summary.json").read_text())["global_step"] == 40
+    assert [t["status"] for t in state(out)["trials"]] == ["finished", "finished"]
+
+
+@pytest.mark.slow
+def test_sigterm_stops_the_trial_with_a_checkpoint_and_a_rerun_continues(write, tmp_path):
+    args, out, first, code, output = _stop_mid_trial(write, tmp_path, signal.SIGTERM)
+    assert code == 75, output[-3000:]
+    record = state(out)
+    assert record["status"] == "stopped"
+    assert [t["status"] for t in record["trials"]] == ["finished", "stopped"]
+    assert (out / "trial-001" / "stopped.json").is_file()  # the trial saved and exited 75
+    assert record["trials"][1]["exit_code"] == 75
+    _continues(args, out, first, tmp_path)
+
+
+@pytest.mark.slow
+def test_sigkill_of_the_sweep_then_a_rerun_continues(write, tmp_path):
+    args, out, first, code, output = _stop_mid_trial(write, tmp_path, signal.SIGKILL)
+    assert code == -9
+    assert state(out)["trials"][1]["status"] == "running"  # as the kill left it
+    _continues(args, out, first, tmp_path)
+
+
+@pytest.mark.slow
+def test_tpe_searches_with_optuna(write, tmp_path):
+    pytest.importorskip("optuna")
+    tpe = sweep_file(write, "method: tpe\ntrials: 3\nseed: 1\nstartup_trials: 2\nparameters:\n"
+                            "  training.learning_rate: {low: 1.0e-4, high: 1.0e-2, log: true}\n"
+                            "  training.max_steps: {values: [2, 3]}\n")
+    out = tmp_path / "sweep"
+    result = run_cli("sweep", SFT, tpe, "--out", str(out), *FAST, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    trials = state(out)["trials"]
+    assert [t["status"] for t in trials] == ["finished"] * 3
+    assert len({t["params"]["training.learning_rate"] for t in trials}) == 3
+    for trial in trials:
+        assert 1e-4 <= trial["params"]["training.learning_rate"] <= 1e-2
+        summary = json.loads((out / trial["name"] / "summary.json").read_text())
+        assert summary["global_step"] == trial["params"]["training.max_steps"]
+
+
+@pytest.mark.slow
+def test_median_pruning_stops_a_trial_worse_than_the_finished_ones(write, tmp_path):
+    grid = sweep_file(write, "method: grid\nprune: {min_trials: 2}\nparameters:\n"
+                             "  training.learning_rate: {values: [3.0e-3, 2.0e-3, 1.0e-7]}\n")
+    out = tmp_path / "sweep"
+    result = run_cli("sweep", SFT, grid, "--out", str(out), *FAST, "training.max_steps=30",
+                     "training.warmup_steps=0", "training.eval_strategy=steps",
+                     "training.eval_steps=2", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    trials = state(out)["trials"]
+    assert [t["status"] for t in trials] == ["finished", "finished", "pruned"]
+    assert "pruning trial-002 at step" in result.stdout
+    pruned = out / "trial-002"
+    assert not (pruned / "summary.json").exists() and (pruned / "stopped.json").is_file()
+    step = max(int(s) for s in trials[2]["intermediate"])
+    assert step < 30
+    # worse than the median of the finished trials at a step it was evaluated at
+    assert trials[2]["metric"] > min(t["intermediate"][str(step)] for t in trials[:2])
