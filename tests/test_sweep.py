@@ -74,7 +74,7 @@ def test_random_is_reproducible_from_its_seed(write, tmp_path):
 
 @pytest.mark.slow
 def test_example_sweep_file_is_valid(tmp_path):
-    result = run_cli("sweep", SFT, str(REPO / "configs" / "examples" / "sweep.yaml"),
+    result = run_cli("sweep", SFT, str(REPO / "configs" / "sweeps" / "quickstart-sft.yaml"),
                      "--dry-run", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert result.stdout.count("trial-") == 6

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from conftest import REPO
 from finetune.cli import main
 
-SEEDS = sorted((REPO / "configs").glob("*/*.yaml"))
+SEEDS = sorted(p for p in (REPO / "configs").glob("*/*.yaml") if p.parent.name != "sweeps")
 HOSTILE_TEXT = ["", " ", "~nosuchuser/x", "a\0b", "x" * 300, "https://u:pw@host/x",
                 "1" + "0" * 400, "-1" + "0" * 30, "99999999999", "4294967296", ".nan",
                 "../../../../etc/passwd", "nan", ".inf", "-5", "1e400", "0x10", "{", "[",
