@@ -119,3 +119,16 @@ def test_example_configs_validate(online, tmp_path):
     for name in ("qwen2.5-0.5b-orpo-lora.yaml", "qwen2.5-0.5b-simpo-lora.yaml"):
         result = run_cli("validate", str(REPO / "configs" / "examples" / name), cwd=tmp_path)
         assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize("method,trainer", [("dpo", "DPOTrainer"), ("kto", "KTOTrainer")])
+def test_data_no_row_of_which_fits_is_named_before_training(method, trainer, write, tmp_path):
+    """dpo and kto drop a row whose prompt alone fills max_length (methods/pairs.py): with
+    every prompt that long, the error names the shortest one instead of training on none."""
+    config = write(f"{method}-short.yaml", experiment(method, "lora").replace(
+        "max_length: 64", "max_length: 4"))
+    result = run_cli("train", str(config), cwd=tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert re.search(rf"error: data\.train: no row fits training\.max_length 4: {trainer} "
+                     r"drops a row whose prompt alone is that long .*pref_train\.jsonl row \d+",
+                     result.stderr), result.stderr[-2000:]

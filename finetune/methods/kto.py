@@ -12,11 +12,9 @@ a frozen copy of the starting adapter).
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from typing import Any
 
-from transformers import AutoModelForCausalLM
 from trl import KTOTrainer
 from trl.data_utils import common_prefix_length
 
@@ -24,8 +22,8 @@ from finetune.config.effective import value
 from finetune.config.schema import Experiment
 from finetune.data.load import ORIGIN, Splits
 from finetune.data.mix import seed_of
-from finetune.errors import DataError
 from finetune.methods import Job
+from finetune.methods.pairs import frozen_reference, require_a_row_that_fits
 from finetune.model.tokenizer import render_chat
 
 
@@ -52,34 +50,12 @@ def prepare(splits: Splits, tokenizer, experiment: Experiment) -> Splits:
     seed = seed_of(experiment)
     shuffled = lambda rows: None if rows is None else rows.shuffle(seed=seed).flatten_indices()
     splits = dataclasses.replace(splits, train=shuffled(splits.train), eval=shuffled(splits.eval))
-    max_length = value(experiment, "max_length")
-    for split, rows in (("train", splits.train), ("eval", splits.eval)):
-        lengths = [(prompt_length(tokenizer, row), row[ORIGIN]) for row in rows or ()]
-        shortest, where = min(lengths, default=(0, ""))
-        if max_length is not None and shortest >= max_length:
-            raise DataError(f"data.{split}: no row fits training.max_length {max_length}: "
-                            "KTOTrainer drops a row whose prompt alone is that long (nothing "
-                            f"of its completion would be left), and the shortest prompt, "
-                            f"{where}, has {shortest} tokens; raise training.max_length, or "
-                            "shorten the prompts")
+    require_a_row_that_fits(splits, value(experiment, "max_length"),
+                            lambda row: prompt_length(tokenizer, row), "KTOTrainer", "completion")
     return splits
 
 
-def _reference(job: Job):
-    spec = job.experiment
-    if spec.kto.ref_model:
-        ref = AutoModelForCausalLM.from_pretrained(
-            spec.kto.ref_model, dtype=job.hardware.model_dtype(spec, "reference"),
-            trust_remote_code=spec.model.trust_remote_code)
-    elif spec.peft.type != "none":
-        return None
-    else:
-        ref = copy.deepcopy(job.model)
-    ref.requires_grad_(False)
-    return ref.eval()
-
-
 def build_trainer(job: Job) -> KTOTrainer:
-    return KTOTrainer(model=job.model, ref_model=_reference(job), args=job.args,
+    return KTOTrainer(model=job.model, ref_model=frozen_reference(job), args=job.args,
                       train_dataset=job.data.train, eval_dataset=job.data.eval,
                       processing_class=job.tokenizer, callbacks=job.callbacks)

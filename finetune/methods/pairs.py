@@ -1,18 +1,22 @@
-"""What the preference methods that tokenize inside their TRL trainer share (dpo, and the
-reference-free orpo, cpo and simpo): the prompt's length as those trainers count it, and
+"""What the preference methods that tokenize inside their TRL trainer share (dpo, kto, and
+the reference-free orpo, cpo and simpo): the prompt's length as those trainers count it,
 the check that every chat row renders, made while the data is prepared so that a bad row
-is named by its file and row."""
+is named by its file and row, the check that some row is left once the trainer drops
+those whose prompt fills max_length, and dpo's and kto's frozen reference model."""
 
 from __future__ import annotations
 
-from typing import Any
+import copy
+from typing import Any, Callable
 
+from transformers import AutoModelForCausalLM
 from trl.data_utils import common_prefix_length, extract_prompt
 
-from finetune.config.effective import value
+from finetune.config.effective import record, setting, value
 from finetune.config.schema import Experiment
 from finetune.data.load import ORIGIN, Splits
 from finetune.errors import DataError
+from finetune.methods import Job
 from finetune.model.tokenizer import render_chat
 
 # ORPOTrainer and CPOTrainer read training.max_length None as this.
@@ -55,3 +59,37 @@ def prepare_unreferenced(splits: Splits, tokenizer, experiment: Experiment,
                                 "be left to train; raise training.max_length, or shorten "
                                 "the prompt")
     return splits
+
+
+def require_a_row_that_fits(splits: Splits, max_length: int | None,
+                            length: Callable[[dict[str, Any]], int], trainer: str,
+                            answers: str) -> None:
+    """The trainer drops a row whose prompt alone fills max_length: some row must be left
+    in each split, else an error naming the shortest prompt."""
+    for split, rows in (("train", splits.train), ("eval", splits.eval)):
+        lengths = [(length(row), row[ORIGIN]) for row in rows or ()]
+        shortest, where = min(lengths, default=(0, ""))
+        if max_length is not None and shortest >= max_length:
+            raise DataError(f"data.{split}: no row fits training.max_length {max_length}: "
+                            f"{trainer} drops a row whose prompt alone is that long (nothing "
+                            f"of its {answers} would be left), and the shortest prompt, "
+                            f"{where}, has {shortest} tokens; raise training.max_length, or "
+                            "shorten the prompts")
+
+
+def frozen_reference(job: Job):
+    """The reference model of the method's record (dpo, kto): the model its setting names,
+    else none under (Q)LoRA (the trainer disables the adapters), else a frozen copy of
+    the starting policy."""
+    spec = job.experiment
+    named = setting(spec, record(spec).reference.setting)
+    if named:
+        ref = AutoModelForCausalLM.from_pretrained(
+            named, dtype=job.hardware.model_dtype(spec, "reference"),
+            trust_remote_code=spec.model.trust_remote_code)
+    elif spec.peft.type != "none":
+        return None
+    else:
+        ref = copy.deepcopy(job.model)
+    ref.requires_grad_(False)
+    return ref.eval()
