@@ -209,6 +209,19 @@ def not_an_object(row: Any) -> str | None:
            f"{type(row).__name__} {one_line(repr(row))[:40]}"
 
 
+def checked_builder(path: Path) -> str:
+    """The datasets builder of a local data file, once check_file found nothing wrong
+    with it (else a DataError): what training and validate's data pass both read first."""
+    builder = BUILDERS[path.suffix.lower()]
+    try:
+        problem = check_file(path, builder)
+    except OSError as exc:
+        raise DataError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    if problem:
+        raise DataError(problem)
+    return builder
+
+
 def check_file(path: Path, builder: str) -> str | None:
     """What is wrong with a local text data file before datasets reads it, or None.
     Cheap: one streaming UTF-8 pass; JSON rows are parsed only where NaN/Inf appears."""

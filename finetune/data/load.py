@@ -19,7 +19,7 @@ from datasets import (Dataset, Features, LargeList, List, Value, concatenate_dat
                       load_dataset)
 
 from finetune.data import formats, mix, scratch
-from finetune.data.files import BUILDERS, check_file, diagnose_json, list_data_files
+from finetune.data.files import checked_builder, diagnose_json, list_data_files
 from finetune.data.rows import FORMATS, WEIGHT, check_row, preference_problem
 from finetune.config.formats import SOURCES, target as source_target
 from finetune.config.methods import method as method_record
@@ -75,13 +75,7 @@ def _root_cause(exc: BaseException) -> str:
 
 
 def _read_file(path: Path) -> Dataset:
-    builder = BUILDERS[path.suffix.lower()]
-    try:
-        problem = check_file(path, builder)
-    except OSError as exc:
-        raise DataError(f"{path}: cannot read: {exc.strerror or exc}") from None
-    if problem:
-        raise DataError(problem)
+    builder = checked_builder(path)
     try:
         # datasets keys its own cache of a local file by path and mtime only: an edit that
         # keeps the mtime (cp -p, touch -r) would read the old rows. finetune caches the

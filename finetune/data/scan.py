@@ -28,7 +28,7 @@ from finetune.config.methods import method as method_record
 from finetune.config.rules import is_local
 from finetune.config.schema import DataSource, Experiment
 from finetune.data import formats
-from finetune.data.files import (BUILDERS, MAX_DEPTH, check_file, is_document, list_data_files,
+from finetune.data.files import (MAX_DEPTH, checked_builder, is_document, list_data_files,
                                  not_an_object, parse_json, value_problem)
 from finetune.data.rows import FORMATS, WEIGHT, check_row, preference_problem
 from finetune.errors import DataError, one_line
@@ -131,13 +131,7 @@ def _table_rows(path: Path, builder: str) -> Iterator[tuple[str, Any]]:
 
 def file_rows(path: Path, progress: Progress) -> Iterator[tuple[str, dict[str, Any]]]:
     """(where, row) of every row of a local data file, after training's file checks."""
-    builder = BUILDERS[path.suffix.lower()]
-    try:
-        problem = check_file(path, builder)
-    except OSError as exc:
-        raise DataError(f"{path}: cannot read: {exc.strerror or exc}") from None
-    if problem:
-        raise DataError(problem)
+    builder = checked_builder(path)
     if builder != "json":
         yield from _table_rows(path, builder)
     elif is_document(path):
