@@ -214,3 +214,27 @@ def test_median_pruning_stops_a_trial_worse_than_the_finished_ones(write, tmp_pa
     assert step < 30
     # worse than the median of the finished trials at a step it was evaluated at
     assert trials[2]["metric"] > min(t["intermediate"][str(step)] for t in trials[:2])
+
+
+@pytest.mark.slow
+def test_a_two_process_experiment_is_swept_through_finetune_launch(write, tmp_path):
+    """Each trial of a DDP experiment runs as `finetune launch` (two gloo processes on the CPU):
+    its run directory holds launch.sh and the Accelerate file, and the trial trained as two."""
+    grid = sweep_file(write, "method: grid\nparameters:\n"
+                             "  training.learning_rate: {values: [1.0e-3, 3.0e-3]}\n")
+    out = tmp_path / "sweep"
+    result = run_cli("sweep", SFT, grid, "--out", str(out), *FAST, "training.max_steps=2",
+                     "distributed.strategy=ddp", "distributed.num_processes=2",
+                     "distributed.device=cpu", "distributed.main_process_port=29731",
+                     cwd=tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    trials = state(out)["trials"]
+    assert [t["status"] for t in trials] == ["finished", "finished"]
+    for trial in trials:
+        run_dir = out / trial["name"]
+        assert (run_dir / "launch.sh").is_file() and (run_dir / "accelerate.yaml").is_file()
+        assert "num_processes: 2" in (run_dir / "accelerate.yaml").read_text()
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert summary["global_step"] == 2
+        assert trial["metric"] == summary["after"]["eval_loss"]
+    assert trials[0]["metric"] != trials[1]["metric"]
