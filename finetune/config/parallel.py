@@ -32,9 +32,11 @@ def check(exp: Experiment) -> Iterator[Problem]:
                     "AutoTP); transformers' tp_plan through accelerate's ParallelismConfig "
                     f"(ddp/fsdp) is not supported: on CPU accelerate 1.15 stops with "
                     f"'{ACCELERATE_CPU}', and on GPUs finetune has not verified it")
-    if dist.world_size % tp:
+    # Without a count the launcher's is taken, and checked then (launch/environment.py).
+    counted = dist.num_processes is not None or dist.processes_per_machine is not None
+    if counted and dist.world_size % tp:
         yield LOC, f"{dist.world_size} processes are not a multiple of tensor_parallel {tp}"
-    elif dist.per_machine % tp:
+    elif counted and dist.per_machine % tp:
         yield LOC, (f"{tp} does not divide the {dist.per_machine} processes of a machine: a "
                     "tensor-parallel group exchanges activations in every layer, so it stays "
                     "on one machine")

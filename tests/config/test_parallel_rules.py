@@ -51,6 +51,13 @@ def test_what_tensor_parallel_refuses(write, overrides, expected):
     assert expected in found, found
 
 
+def test_without_a_process_count_the_launchers_is_checked_when_taken(write):
+    path = sft(write, "distributed: {strategy: deepspeed, tensor_parallel: 2}\n")
+    assert load_experiment(path).distributed.tensor_parallel == 2  # no count: not yet known
+    found = "\n".join(problems(path, "distributed.num_processes=3"))  # the launcher's 3
+    assert "3 processes are not a multiple of tensor_parallel 2" in found
+
+
 def test_methods_other_than_sft_are_refused(write):
     path = write("dpo.yaml", f"method: dpo\nmodel: {{name_or_path: {TINY_MODEL}, init: random}}\n"
                              f"data:\n  train: {{path: {DATA}/pref_train.jsonl}}\n")
