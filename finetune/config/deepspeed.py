@@ -60,7 +60,7 @@ def _offload(device: str, nvme_path: str | None) -> dict[str, Any]:
     return spec
 
 
-def deepspeed_config(ds: DeepSpeedSection) -> dict[str, Any]:
+def deepspeed_config(ds: DeepSpeedSection, tensor_parallel: int = 1) -> dict[str, Any]:
     zero: dict[str, Any] = {"stage": ds.zero_stage}
     if ds.zero_stage >= 1 and ds.offload_optimizer != "none":
         zero["offload_optimizer"] = _offload(ds.offload_optimizer, ds.nvme_path)
@@ -71,7 +71,7 @@ def deepspeed_config(ds: DeepSpeedSection) -> dict[str, Any]:
             zero["offload_param"] = _offload(ds.offload_params, ds.nvme_path)
         zero.update(stage3_prefetch_bucket_size="auto", stage3_param_persistence_threshold="auto",
                     stage3_gather_16bit_weights_on_model_save=ds.save_16bit_model)
-    return {
+    config: dict[str, Any] = {
         "zero_optimization": zero,
         # The Trainer's optimizer is used (no "optimizer" section); allow it with offload.
         "zero_force_ds_cpu_optimizer": False,
@@ -85,6 +85,16 @@ def deepspeed_config(ds: DeepSpeedSection) -> dict[str, Any]:
         "steps_per_print": 1_000_000_000,
         "wall_clock_breakdown": False,
     }
+    if tensor_parallel > 1:
+        # vocab_parallel_lm_head false: DeepSpeed would otherwise shard a tied output head
+        # by vocabulary and leave its logits ungathered, which only its own loss reads;
+        # the trainers' losses, token accuracy and entropy need the whole vocabulary.
+        config["tensor_parallel"] = {"autotp_size": tensor_parallel,
+                                     "vocab_parallel_lm_head": False}
+        # Despite its name, the flag that makes a save gather the AutoTP shards into
+        # whole weights (accelerate's get_state_dict); without it final/ holds no model.
+        zero["stage3_gather_16bit_weights_on_model_save"] = True
+    return config
 
 
 def deepspeed_dict(experiment: Experiment) -> dict[str, Any]:
@@ -95,4 +105,4 @@ def deepspeed_dict(experiment: Experiment) -> dict[str, Any]:
         if why:
             raise RunError(f"distributed.deepspeed.config_file: {why}")
         return config
-    return deepspeed_config(spec)
+    return deepspeed_config(spec, experiment.distributed.tensor_parallel)

@@ -33,6 +33,16 @@ def contradictions(config: dict[str, Any], experiment: Experiment, where: str,
             ours("gradient_accumulation_steps"), "training.gradient_accumulation_steps")
     differs("gradient_clipping", config.get("gradient_clipping"),
             ours("max_grad_norm"), "training.max_grad_norm")
+    tensor = config.get("tensor_parallel", {})
+    tp = experiment.distributed.tensor_parallel
+    autotp = tensor.get("autotp_size", 1) if isinstance(tensor, dict) else 1
+    if autotp != tp:
+        found.append(f"{where}: tensor_parallel.autotp_size is {autotp!r}, but the "
+                     f"experiment's distributed.tensor_parallel is {tp}")
+    if tp > 1 and zero.get("stage3_gather_16bit_weights_on_model_save") is not True:
+        found.append(f"{where}: tensor parallelism needs zero_optimization."
+                     "stage3_gather_16bit_weights_on_model_save: true (it gathers the shards "
+                     "into the whole model that final/ and the checkpoints hold)")
     offload = zero.get("offload_optimizer", {})
     if offload.get("device", "none") != "none" and "optimizer" not in config and \
             config.get("zero_force_ds_cpu_optimizer", True) is not False:

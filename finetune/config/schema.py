@@ -254,6 +254,10 @@ class DistributedSection(Section):
         "fails with an error.")
     launcher: Literal["accelerate", "torchrun"] = Field(
         "accelerate", description="What `finetune launch` starts the processes with.")
+    tensor_parallel: int = Field(
+        1, ge=1, le=MAX_PROCESSES, description="Processes that split each layer's weights "
+        "between them (DeepSpeed AutoTP: strategy deepspeed, ZeRO stage 0-2, method sft, "
+        "full fine-tuning). The data parallel degree is num_processes / tensor_parallel.")
     deepspeed: DeepSpeedSection = Field(default_factory=DeepSpeedSection)
     fsdp: FSDPSection = Field(default_factory=FSDPSection)
 
@@ -274,6 +278,11 @@ class DistributedSection(Section):
     @property
     def per_machine(self) -> int:
         return self.world_size // self.num_machines
+
+    @property
+    def data_parallel(self) -> int:
+        """Processes that each see their own batch: a tensor-parallel group shares one."""
+        return max(self.world_size // self.tensor_parallel, 1)
 
 
 class OutputSection(Section):

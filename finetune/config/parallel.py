@@ -1,0 +1,69 @@
+"""Tensor parallelism (distributed.tensor_parallel): the rules for what runs, checked by
+validate. finetune runs it through DeepSpeed AutoTP, the one route of the stack that
+trains on CPU (gloo) as well as on GPUs, so it is tested here; the combinations not
+listed stay refused, each with the library's reason or 'not verified'. Torch-free."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterator
+
+from finetune.config.schema import Experiment
+
+Problem = tuple[tuple, str]
+LOC = ("distributed", "tensor_parallel")
+# Why not the other route: transformers' tp_plan (from_pretrained(distributed_config=...))
+# makes the Trainer build accelerate's ParallelismConfig, which accelerate 1.15 accepts
+# only under FSDP2 or on GPUs (multi_device): with gloo on CPU it stops.
+ACCELERATE_CPU = ("ParallelismConfig is only compatible DistributedType.FSDP (version 2) or "
+                  "DistributedType.Multi{Device} or DistributedType.DEEPSPEED, but got "
+                  "DistributedType.MULTI_CPU")
+HEAD_KEYS = ("num_attention_heads", "num_key_value_heads")
+
+
+def check(exp: Experiment) -> Iterator[Problem]:
+    dist = exp.distributed
+    tp = dist.tensor_parallel
+    if tp == 1:
+        return
+    if dist.strategy != "deepspeed":
+        yield LOC, ("needs strategy deepspeed (finetune runs tensor parallelism as DeepSpeed "
+                    "AutoTP); transformers' tp_plan through accelerate's ParallelismConfig "
+                    f"(ddp/fsdp) is not supported: on CPU accelerate 1.15 stops with "
+                    f"'{ACCELERATE_CPU}', and on GPUs finetune has not verified it")
+    # Without a count the launcher's is taken, and checked then (launch/environment.py).
+    counted = dist.num_processes is not None or dist.processes_per_machine is not None
+    if counted and dist.world_size % tp:
+        yield LOC, f"{dist.world_size} processes are not a multiple of tensor_parallel {tp}"
+    elif counted and dist.per_machine % tp:
+        yield LOC, (f"{tp} does not divide the {dist.per_machine} processes of a machine: a "
+                    "tensor-parallel group exchanges activations in every layer, so it stays "
+                    "on one machine")
+    if dist.deepspeed.zero_stage == 3:
+        yield ("distributed", "deepspeed", "zero_stage"), (
+            "3 with tensor_parallel is not verified by finetune (model creation under "
+            "zero.Init before AutoTP shards it); use zero_stage 0, 1 or 2")
+    if exp.peft.type != "none":
+        yield ("peft", "type"), (f"{exp.peft.type} with tensor_parallel is not verified: "
+                                 "AutoTP shards nn.Linear layers, PEFT wraps them; use "
+                                 "peft.type none (full fine-tuning)")
+    if exp.method != "sft":
+        yield ("method",), (f"{exp.method} with tensor_parallel is not verified by finetune "
+                            "(its trainer's own forward passes, generation or reference "
+                            "model); tensor_parallel runs method sft")
+    yield from _heads(exp, tp)
+
+
+def _heads(exp: Experiment, tp: int) -> Iterator[Problem]:
+    """A local model's attention heads split evenly, or AutoTP stops after loading."""
+    try:
+        config = json.loads((Path(exp.model.name_or_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return  # a hub id, or unreadable: DeepSpeed reports it when it shards the model
+    config = config.get("text_config", config) if isinstance(config, dict) else {}
+    for key in HEAD_KEYS:
+        heads = config.get(key) if isinstance(config, dict) else None
+        if isinstance(heads, int) and heads % tp:
+            yield LOC, (f"{tp} does not divide the model's {key} ({heads}): each process "
+                        "takes an equal share of the heads")
