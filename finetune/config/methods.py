@@ -80,6 +80,10 @@ class Method:
     trl_casts: bool = True
     # distributed.strategy values it runs under.
     strategies: tuple[str, ...] = ALL_STRATEGIES
+    # Runs under distributed.tensor_parallel (DeepSpeed AutoTP): verified on CPU for sft's
+    # plain forward and loss; trainers with generation, reference models or their own
+    # forward passes are not (config/parallel.py).
+    tensor_parallel: bool = False
     # Training arguments of its own, over finetune's defaults, under the experiment's.
     defaults: dict[str, Any] = field(default_factory=dict, compare=False)
 
@@ -111,7 +115,7 @@ class Method:
 METHODS: dict[str, Method] = {m.name: m for m in (
     Method("sft", ("trl", "SFTConfig"), ("messages", "prompt_completion", "text"), "lm",
            "finetune.methods.sft", max_length="training.max_length", tokenizes=True,
-           exact_match=True, flattens=True, liger_default=True),
+           exact_match=True, flattens=True, liger_default=True, tensor_parallel=True),
     Method("reward", ("trl", "RewardConfig"), ("preference",), "score",
            "finetune.methods.reward", max_length="training.max_length", sequences=2,
            tokenizes=True),

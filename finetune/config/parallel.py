@@ -9,6 +9,8 @@ import json
 from pathlib import Path
 from typing import Iterator
 
+from finetune.config.effective import record
+from finetune.config.methods import names_where, spoken
 from finetune.config.schema import Experiment
 
 Problem = tuple[tuple, str]
@@ -48,10 +50,11 @@ def check(exp: Experiment) -> Iterator[Problem]:
         yield ("peft", "type"), (f"{exp.peft.type} with tensor_parallel is not verified: "
                                  "AutoTP shards nn.Linear layers, PEFT wraps them; use "
                                  "peft.type none (full fine-tuning)")
-    if exp.method != "sft":
+    if not record(exp).tensor_parallel:
+        verified = spoken(names_where(lambda m: m.tensor_parallel), "and")
         yield ("method",), (f"{exp.method} with tensor_parallel is not verified by finetune "
                             "(its trainer's own forward passes, generation or reference "
-                            "model); tensor_parallel runs method sft")
+                            f"model); tensor_parallel runs method {verified}")
     yield from _heads(exp, tp)
 
 
