@@ -380,6 +380,29 @@ def test_zero_arithmetic_full_8b():
     assert both.trainable == 0 and both.cpu == off.cpu + ceil(2 * p)
 
 
+def test_tensor_parallel_splits_the_decoder_linears_and_zero_shards_over_the_rest():
+    """8 processes = tensor parallel 2 x data parallel 4, bf16 ZeRO-1: each process holds
+    half of every decoder linear and all of the embeddings, norms and head; ZeRO-1 shards
+    the master weights and optimizer states over the 4 data parallel groups."""
+    experiment = _llama8b("peft.type=none", "distributed.strategy=deepspeed",
+                          "distributed.num_processes=8", "distributed.tensor_parallel=2",
+                          "distributed.deepspeed.zero_stage=1")
+    shape = read_shape(str(LLAMA_8B))
+    settings = settings_of(experiment, max_positions=shape.max_positions)
+    assert settings.layout == Layout("deepspeed", 1, tensor_parallel=2)
+    tensors = census(shape, settings)
+    layer = 4096 * (4096 + 2 * 1024) + 4096 * 4096 + 3 * 4096 * 14336
+    held = 8_030_261_248 - 32 * layer // 2  # parameters one process holds
+    z1 = model_states(tensors, [], shape, settings, settings.layout)
+    assert (z1.trainable, z1.gradients) == (2 * held, 2 * held)
+    assert z1.master == -(-4 * held // 4)
+    ladder = ladder_layouts(settings)
+    assert [(lay.zero_stage, lay.tensor_parallel) for lay in ladder] == [(0, 2), (1, 2), (2, 2)]
+    assert "deepspeed ZeRO-1, tensor parallel 2" == settings.layout.label()
+    with pytest.raises(ConfigError, match="not a multiple of distributed.tensor_parallel 2"):
+        settings_of(experiment, gpus=3)
+
+
 def test_recommendation_8b():
     one = estimate(_llama8b("peft.type=none"), gpus=1, gpu_memory=80 * GiB)
     assert not one.configured.fits

@@ -11,7 +11,10 @@ keeps fp32 master weights and optimizer states for the trainable ones. Stage 1 s
 master weights and optimizer states over the processes, stage 2 also the gradients,
 stage 3 also the parameters (then a layer's worth is gathered at a time). Optimizer
 offload moves master weights, optimizer states and an fp32 gradient partition to the
-host; parameter offload (stage 3) the 16-bit parameters.
+host; parameter offload (stage 3) the 16-bit parameters. Tensor parallelism (AutoTP)
+splits every decoder linear (and its bias) over its group, so each process holds 1/tp of
+them, and ZeRO shards over the data parallel groups (processes / tp); embeddings, norms and
+the output head stay whole (vocab_parallel_lm_head is off).
 
 fsdp (approximate): FULL_SHARD and HYBRID_SHARD shard like ZeRO-3 (HYBRID within a
 machine), SHARD_GRAD_OP keeps every unsharded 16-bit parameter from the forward to the
@@ -20,7 +23,7 @@ backward, NO_SHARD is data parallel; cpu_offload moves the sharded states to the
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from finetune.config.effective import model_precision
 from finetune.estimate.census import BYTES, Tensor
@@ -29,6 +32,8 @@ from finetune.estimate.settings import Layout, Settings
 from finetune.estimate.shapes import Shape
 
 FLOAT = ("fp32", "bf16", "fp16")
+# What AutoTP splits: the decoder's linear layers (the model's tp_plan) and their biases.
+TENSOR_PARALLEL_ROLES = ("linear", "bias")
 
 
 @dataclass
@@ -118,11 +123,20 @@ def _plain(tensors: list[Tensor], value: list[Tensor], settings: Settings,
     return s
 
 
+def tensor_parallel_share(tensors: list[Tensor], tp: int) -> list[Tensor]:
+    """The part of each tensor one process of a tensor-parallel group holds."""
+    if tp == 1:
+        return tensors
+    return [replace(t, numel=_ceil(t.numel, tp), nbytes=_ceil(t.nbytes, tp))
+            if t.role in TENSOR_PARALLEL_ROLES else t for t in tensors]
+
+
 def _deepspeed(tensors: list[Tensor], settings: Settings, layout: Layout,
                shape: Shape) -> States:
     s = States()
     half = settings.precision != "fp32"
-    n, stage = settings.world, layout.zero_stage
+    n, stage = settings.world // layout.tensor_parallel, layout.zero_stage
+    tensors = tensor_parallel_share(tensors, layout.tensor_parallel)
 
     def held(t: Tensor) -> int:  # the engine casts floating parameters to 16 bits
         return 2 * t.numel if half and t.dtype in FLOAT else t.nbytes

@@ -30,10 +30,13 @@ class Layout:
     offload_params: str = "none"
     fsdp_sharding: str = "FULL_SHARD"
     fsdp_offload: bool = False
+    tensor_parallel: int = 1       # deepspeed AutoTP: processes splitting each linear
 
     def label(self) -> str:
         if self.strategy == "deepspeed":
             text = f"deepspeed ZeRO-{self.zero_stage}"
+            if self.tensor_parallel > 1:
+                text += f", tensor parallel {self.tensor_parallel}"
             opt, par = self.offload_optimizer, self.offload_params
             if opt != "none" and par == opt:
                 return f"{text}, offload optimizer+params ({opt})"
@@ -137,7 +140,8 @@ def _layout(exp: Experiment, world: int) -> Layout:
         strategy = "ddp"
     ds, fsdp = dist.deepspeed, dist.fsdp
     if strategy == "deepspeed":
-        return Layout("deepspeed", ds.zero_stage, ds.offload_optimizer, ds.offload_params)
+        return Layout("deepspeed", ds.zero_stage, ds.offload_optimizer, ds.offload_params,
+                      tensor_parallel=dist.tensor_parallel)
     if strategy == "fsdp":
         return Layout("fsdp", fsdp_sharding=fsdp.sharding_strategy, fsdp_offload=fsdp.cpu_offload)
     return Layout(strategy)
@@ -165,6 +169,13 @@ def settings_of(exp: Experiment, gpus: int | None = None, seq_len: int | None = 
     per_machine = world // dist.num_machines if world % dist.num_machines == 0 else world
     if gpus and dist.strategy == "none" and gpus > 1:
         notes.append(f"--gpus {gpus} with strategy none: estimated as ddp")
+    tp = dist.tensor_parallel
+    if tp > 1:
+        if world % tp:
+            raise ConfigError([f"--gpus {world}: not a multiple of distributed.tensor_parallel {tp}"])
+        notes.append(f"tensor_parallel {tp}: the decoder's linear layers split over {tp} "
+                     "processes; activations are counted whole (an upper bound: AutoTP "
+                     "splits the attention heads' and the MLP's)")
     tokens, logits, sequences = _sequence(exp, own, seq_len, max_positions, notes)
     micro = value("per_device_train_batch_size") or 8
     labels = effective.setting(exp, own.labels) if own.labels else None
