@@ -63,7 +63,9 @@ def _flatten(value: Any, prefix: str) -> dict[str, Any]:
 def layout(experiment: Experiment) -> dict[str, int]:
     result = {"processes": experiment.distributed.world_size,
               **{key: value(experiment, key) for key in LAYOUT_KEYS}}
-    result["global_batch"] = (result["processes"] * result["per_device_train_batch_size"]
+    # A tensor-parallel group trains on one batch: only data parallel groups add rows.
+    result["global_batch"] = (experiment.distributed.data_parallel
+                              * result["per_device_train_batch_size"]
                               * result["gradient_accumulation_steps"])
     return result
 
@@ -105,6 +107,8 @@ def fingerprint(experiment: Experiment) -> dict[str, Any]:
     flat["checkpoint format"] = "plain" if strategy in ("none", "ddp") else strategy
     if strategy == "deepspeed":
         flat["distributed.deepspeed.zero_stage"] = experiment.distributed.deepspeed.zero_stage
+        if experiment.distributed.tensor_parallel > 1:  # its optimizer states are AutoTP shards
+            flat["distributed.tensor_parallel"] = experiment.distributed.tensor_parallel
     if strategy == "fsdp":  # another version or state-dict type reads other files
         for key in ("version", "state_dict_type"):
             flat[f"distributed.fsdp.{key}"] = getattr(experiment.distributed.fsdp, key)
@@ -117,6 +121,8 @@ def fingerprint(experiment: Experiment) -> dict[str, Any]:
 
 def _default(method: str, key: str) -> Any:
     """The value a key has when it is not set: the method's default for training keys."""
+    if key == "distributed.tensor_parallel":
+        return 1
     if key.startswith("training."):
         try:
             return class_default(method, key.removeprefix("training."))

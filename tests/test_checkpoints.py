@@ -404,3 +404,17 @@ def test_write_atomic_is_not_blocked_by_leftovers_and_names_what_it_cannot_write
         checkpoints.write_atomic(tmp_path / "metrics.jsonl", "x\n")
     assert sorted(p.name for p in tmp_path.iterdir()) == [".summary.json.tmp", "metrics.jsonl",
                                                           "summary.json"]
+
+
+def test_a_tensor_parallel_checkpoint_is_not_read_by_another_group_size():
+    """AutoTP's optimizer states are shards of the group: another tensor_parallel reads
+    other files. The global batch counts data parallel groups only."""
+    exp = lambda tp, processes: Experiment.model_validate({
+        "name": "t", "method": "sft", "model": {"name_or_path": "m"},
+        "data": {"train": "d.jsonl"},
+        "distributed": {"strategy": "deepspeed", "num_processes": processes,
+                        "tensor_parallel": tp, "deepspeed": {"zero_stage": 1}}})
+    split = fingerprint(exp(2, 4))
+    assert differences(split, fingerprint(exp(1, 2))) == ["distributed.tensor_parallel: 2 -> 1"]
+    assert differences(fingerprint(exp(1, 2)), split) == ["distributed.tensor_parallel: 1 -> 2"]
+    assert layout(exp(2, 4))["global_batch"] == layout(exp(1, 2))["global_batch"]
