@@ -113,5 +113,8 @@ def build_trainer(job: Job) -> SFTTrainer:
         pad_id = job.tokenizer.pad_token_id
         with compat.sft_trainer_on_our_tokens(args):
             return WeightedSFTTrainer(**kwargs, data_collator=lambda rows: pad_batch(rows, pad_id))
+    trainer = SFTTrainer
+    if job.experiment.distributed.sequence_parallel > 1:
+        from finetune.trainers.sequence import SequenceParallelSFTTrainer as trainer
     with compat.sft_trainer_on_our_tokens(args):  # prepare() applied both
-        return SFTTrainer(**kwargs)
+        return trainer(**kwargs)
