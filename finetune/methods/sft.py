@@ -113,8 +113,15 @@ def build_trainer(job: Job) -> SFTTrainer:
         pad_id = job.tokenizer.pad_token_id
         with compat.sft_trainer_on_our_tokens(args):
             return WeightedSFTTrainer(**kwargs, data_collator=lambda rows: pad_batch(rows, pad_id))
-    trainer = SFTTrainer
     if job.experiment.distributed.sequence_parallel > 1:
-        from finetune.trainers.sequence import SequenceParallelSFTTrainer as trainer
+        from functools import partial
+
+        from finetune.trainers.sequence import SequenceParallelSFTTrainer
+
+        # The trainer skips the trained batches itself on resume (trainers/sequence.py).
+        trainer = partial(SequenceParallelSFTTrainer, ignores_data_skip=args.ignore_data_skip)
+        args.ignore_data_skip = True
+    else:
+        trainer = SFTTrainer
     with compat.sft_trainer_on_our_tokens(args):  # prepare() applied both
         return trainer(**kwargs)
