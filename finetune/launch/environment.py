@@ -115,6 +115,26 @@ def launch_problems(experiment: Experiment, env: Mapping[str, str], precision: s
     ds_file = env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
     if dist.strategy == "deepspeed" and ds_file and Path(ds_file).is_file():
         problems += deepspeed_file.problems(experiment, ds_file, precision)
+    return problems + _parallelism_problems(experiment, env)
+
+
+def _parallelism_problems(experiment: Experiment, env: Mapping[str, str]) -> list[str]:
+    """A hand-written Accelerate file's parallelism_config reaches the ranks as
+    PARALLELISM_CONFIG_* variables; finetune hands the Trainer its own ParallelismConfig
+    (build.py), which would silently win over a file that says otherwise."""
+    if env.get("ACCELERATE_USE_PARALLELISM_CONFIG", "").lower() not in _TRUE:
+        return []
+    dist = experiment.distributed
+    ours = {"SP": dist.sequence_parallel, "TP": 1, "CP": 1}
+    problems = []
+    for size, wanted in ours.items():
+        said = env.get(f"PARALLELISM_CONFIG_{size}_SIZE", "1")
+        if said != str(wanted):
+            problems.append(
+                f"the Accelerate launch says parallelism_config_{size.lower()}_size {said}, "
+                f"but the experiment's is {wanted} (distributed.sequence_parallel "
+                f"{dist.sequence_parallel}; tensor parallelism is DeepSpeed's "
+                "tensor_parallel): set it in the experiment")
     return problems
 
 

@@ -39,6 +39,10 @@ def _masking(splits: Splits, experiment: Experiment) -> sft_tokens.Masking:
     if weighted and packed:
         problems.append(f"training.{packed[0]}: not supported with loss weights "
                         "(data.weight_column or `weight` on messages)")
+    if weighted and experiment.distributed.sequence_parallel > 1:
+        problems.append("distributed.sequence_parallel: not supported with loss weights "
+                        "(`weight` on messages): the Trainer's sequence-parallel loss is the "
+                        "model's own mean over tokens")
     if problems:
         raise ConfigError(problems)
     return sft_tokens.Masking(

@@ -82,3 +82,69 @@ def test_a_hand_written_deepspeed_file_must_agree(write, tmp_path):
                                f"distributed.deepspeed.config_file={mine}",
                                "distributed.deepspeed.zero_stage=1"))
     assert "autotp_size is 2, but the experiment's distributed.tensor_parallel is 1" in found
+
+
+# ---- distributed.sequence_parallel (DeepSpeed ALST/Ulysses; trained in
+# tests/test_sequence_parallel.py) ----
+
+SP = ("distributed.strategy=deepspeed", "distributed.num_processes=2",
+      "distributed.sequence_parallel=2")
+
+
+def test_a_valid_sequence_parallel_layout(write):
+    from finetune.config.effective import arguments, flattens
+
+    experiment = load_experiment(sft(write), SP + ("training.max_length=47",))
+    assert experiment.distributed.data_parallel == 1
+    assert not flattens(experiment)  # padded rows: Ulysses drops the attention mask
+    kwargs = arguments(experiment, "cpu", "fp32")
+    assert kwargs["pad_to_multiple_of"] == 48 and "padding_free" not in kwargs
+    four = load_experiment(sft(write), SP + ("distributed.num_processes=4",))
+    assert four.distributed.data_parallel == 2
+
+
+@pytest.mark.parametrize("overrides,expected", [
+    (("distributed.strategy=ddp",), "distributed.sequence_parallel: needs strategy deepspeed"),
+    (("distributed.num_processes=3",), "distributed.sequence_parallel: 3 processes are not a "
+                                       "multiple of sequence_parallel 2"),
+    (("distributed.num_processes=4", "distributed.tensor_parallel=2"),
+     "distributed.sequence_parallel: with tensor_parallel is not verified"),
+    (("distributed.num_processes=3", "distributed.sequence_parallel=3"),
+     "distributed.sequence_parallel: 3 does not divide the model's num_attention_heads (4)"),
+    (("distributed.deepspeed.zero_stage=0",), "distributed.deepspeed.zero_stage: 0 with "
+                                              "sequence_parallel: not verified"),
+    (("distributed.deepspeed.zero_stage=3",), "distributed.deepspeed.zero_stage: 3 with "
+                                              "sequence_parallel: measured on CPU"),
+    (("peft.type=lora",), "peft.type: lora with sequence_parallel: measured on CPU"),
+    (("model.attn_implementation=eager",), "model.attn_implementation: eager cannot run "
+                                           "under sequence_parallel"),
+    (("model.attn_implementation=finetune_varlen",), "finetune_varlen is not one it knows"),
+    (("training.padding_free=true",), "training.padding_free: not supported with "
+                                      "sequence_parallel: Ulysses drops the attention mask"),
+    (("training.packing=true",), "training.packing: not supported with sequence_parallel"),
+    (("training.pad_to_multiple_of=8",), "training.pad_to_multiple_of: is finetune's"),
+    (("training.loss_type=dft",), "training.loss_type: dft is refused by TRL"),
+    (("data.weight_column=w",), "data.weight_column: not supported with sequence_parallel"),
+])
+def test_what_sequence_parallel_refuses(write, overrides, expected):
+    found = "\n".join(problems(sft(write), *SP, *overrides))
+    assert expected in found, found
+
+
+def test_sequence_parallel_refuses_methods_other_than_sft(write):
+    path = write("dpo.yaml", f"method: dpo\nmodel: {{name_or_path: {TINY_MODEL}, init: random}}\n"
+                             f"data:\n  train: {{path: {DATA}/pref_train.jsonl}}\n")
+    found = "\n".join(problems(path, *SP))
+    assert "method: dpo with sequence_parallel is not verified" in found, found
+
+
+def test_a_rank_refuses_an_accelerate_file_that_says_another_sequence_parallel(write):
+    from finetune.launch.environment import launch_problems
+
+    experiment = load_experiment(sft(write), SP)
+    env = {"WORLD_SIZE": "2", "ACCELERATE_USE_PARALLELISM_CONFIG": "true",
+           "PARALLELISM_CONFIG_SP_SIZE": "2", "PARALLELISM_CONFIG_CP_SIZE": "1"}
+    assert launch_problems(experiment, env, "fp32") == []
+    found = "\n".join(launch_problems(experiment, {**env, "PARALLELISM_CONFIG_SP_SIZE": "4"},
+                                      "fp32"))
+    assert "parallelism_config_sp_size 4, but the experiment's is 2" in found, found
