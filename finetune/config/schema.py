@@ -261,8 +261,8 @@ class DistributedSection(Section):
     sequence_parallel: int = Field(
         1, ge=1, le=MAX_PROCESSES, description="Processes that split each row along the "
         "sequence and share its attention heads (DeepSpeed ALST/Ulysses: strategy deepspeed, "
-        "method sft, padded batches, sdpa or flash attention). The data parallel degree is "
-        "num_processes / sequence_parallel.")
+        "ZeRO 1-2, method sft, full fine-tuning, padded batches, sdpa or flash attention). The "
+        "data parallel degree is num_processes / sequence_parallel.")
     deepspeed: DeepSpeedSection = Field(default_factory=DeepSpeedSection)
     fsdp: FSDPSection = Field(default_factory=FSDPSection)
 
