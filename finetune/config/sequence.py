@@ -35,8 +35,12 @@ def check(exp: Experiment) -> Iterator[Problem]:
                     "FSDP2, which accelerate 1.15 runs only on GPUs and finetune has not "
                     "verified")
     if dist.tensor_parallel > 1:
-        yield LOC, ("with tensor_parallel is not verified by finetune (DeepSpeed AutoTP and "
-                    "Ulysses each build their own process groups); use one of them")
+        yield LOC, ("with tensor_parallel does not run: tried on CPU (2 x 2 over 4 "
+                    "processes), DeepSpeed stops with \"Check batch related parameters. "
+                    "train_batch_size is not equal to micro_batch_per_gpu * "
+                    "gradient_acc_step * world_size 4 != 4 * 1 * 2.0\" (under the Ulysses "
+                    "groups it counts the tensor-parallel ranks as data parallel); use one "
+                    "of them")
     counted = dist.num_processes is not None or dist.processes_per_machine is not None
     if counted and dist.world_size % sp:
         yield LOC, f"{dist.world_size} processes are not a multiple of sequence_parallel {sp}"

@@ -108,7 +108,7 @@ def test_a_valid_sequence_parallel_layout(write):
     (("distributed.num_processes=3",), "distributed.sequence_parallel: 3 processes are not a "
                                        "multiple of sequence_parallel 2"),
     (("distributed.num_processes=4", "distributed.tensor_parallel=2"),
-     "distributed.sequence_parallel: with tensor_parallel is not verified"),
+     "distributed.sequence_parallel: with tensor_parallel does not run"),
     (("distributed.num_processes=3", "distributed.sequence_parallel=3"),
      "distributed.sequence_parallel: 3 does not divide the model's num_attention_heads (4)"),
     (("distributed.deepspeed.zero_stage=0",), "distributed.deepspeed.zero_stage: 0 with "
