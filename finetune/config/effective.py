@@ -77,12 +77,13 @@ def flattens(experiment: Experiment) -> bool:
     """Would train flattened rows (padding-free or packed) on a varlen kernel. Weighted
     rows are padded, and so are models with remote code: transformers' own models mask
     across rows from the position_ids; remote code might not, and would silently attend
-    across rows. Nor under sequence parallelism: Ulysses drops the attention mask, so rows
-    are padded there (config/parallel.py)."""
+    across rows. Nor under sequence or context parallelism: both drop the attention mask,
+    so rows are padded there (config/sequence.py)."""
     training = experiment.training
     return record(experiment).flattens and experiment.data.weight_column is None \
         and not experiment.model.trust_remote_code \
         and experiment.distributed.sequence_parallel == 1 \
+        and experiment.distributed.context_parallel == 1 \
         and (bool(training.get("packing")) or training.get("padding_free") is not False)
 
 
@@ -149,6 +150,10 @@ def arguments(experiment: Experiment, device: str | None = None, precision: str 
     sequence_parallel = experiment.distributed.sequence_parallel
     if sequence_parallel > 1 and record(experiment).sequence_parallel:
         kwargs.setdefault("pad_to_multiple_of", sequence_length(experiment, kwargs))
+    context_parallel = experiment.distributed.context_parallel
+    if context_parallel > 1 and record(experiment).sequence_parallel:
+        # torch's load balancer cuts each row into 2 x context_parallel chunks.
+        kwargs.setdefault("pad_to_multiple_of", 2 * context_parallel)
     if run_dir is not None:
         kwargs["output_dir"] = str(run_dir / "checkpoints")
     if device:

@@ -1,10 +1,13 @@
-"""Sequence parallelism (distributed.sequence_parallel): the rules for what runs, checked
-by validate. finetune runs it as DeepSpeed ALST/Ulysses (accelerate's ParallelismConfig
+"""Sequence and context parallelism (distributed.sequence_parallel, context_parallel):
+the rules for what runs, checked by validate. Sequence parallelism: finetune runs it as DeepSpeed ALST/Ulysses (accelerate's ParallelismConfig
 sp_backend deepspeed, built in build.py): each row is cut along the sequence over a
 group of processes, which exchange attention heads so that each computes whole-sequence
 attention for its share of the heads. It trains on CPU (gloo) as well as on GPUs, so it
 is tested here (tests/test_sequence_parallel.py); what is not listed stays refused, with
-the library's reason or 'not verified'. Torch-free."""
+the library's reason or 'not verified'. Context parallelism (accelerate's torch ring
+attention under FSDP2) runs only on GPUs: its rules are the libraries' own requirements,
+and the Accelerate file that carries it is checked on CPU (tests/test_context_parallel.py).
+Torch-free."""
 
 from __future__ import annotations
 
@@ -25,6 +28,51 @@ VERIFIED_STAGES = (1, 2)
 
 
 def check(exp: Experiment) -> Iterator[Problem]:
+    yield from _sequence(exp)
+    yield from _context(exp)
+
+
+def _context(exp: Experiment) -> Iterator[Problem]:
+    dist = exp.distributed
+    cp = dist.context_parallel
+    if cp == 1:
+        return
+    loc = ("distributed", "context_parallel")
+    if dist.strategy != "fsdp" or dist.fsdp.version != 2:
+        yield loc, ("needs strategy fsdp with fsdp.version 2: accelerate's torch context "
+                    "parallelism shards the model with FSDP2 (ParallelismConfig cp_backend "
+                    "torch)")
+    if dist.sequence_parallel > 1 or dist.tensor_parallel > 1:
+        yield loc, ("cannot be combined with sequence_parallel or tensor_parallel (accelerate: "
+                    "\"Context Parallelism (CP) and Sequence Parallelism (SP) are mutually "
+                    "exclusive\"; finetune's tensor parallelism is DeepSpeed's)")
+    counted = dist.num_processes is not None or dist.processes_per_machine is not None
+    if counted and dist.world_size % cp:
+        yield loc, f"{dist.world_size} processes are not a multiple of context_parallel {cp}"
+    if not record(exp).sequence_parallel:
+        yield ("method",), (f"{exp.method} with context_parallel: offered for method sft only "
+                            "(TRL's SFTTrainer handles context parallelism)")
+    if exp.peft.type != "none":
+        yield ("peft", "type"), (f"{exp.peft.type} with context_parallel is not verified; use "
+                                 "peft.type none")
+    if exp.model.attn_implementation != "sdpa":
+        yield ("model", "attn_implementation"), (
+            "must be sdpa with context_parallel (transformers: \"Context parallelism is "
+            "supported only with SDPA attention\"; auto could pick another)")
+    training = exp.training
+    for name in ("packing", "padding_free"):
+        if training.get(name):
+            yield ("training", name), (
+                "not supported with context_parallel: its attention is plain causal over the "
+                "whole row (TRL: \"Packing is not compatible with context parallelism\")")
+    multiple = training.get("pad_to_multiple_of")
+    if multiple is not None and (not isinstance(multiple, int) or multiple % (2 * cp)):
+        yield ("training", "pad_to_multiple_of"), (
+            f"must be a multiple of {2 * cp} with context_parallel {cp}: torch's load "
+            "balancer cuts each row into 2 x context_parallel chunks")
+
+
+def _sequence(exp: Experiment) -> Iterator[Problem]:
     dist = exp.distributed
     sp = dist.sequence_parallel
     if sp == 1:

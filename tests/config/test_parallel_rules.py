@@ -148,3 +148,55 @@ def test_a_rank_refuses_an_accelerate_file_that_says_another_sequence_parallel(w
     found = "\n".join(launch_problems(experiment, {**env, "PARALLELISM_CONFIG_SP_SIZE": "4"},
                                       "fp32"))
     assert "parallelism_config_sp_size 4, but the experiment's is 2" in found, found
+
+
+# ---- distributed.context_parallel (accelerate's torch context parallelism, GPU only; its
+# Accelerate file is checked in tests/test_context_parallel.py) ----
+
+def cp_experiment(extra: str = "") -> str:
+    return (f"method: sft\nmodel: {{name_or_path: {TINY_MODEL}, init: random, "
+            "attn_implementation: sdpa}\n"
+            f"data:\n  train: {{path: {DATA}/sft_train.jsonl, max_samples: 4}}\n"
+            "distributed: {strategy: fsdp, num_processes: 4, device: cuda, "
+            f"main_process_port: 29745, context_parallel: 2{extra}}}\n")
+
+
+def test_a_valid_context_parallel_layout(write):
+    from finetune.config.effective import arguments, flattens
+    from finetune.render.accelerate import accelerate_config
+
+    experiment = load_experiment(write("exp.yaml", cp_experiment()))
+    assert experiment.distributed.data_parallel == 2 and not flattens(experiment)
+    assert arguments(experiment, "cuda", "bf16")["pad_to_multiple_of"] == 4
+    assert accelerate_config(experiment, None)["parallelism_config"] == {
+        "parallelism_config_dp_replicate_size": 1, "parallelism_config_dp_shard_size": 2,
+        "parallelism_config_tp_size": 1, "parallelism_config_cp_size": 2,
+        "parallelism_config_cp_backend": "torch",
+        "parallelism_config_cp_comm_strategy": "allgather"}
+
+
+@pytest.mark.parametrize("extra,expected", [
+    (", fsdp: {version: 1}", "distributed.context_parallel: needs strategy fsdp with "
+                             "fsdp.version 2"),
+    (", sequence_parallel: 2", "Context Parallelism (CP) and Sequence Parallelism (SP) are "
+                               "mutually exclusive"),
+    (", num_processes: 3", "3 processes are not a multiple of context_parallel 2"),
+    (", device: cpu", "distributed.strategy: fsdp needs CUDA devices"),
+])
+def test_what_context_parallel_refuses(write, extra, expected):
+    text = cp_experiment().replace("num_processes: 4, device: cuda, ", "").replace(
+        "context_parallel: 2", "context_parallel: 2" + extra)
+    if "num_processes" not in extra:
+        text = text.replace("strategy: fsdp,", "strategy: fsdp, num_processes: 4,")
+    if "device" not in extra:
+        text = text.replace("strategy: fsdp,", "strategy: fsdp, device: cuda,")
+    found = "\n".join(problems(write("exp.yaml", text)))
+    assert expected in found, found
+
+
+def test_context_parallel_needs_sdpa_and_padded_rows(write):
+    path = write("exp.yaml", cp_experiment().replace(", attn_implementation: sdpa", ""))
+    found = "\n".join(problems(path, "training.padding_free=true", "peft.type=lora"))
+    assert "model.attn_implementation: must be sdpa with context_parallel" in found, found
+    assert "training.padding_free: not supported with context_parallel" in found
+    assert "peft.type: lora with context_parallel is not verified" in found
