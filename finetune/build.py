@@ -11,7 +11,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from finetune.config.effective import arguments, record, value
+from finetune.config import attention
+from finetune.config.effective import (arguments, attention_implementation, record,
+                                       value)
 from finetune.config.schema import Experiment
 from finetune.config.secrets import REDACTED, is_secret
 from finetune.data.prepare import prepared_data
@@ -39,6 +41,8 @@ def make_training_args(experiment: Experiment, run_dir: Path, hw: Hardware,
     cls = getattr(importlib.import_module(module), name)
     kwargs = arguments(experiment, hw.device, hw.precision, run_dir, checkpointing)
     _hand_secrets_to_hub(kwargs)
+    if experiment.distributed.sequence_parallel > 1:
+        kwargs["parallelism_config"] = sequence_parallelism(experiment, hw)
     try:
         args = cls(**kwargs)
     except (ValueError, TypeError) as exc:
@@ -47,6 +51,28 @@ def make_training_args(experiment: Experiment, run_dir: Path, hw: Hardware,
     if problems:
         raise RunError("; ".join(problems))
     return args
+
+
+def sequence_parallelism(experiment: Experiment, hw: Hardware) -> Any:
+    """accelerate's ParallelismConfig for DeepSpeed ALST/Ulysses, handed to the Trainer
+    through TrainingArguments.parallelism_config. Not through the Accelerate file: its
+    parallelism_config keys reach the ranks as PARALLELISM_CONFIG_* variables that only
+    `accelerate launch` sets, so a torchrun launch (distributed.launcher) or a SLURM
+    script would silently train without it; the arguments are the same under every
+    launcher. Every size is given, so no such variable changes it."""
+    from accelerate import ParallelismConfig
+    from accelerate.utils import DeepSpeedSequenceParallelConfig
+
+    dist = experiment.distributed
+    implementation = attention_implementation(experiment, hw.device, hw.precision)
+    # Ulysses wraps the attention the model runs, so it must be told which (rules.py
+    # refused the ones it cannot wrap); rows of varying length in every batch.
+    handler = DeepSpeedSequenceParallelConfig(
+        sp_seq_length_is_variable=True,
+        sp_attn_implementation=attention.label(implementation))
+    return ParallelismConfig(dp_replicate_size=dist.data_parallel, dp_shard_size=1, tp_size=1,
+                             cp_size=1, cp_backend="torch", sp_size=dist.sequence_parallel,
+                             sp_backend="deepspeed", sp_handler=handler)
 
 
 def _hand_secrets_to_hub(kwargs: dict[str, Any]) -> None:

@@ -55,8 +55,9 @@ def _count(n: int) -> str:
 
 def start_summary(job, trainable: int, total: int) -> str:
     exp, args = job.experiment, job.args
-    tp = exp.distributed.tensor_parallel
-    world = args.world_size // tp  # a tensor-parallel group trains on one batch
+    tp, sp = exp.distributed.tensor_parallel, exp.distributed.sequence_parallel
+    cp = exp.distributed.context_parallel
+    world = args.world_size // (tp * sp * cp)  # a tensor/sequence/context group shares a batch
     effective = args.per_device_train_batch_size * args.gradient_accumulation_steps * world
     length = f"{args.max_steps} steps" if args.max_steps > 0 else f"{args.num_train_epochs} epochs"
     eval_rows = len(job.data.eval) if job.data.eval is not None else 0
@@ -72,13 +73,20 @@ def start_summary(job, trainable: int, total: int) -> str:
         f"  data       {train_rows}, {eval_rows} eval rows",
         f"  batch      {args.per_device_train_batch_size} per device x "
         f"{args.gradient_accumulation_steps} accumulation x {world} "
-        f"{'data parallel group(s)' if tp > 1 else 'process(es)'} "
+        f"{'data parallel group(s)' if tp * sp * cp > 1 else 'process(es)'} "
         f"= {effective} effective; {length}, learning rate {args.learning_rate:g}",
         f"  speed      {_speed(job)}",
     ]
     if tp > 1:
         lines.insert(6, f"  layout     {args.world_size} processes = data parallel {world} x "
                         f"tensor parallel {tp} (DeepSpeed AutoTP)")
+    if cp > 1:
+        lines.insert(6, f"  layout     {args.world_size} processes = FSDP shards {world} x "
+                        f"context parallel {cp} (torch ring attention)")
+    if sp > 1:
+        lines.insert(6, f"  layout     {args.world_size} processes = data parallel {world} x "
+                        f"sequence parallel {sp} (DeepSpeed ALST/Ulysses; rows padded to "
+                        f"{args.pad_to_multiple_of} tokens)")
     listed = record(exp).labels  # the setting that lists the classes, if any
     if listed:
         lines.insert(6, f"  labels     {label_ids(setting(exp, listed), listed)}")

@@ -77,10 +77,13 @@ def flattens(experiment: Experiment) -> bool:
     """Would train flattened rows (padding-free or packed) on a varlen kernel. Weighted
     rows are padded, and so are models with remote code: transformers' own models mask
     across rows from the position_ids; remote code might not, and would silently attend
-    across rows."""
+    across rows. Nor under sequence or context parallelism: both drop the attention mask,
+    so rows are padded there (config/sequence.py)."""
     training = experiment.training
     return record(experiment).flattens and experiment.data.weight_column is None \
         and not experiment.model.trust_remote_code \
+        and experiment.distributed.sequence_parallel == 1 \
+        and experiment.distributed.context_parallel == 1 \
         and (bool(training.get("packing")) or training.get("padding_free") is not False)
 
 
@@ -144,12 +147,32 @@ def arguments(experiment: Experiment, device: str | None = None, precision: str 
     kwargs["push_to_hub"] = False
     for key in HUB_KEYS:
         kwargs.pop(key, None)
+    sequence_parallel = experiment.distributed.sequence_parallel
+    if sequence_parallel > 1 and record(experiment).sequence_parallel:
+        kwargs.setdefault("pad_to_multiple_of", sequence_length(experiment, kwargs))
+    context_parallel = experiment.distributed.context_parallel
+    if context_parallel > 1 and record(experiment).sequence_parallel:
+        # torch's load balancer cuts each row into 2 x context_parallel chunks.
+        kwargs.setdefault("pad_to_multiple_of", 2 * context_parallel)
     if run_dir is not None:
         kwargs["output_dir"] = str(run_dir / "checkpoints")
     if device:
         kwargs.update(_device_owned(experiment, device,
                                     precision or resolve_precision(experiment, device)))
     return kwargs
+
+
+def sequence_length(experiment: Experiment, kwargs: dict[str, Any]) -> int | None:
+    """The length every batch is padded to under sequence parallelism: max_length, rounded
+    up to a multiple of sequence_parallel. Ulysses cuts each batch into equal slices of
+    the sequence, and its data loader gathers every rank's batch from the others, which
+    gloo accepts only when all are the same shape (rows padded to the longest in their
+    own batch stop it). None without a max_length (refused by config/parallel.py)."""
+    length = kwargs.get("max_length", class_default(experiment.method, "max_length", None))
+    if not isinstance(length, int):
+        return None
+    parts = experiment.distributed.sequence_parallel
+    return -(-length // parts) * parts
 
 
 def _device_owned(experiment: Experiment, device: str, precision: str) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """Tensor parallelism (distributed.tensor_parallel): the rules for what runs, checked by
 validate. finetune runs it through DeepSpeed AutoTP, the one route of the stack that
 trains on CPU (gloo) as well as on GPUs, so it is tested here; the combinations not
-listed stay refused, each with the library's reason or 'not verified'. Torch-free."""
+listed stay refused, each with the library's reason or 'not verified'. Torch-free.
+Sequence parallelism: config/sequence.py."""
 
 from __future__ import annotations
 
@@ -55,18 +56,21 @@ def check(exp: Experiment) -> Iterator[Problem]:
         yield ("method",), (f"{exp.method} with tensor_parallel is not verified by finetune "
                             "(its trainer's own forward passes, generation or reference "
                             f"model); tensor_parallel runs method {verified}")
-    yield from _heads(exp, tp)
+    for key, heads in model_heads(exp):
+        if heads % tp:
+            yield LOC, (f"{tp} does not divide the model's {key} ({heads}): each process "
+                        "takes an equal share of the heads")
 
 
-def _heads(exp: Experiment, tp: int) -> Iterator[Problem]:
-    """A local model's attention heads split evenly, or AutoTP stops after loading."""
+def model_heads(exp: Experiment) -> Iterator[tuple[str, int]]:
+    """A local model's attention and key-value head counts (nothing for a hub id, or an
+    unreadable config: DeepSpeed reports them when it splits the model)."""
     try:
         config = json.loads((Path(exp.model.name_or_path) / "config.json").read_text())
     except (OSError, ValueError):
-        return  # a hub id, or unreadable: DeepSpeed reports it when it shards the model
+        return
     config = config.get("text_config", config) if isinstance(config, dict) else {}
     for key in HEAD_KEYS:
         heads = config.get(key) if isinstance(config, dict) else None
-        if isinstance(heads, int) and heads % tp:
-            yield LOC, (f"{tp} does not divide the model's {key} ({heads}): each process "
-                        "takes an equal share of the heads")
+        if isinstance(heads, int) and heads > 0:
+            yield key, heads

@@ -9,7 +9,7 @@ from typing import Iterator
 
 from pydantic import BaseModel
 
-from finetune.config import deepspeed_file, models, parallel, paths, values
+from finetune.config import deepspeed_file, models, parallel, paths, sequence, values
 from finetune.config.formats import accepted as accepted_formats, trained
 from finetune.config.effective import record, value
 from finetune.config.methods import names_where, sections, spoken
@@ -371,7 +371,8 @@ def _distill(exp: Experiment) -> Iterator[Problem]:
 
 
 RULES = (_credentials, _paths, _peft, _data, _precision, _method_sections, _rewards, _ppo,
-         _classify, _distributed, parallel.check, _resume, values.check, _distill)
+         _classify, _distributed, parallel.check, sequence.check, _resume, values.check,
+         _distill)
 
 
 def check(exp: Experiment) -> list[Problem]:

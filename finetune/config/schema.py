@@ -258,6 +258,17 @@ class DistributedSection(Section):
         1, ge=1, le=MAX_PROCESSES, description="Processes that split each layer's weights "
         "between them (DeepSpeed AutoTP: strategy deepspeed, ZeRO stage 0-2, method sft, "
         "full fine-tuning). The data parallel degree is num_processes / tensor_parallel.")
+    sequence_parallel: int = Field(
+        1, ge=1, le=MAX_PROCESSES, description="Processes that split each row along the "
+        "sequence and share its attention heads (DeepSpeed ALST/Ulysses: strategy deepspeed, "
+        "ZeRO 1-2, method sft, full fine-tuning, padded batches, sdpa or flash attention). The "
+        "data parallel degree is num_processes / sequence_parallel.")
+    context_parallel: int = Field(
+        1, ge=1, le=MAX_PROCESSES, description="Processes that split each row for ring "
+        "attention (accelerate's torch context parallelism, written into the Accelerate "
+        "file: strategy fsdp version 2, CUDA, `finetune launch`, method sft, sdpa, padded "
+        "rows; not verified by finetune, which has no GPUs). The FSDP shard degree is "
+        "num_processes / context_parallel.")
     deepspeed: DeepSpeedSection = Field(default_factory=DeepSpeedSection)
     fsdp: FSDPSection = Field(default_factory=FSDPSection)
 
@@ -281,8 +292,10 @@ class DistributedSection(Section):
 
     @property
     def data_parallel(self) -> int:
-        """Processes that each see their own batch: a tensor-parallel group shares one."""
-        return max(self.world_size // self.tensor_parallel, 1)
+        """Processes that each see their own batch: a tensor- or sequence-parallel group
+        shares one."""
+        split = self.tensor_parallel * self.sequence_parallel * self.context_parallel
+        return max(self.world_size // split, 1)
 
 
 class OutputSection(Section):

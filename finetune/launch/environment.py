@@ -115,6 +115,31 @@ def launch_problems(experiment: Experiment, env: Mapping[str, str], precision: s
     ds_file = env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
     if dist.strategy == "deepspeed" and ds_file and Path(ds_file).is_file():
         problems += deepspeed_file.problems(experiment, ds_file, precision)
+    return problems + _parallelism_problems(experiment, env)
+
+
+def _parallelism_problems(experiment: Experiment, env: Mapping[str, str]) -> list[str]:
+    """A hand-written Accelerate file's parallelism_config reaches the ranks as
+    PARALLELISM_CONFIG_* variables; finetune hands the Trainer its own ParallelismConfig
+    (build.py), which would silently win over a file that says otherwise."""
+    dist = experiment.distributed
+    if env.get("ACCELERATE_USE_PARALLELISM_CONFIG", "").lower() not in _TRUE:
+        if dist.context_parallel > 1:
+            return [f"distributed.context_parallel {dist.context_parallel} is carried by the "
+                    "generated Accelerate file, and this launch did not read it: start it "
+                    "with `finetune launch` (or `accelerate launch --config_file` the run's "
+                    "accelerate.yaml)"]
+        return []
+    ours = {"SP": dist.sequence_parallel, "TP": 1, "CP": dist.context_parallel}
+    problems = []
+    for size, wanted in ours.items():
+        said = env.get(f"PARALLELISM_CONFIG_{size}_SIZE", "1")
+        if said != str(wanted):
+            problems.append(
+                f"the Accelerate launch says parallelism_config_{size.lower()}_size {said}, "
+                f"but the experiment's is {wanted} (distributed.sequence_parallel, "
+                "context_parallel; tensor parallelism is DeepSpeed's tensor_parallel): set "
+                "it in the experiment")
     return problems
 
 

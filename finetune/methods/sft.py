@@ -39,6 +39,10 @@ def _masking(splits: Splits, experiment: Experiment) -> sft_tokens.Masking:
     if weighted and packed:
         problems.append(f"training.{packed[0]}: not supported with loss weights "
                         "(data.weight_column or `weight` on messages)")
+    if weighted and experiment.distributed.sequence_parallel > 1:
+        problems.append("distributed.sequence_parallel: not supported with loss weights "
+                        "(`weight` on messages): the Trainer's sequence-parallel loss is the "
+                        "model's own mean over tokens")
     if problems:
         raise ConfigError(problems)
     return sft_tokens.Masking(
@@ -113,5 +117,15 @@ def build_trainer(job: Job) -> SFTTrainer:
         pad_id = job.tokenizer.pad_token_id
         with compat.sft_trainer_on_our_tokens(args):
             return WeightedSFTTrainer(**kwargs, data_collator=lambda rows: pad_batch(rows, pad_id))
+    if job.experiment.distributed.sequence_parallel > 1:
+        from functools import partial
+
+        from finetune.trainers.sequence import SequenceParallelSFTTrainer
+
+        # The trainer skips the trained batches itself on resume (trainers/sequence.py).
+        trainer = partial(SequenceParallelSFTTrainer, ignores_data_skip=args.ignore_data_skip)
+        args.ignore_data_skip = True
+    else:
+        trainer = SFTTrainer
     with compat.sft_trainer_on_our_tokens(args):  # prepare() applied both
-        return SFTTrainer(**kwargs)
+        return trainer(**kwargs)

@@ -74,4 +74,20 @@ def accelerate_config(experiment: Experiment, deepspeed_file: str | None) -> dic
         }
     if dist.strategy == "fsdp":
         config["fsdp_config"] = _fsdp(experiment)
+    if dist.context_parallel > 1:
+        config["parallelism_config"] = _context_parallel(experiment)
     return config
+
+
+def _context_parallel(experiment: Experiment) -> dict[str, Any]:
+    """accelerate's torch context parallelism, as its launcher reads it from the file (it
+    turns these keys into PARALLELISM_CONFIG_* variables, from which Accelerator() builds
+    its ParallelismConfig; tests/test_context_parallel.py). FSDP2 shards over the
+    processes that context parallelism leaves: dp_shard x cp = processes."""
+    dist = experiment.distributed
+    return {"parallelism_config_dp_replicate_size": 1,
+            "parallelism_config_dp_shard_size": dist.world_size // dist.context_parallel,
+            "parallelism_config_tp_size": 1,
+            "parallelism_config_cp_size": dist.context_parallel,
+            "parallelism_config_cp_backend": "torch",
+            "parallelism_config_cp_comm_strategy": "allgather"}
