@@ -403,6 +403,21 @@ def test_tensor_parallel_splits_the_decoder_linears_and_zero_shards_over_the_res
         settings_of(experiment, gpus=3)
 
 
+def test_sequence_parallel_holds_a_slice_of_every_row():
+    """Ulysses over 2 processes: each holds half of every row's tokens (the activations of
+    a run of half the length), and ZeRO shards over both processes."""
+    base = ("peft.type=none", "distributed.strategy=deepspeed", "distributed.num_processes=2",
+            "distributed.deepspeed.zero_stage=2", "training.padding_free=false",
+            "training.max_length=4096")
+    split = estimate(_llama8b(*base, "distributed.sequence_parallel=2"), gpu_memory=80 * GiB)
+    half = estimate(_llama8b(*base, "training.max_length=2048"), gpu_memory=80 * GiB)
+    assert split.settings.seq_len == 2048
+    assert split.configured.per_sample == half.configured.per_sample
+    assert split.configured.states == half.configured.states  # ZeRO-2 over both either way
+    assert [ev.layout.label() for ev in split.ladder] == [
+        "deepspeed ZeRO-1, sequence parallel 2", "deepspeed ZeRO-2, sequence parallel 2"]
+
+
 def test_recommendation_8b():
     one = estimate(_llama8b("peft.type=none"), gpus=1, gpu_memory=80 * GiB)
     assert not one.configured.fits

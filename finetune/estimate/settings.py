@@ -31,12 +31,15 @@ class Layout:
     fsdp_sharding: str = "FULL_SHARD"
     fsdp_offload: bool = False
     tensor_parallel: int = 1       # deepspeed AutoTP: processes splitting each linear
+    sequence_parallel: int = 1     # deepspeed Ulysses: processes splitting each row
 
     def label(self) -> str:
         if self.strategy == "deepspeed":
             text = f"deepspeed ZeRO-{self.zero_stage}"
             if self.tensor_parallel > 1:
                 text += f", tensor parallel {self.tensor_parallel}"
+            if self.sequence_parallel > 1:
+                text += f", sequence parallel {self.sequence_parallel}"
             opt, par = self.offload_optimizer, self.offload_params
             if opt != "none" and par == opt:
                 return f"{text}, offload optimizer+params ({opt})"
@@ -141,7 +144,8 @@ def _layout(exp: Experiment, world: int) -> Layout:
     ds, fsdp = dist.deepspeed, dist.fsdp
     if strategy == "deepspeed":
         return Layout("deepspeed", ds.zero_stage, ds.offload_optimizer, ds.offload_params,
-                      tensor_parallel=dist.tensor_parallel)
+                      tensor_parallel=dist.tensor_parallel,
+                      sequence_parallel=dist.sequence_parallel)
     if strategy == "fsdp":
         return Layout("fsdp", fsdp_sharding=fsdp.sharding_strategy, fsdp_offload=fsdp.cpu_offload)
     return Layout(strategy)
@@ -177,6 +181,15 @@ def settings_of(exp: Experiment, gpus: int | None = None, seq_len: int | None = 
                      "processes; activations are counted whole (an upper bound: AutoTP "
                      "splits the attention heads' and the MLP's)")
     tokens, logits, sequences = _sequence(exp, own, seq_len, max_positions, notes)
+    sp = dist.sequence_parallel
+    if sp > 1:
+        if world % sp:
+            raise ConfigError([f"--gpus {world}: not a multiple of distributed.sequence_parallel {sp}"])
+        # Ulysses: each process holds 1/sp of every row between its all-to-alls, and the
+        # heads' share of the whole row inside attention: the same elements either way.
+        tokens, logits = -(-tokens // sp), -(-logits // sp)
+        notes.append(f"sequence_parallel {sp}: each process holds {tokens} tokens of every "
+                     f"row (1/{sp}); ZeRO shards over all {world} processes")
     micro = value("per_device_train_batch_size") or 8
     labels = effective.setting(exp, own.labels) if own.labels else None
     flattened = bool(value("padding_free")) or bool(value("packing"))
