@@ -176,7 +176,8 @@ def settings_of(exp: Experiment, gpus: int | None = None, seq_len: int | None = 
     tp = dist.tensor_parallel
     if tp > 1:
         if world % tp:
-            raise ConfigError([f"--gpus {world}: not a multiple of distributed.tensor_parallel {tp}"])
+            raise ConfigError([f"--gpus {world}: not a multiple of "
+                               f"distributed.tensor_parallel {tp}"])
         notes.append(f"tensor_parallel {tp}: the decoder's linear layers split over {tp} "
                      "processes; activations are counted whole (an upper bound: AutoTP "
                      "splits the attention heads' and the MLP's)")
@@ -184,7 +185,8 @@ def settings_of(exp: Experiment, gpus: int | None = None, seq_len: int | None = 
     sp = dist.sequence_parallel
     if sp > 1:
         if world % sp:
-            raise ConfigError([f"--gpus {world}: not a multiple of distributed.sequence_parallel {sp}"])
+            raise ConfigError([f"--gpus {world}: not a multiple of "
+                               f"distributed.sequence_parallel {sp}"])
         # Ulysses: each process holds 1/sp of every row between its all-to-alls, and the
         # heads' share of the whole row inside attention: the same elements either way.
         tokens, logits = -(-tokens // sp), -(-logits // sp)
