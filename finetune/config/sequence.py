@@ -3,13 +3,13 @@ the rules for what runs, checked by validate.
 
 Sequence parallelism: finetune runs it as DeepSpeed ALST/Ulysses (accelerate's
 ParallelismConfig sp_backend deepspeed, built in build.py): each row is cut along the
-sequence over a group of processes, which exchange attention heads so that each
-computes whole-sequence attention for its share of the heads. It trains on CPU (gloo)
-as well as on GPUs, so it is tested here (tests/test_sequence_parallel.py); what is not listed stays refused, with
-the library's reason or 'not verified'. Context parallelism (accelerate's torch ring
-attention under FSDP2) runs only on GPUs: its rules are the libraries' own requirements,
-and the Accelerate file that carries it is checked on CPU (tests/test_context_parallel.py).
-Torch-free."""
+sequence over a group of processes, which exchange attention heads so that each computes
+whole-sequence attention for its share of the heads. It trains on CPU (gloo) as well as on
+GPUs, so it is tested here (tests/test_sequence_parallel.py); what is not listed stays
+refused, with the library's reason or 'not verified'. Context parallelism (accelerate's
+torch ring attention under FSDP2) runs only on GPUs: its rules are the libraries' own
+requirements, and the Accelerate file that carries it is checked on CPU
+(tests/test_context_parallel.py). Torch-free."""
 
 from __future__ import annotations
 
