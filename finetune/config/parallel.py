@@ -35,11 +35,10 @@ def check(exp: Experiment) -> Iterator[Problem]:
                     "AutoTP); transformers' tp_plan through accelerate's ParallelismConfig "
                     f"(ddp/fsdp) is not supported: on CPU accelerate 1.15 stops with "
                     f"'{ACCELERATE_CPU}', and on GPUs finetune has not verified it")
-    # Without a count the launcher's is taken, and checked then (launch/environment.py).
-    counted = dist.num_processes is not None or dist.processes_per_machine is not None
-    if counted and dist.world_size % tp:
-        yield LOC, f"{dist.world_size} processes are not a multiple of tensor_parallel {tp}"
-    elif counted and dist.per_machine % tp:
+    uneven = not_a_multiple(dist, "tensor_parallel")
+    if uneven:
+        yield LOC, uneven
+    elif dist.counted and dist.per_machine % tp:
         yield LOC, (f"{tp} does not divide the {dist.per_machine} processes of a machine: a "
                     "tensor-parallel group exchanges activations in every layer, so it stays "
                     "on one machine")
@@ -60,6 +59,15 @@ def check(exp: Experiment) -> Iterator[Problem]:
         if heads % tp:
             yield LOC, (f"{tp} does not divide the model's {key} ({heads}): each process "
                         "takes an equal share of the heads")
+
+
+def not_a_multiple(dist, name: str) -> str | None:
+    """The problem when the processes do not split into groups of distributed.<name>.
+    Without a count the launcher's is taken, and checked then (launch/environment.py)."""
+    size = getattr(dist, name)
+    if dist.counted and dist.world_size % size:
+        return f"{dist.world_size} processes are not a multiple of {name} {size}"
+    return None
 
 
 def model_heads(exp: Experiment) -> Iterator[tuple[str, int]]:

@@ -287,6 +287,11 @@ class DistributedSection(Section):
         return (self.processes_per_machine or 1) * self.num_machines
 
     @property
+    def counted(self) -> bool:
+        """The experiment gives its process count (else the launcher's is taken)."""
+        return self.num_processes is not None or self.processes_per_machine is not None
+
+    @property
     def per_machine(self) -> int:
         return self.world_size // self.num_machines
 

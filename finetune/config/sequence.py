@@ -18,7 +18,7 @@ from typing import Iterator
 from finetune.config.attention import HUB_KERNEL
 from finetune.config.effective import record
 from finetune.config.methods import names_where, spoken
-from finetune.config.parallel import model_heads
+from finetune.config.parallel import model_heads, not_a_multiple
 from finetune.config.schema import Experiment
 
 Problem = tuple[tuple, str]
@@ -48,9 +48,9 @@ def _context(exp: Experiment) -> Iterator[Problem]:
         yield loc, ("cannot be combined with sequence_parallel or tensor_parallel (accelerate: "
                     "\"Context Parallelism (CP) and Sequence Parallelism (SP) are mutually "
                     "exclusive\"; finetune's tensor parallelism is DeepSpeed's)")
-    counted = dist.num_processes is not None or dist.processes_per_machine is not None
-    if counted and dist.world_size % cp:
-        yield loc, f"{dist.world_size} processes are not a multiple of context_parallel {cp}"
+    uneven = not_a_multiple(dist, "context_parallel")
+    if uneven:
+        yield loc, uneven
     if not record(exp).sequence_parallel:
         yield ("method",), (f"{exp.method} with context_parallel: offered for method sft only "
                             "(TRL's SFTTrainer handles context parallelism)")
@@ -91,9 +91,9 @@ def _sequence(exp: Experiment) -> Iterator[Problem]:
                     "gradient_acc_step * world_size 4 != 4 * 1 * 2.0\" (under the Ulysses "
                     "groups it counts the tensor-parallel ranks as data parallel); use one "
                     "of them")
-    counted = dist.num_processes is not None or dist.processes_per_machine is not None
-    if counted and dist.world_size % sp:
-        yield LOC, f"{dist.world_size} processes are not a multiple of sequence_parallel {sp}"
+    uneven = not_a_multiple(dist, "sequence_parallel")
+    if uneven:
+        yield LOC, uneven
     stage = dist.deepspeed.zero_stage
     if dist.strategy == "deepspeed" and stage not in VERIFIED_STAGES:
         why = ("measured on CPU, it does not train as one process does (losses apart by 0.5 "

@@ -57,7 +57,7 @@ def launcher_overrides(experiment: Experiment,
 
     dist = experiment.distributed
     world, machines = _launched_layout(env)
-    if dist.num_processes is not None or dist.processes_per_machine is not None:
+    if dist.counted:
         if world != dist.world_size:
             raise RunError(_world_problem(world, experiment))
         return [], None
