@@ -39,7 +39,7 @@ def make_training_args(experiment: Experiment, run_dir: Path, hw: Hardware,
         deepspeed.init_distributed(dist_backend="gloo")
     module, name = record(experiment).config_class
     cls = getattr(importlib.import_module(module), name)
-    kwargs = arguments(experiment, hw.device, hw.precision, run_dir, checkpointing)
+    kwargs = arguments(experiment, hw.device, hw.precision, run_dir, checkpointing, hw.kernels)
     _hand_secrets_to_hub(kwargs)
     if experiment.distributed.sequence_parallel > 1:
         kwargs["parallelism_config"] = sequence_parallelism(experiment, hw)
@@ -64,7 +64,7 @@ def sequence_parallelism(experiment: Experiment, hw: Hardware) -> Any:
     from accelerate.utils import DeepSpeedSequenceParallelConfig
 
     dist = experiment.distributed
-    implementation = attention_implementation(experiment, hw.device, hw.precision)
+    implementation = attention_implementation(experiment, hw.device, hw.precision, hw.kernels)
     # Ulysses wraps the attention the model runs, so it must be told which (rules.py
     # refused the ones it cannot wrap); rows of varying length in every batch.
     handler = DeepSpeedSequenceParallelConfig(

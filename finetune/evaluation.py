@@ -27,13 +27,15 @@ def _prompt_and_answer(row: dict[str, Any], fmt: str, tokenizer) -> tuple[str, s
 
 @torch.no_grad()
 def exact_match(model, tokenizer, dataset: Dataset, fmt: str, max_new_tokens: int,
-                max_samples: int, batch_size: int = 32) -> dict[str, Any]:
+                max_samples: int, device: torch.device, batch_size: int = 32) -> dict[str, Any]:
+    """Greedy answers to the first max_samples prompts, compared with their answers.
+    device: where the model computes, which is not where its parameters live when they
+    are offloaded (FSDP cpu_offload keeps them on the CPU between uses)."""
     rows = dataset.select(range(min(max_samples, len(dataset))))
     pairs = [_prompt_and_answer(row, fmt, tokenizer) for row in rows]
     was_training, side = model.training, tokenizer.padding_side
     model.eval()
     tokenizer.padding_side = "left"
-    device = next(model.parameters()).device
     hits, examples = 0, []
     try:
         for start in range(0, len(pairs), batch_size):
@@ -80,6 +82,7 @@ def evaluate(trainer, job) -> tuple[dict[str, Any], dict[str, Any] | None]:
         return results, None
     with _generating(trainer):
         scored = exact_match(trainer.model, job.tokenizer, job.data.eval_examples,
-                             job.data.format, spec.max_new_tokens, spec.max_samples)
+                             job.data.format, spec.max_new_tokens, spec.max_samples,
+                             trainer.args.device)
     results["eval_exact_match"] = scored["exact_match"]
     return results, scored

@@ -20,6 +20,8 @@ from finetune.model.load import count_parameters
 from finetune.model.peft import embed_base
 from finetune.callbacks import (EndAtLastStep, MetricsFile, NothingLeftToTrain, ResumeState,
                                 SealCheckpoints, read_metrics, truncate_metrics)
+from finetune.config import attention
+from finetune.config.effective import attention_choice
 from finetune.config.schema import Experiment
 from finetune.errors import RunError
 from finetune.evaluation import evaluate
@@ -177,8 +179,11 @@ def train(experiment: Experiment, run_dir: Path, plan: ResumePlan,
     job = Job(experiment=experiment, run_dir=run_dir, hardware=hw, tokenizer=tokenizer,
               model=model, data=data, args=args,
               callbacks=[metrics, stop, resume_state, seal, EndAtLastStep()],
-              notes=[n for n in (parallel_note(experiment, hw.device), checkpointing_note, threads)
-                     if n] + data.notes)
+              notes=[n for n in (parallel_note(experiment, hw.device), *hw.notes,
+                                 attention.note(experiment.model.attn_implementation,
+                                                *attention_choice(experiment, hw.device,
+                                                                  hw.precision, hw.kernels)),
+                                 checkpointing_note, threads) if n] + data.notes)
     trainer = method_trainer(job)
     resume_state.trainer = trainer
     main = trainer.is_world_process_zero()

@@ -15,7 +15,7 @@ from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
 from conftest import DATA, TINY_MODEL, run_cli
 from finetune.model import varlen
-from finetune.config import attention
+from finetune.config import attention, kernels
 
 ROWS = [
     {"input_ids": [5, 9, 13, 21, 8, 30, 2], "labels": [-100, -100, 13, 21, 8, 30, 2]},
@@ -149,14 +149,20 @@ def test_dropout_is_applied_as_sdpa_applies_it():
 
 def test_reference_kernel_takes_what_torch_varlen_takes():
     """On CUDA the glue calls torch.nn.attention.varlen.varlen_attn with the arguments
-    the CPU tests give the reference kernel."""
+    the CPU tests give the reference kernel (this torch's takes all of them)."""
     from torch.nn.attention.varlen import varlen_attn
 
     ours = inspect.signature(varlen.reference_kernel).parameters
     theirs = inspect.signature(varlen_attn).parameters
     assert set(ours) <= set(theirs)
     assert [p for p in ours][:7] == [p for p in theirs][:7]
-    assert varlen.varlen_attn is varlen_attn and varlen._KERNEL_GQA
+    torch_kernel, reference = varlen.KERNELS
+    assert torch_kernel.fn is varlen_attn and torch_kernel.device_type == "cuda"
+    assert {"window_size", "scale", "enable_gqa"} <= torch_kernel.parameters
+    assert reference.fn is varlen.reference_kernel and reference.device_type is None
+    # What config/kernels.py reads from the source without importing torch is the same.
+    assert kernels.installed().varlen is None
+    assert kernels.varlen_parameters(kernels._torch_varlen()) == frozenset(theirs)
 
 
 def test_names_are_what_transformers_accepts():
@@ -172,13 +178,19 @@ def test_names_are_what_transformers_accepts():
 
 
 def test_auto_resolution_by_device():
-    resolve = attention.resolve
-    assert resolve("auto", "cpu", "fp32", flattened=True) == attention.VARLEN  # reference
-    assert resolve("auto", "cpu", "fp32", flattened=False) is None
-    assert resolve("auto", "cuda", "fp32", flattened=True) is None  # flash needs 16 bits
-    if attention.torch_has_varlen():
-        assert resolve("auto", "cuda", "bf16", True) in ("flash_attention_2", attention.VARLEN)
-    assert resolve("eager", "cuda", "bf16", True) == "eager"
+    usable = kernels.Kernels(flash_attn=kernels.NOT_INSTALLED, varlen=None, liger=None)
+
+    def resolve(*args, found=usable):
+        return attention.resolve(*args, found)
+
+    assert resolve("auto", "cpu", "fp32", True) == (attention.VARLEN, None)  # reference
+    assert resolve("auto", "cpu", "fp32", False) == (None, None)
+    assert resolve("auto", "cuda", "fp32", True) == (None, None)  # flash needs 16 bits
+    assert resolve("auto", "cuda", "bf16", True) == (attention.VARLEN, None)
+    assert resolve("auto", "cuda", "bf16", False) == (None, None)
+    flash = kernels.Kernels(flash_attn=None, varlen=None, liger=None, capability=(9, 0))
+    assert resolve("auto", "cuda", "fp16", False, found=flash) == ("flash_attention_2", None)
+    assert resolve("eager", "cuda", "bf16", True) == ("eager", None)
     assert attention.runs_varlen(attention.VARLEN) and not attention.runs_varlen("sdpa")
     assert not attention.runs_varlen(None)
 

@@ -5,8 +5,8 @@ without a dense mask (the speed defaults and the estimate depend on that)."""
 from __future__ import annotations
 
 import re
-from importlib.util import find_spec
-from pathlib import Path
+
+from finetune.config.kernels import NOT_INSTALLED, Kernels
 
 # finetune's own attention function (model/varlen.py), registered with transformers'
 # AttentionInterface before a model is built: PyTorch's flash varlen kernel, no install.
@@ -32,33 +32,48 @@ def check_name(name: str) -> str | None:
             "or a hub kernel id (org/repo[@revision][:function], needs `pip install kernels`)")
 
 
-def torch_has_varlen() -> bool:
-    """PyTorch ships torch.nn.attention.varlen (2.10+), found without importing torch."""
-    spec = find_spec("torch")
-    if spec is None or not spec.submodule_search_locations:
-        return False
-    return any((Path(p) / "nn" / "attention" / "varlen.py").exists()
-               for p in spec.submodule_search_locations)
-
-
-def resolve(choice: str, device: str, precision: str, flattened: bool) -> str | None:
-    """model.attn_implementation with `auto` decided for the device. flattened: the run
-    would train padding-free or packed batches, given a varlen kernel for them.
-    - CUDA in 16 bits: flash-attention 2 when installed; else, for flattened batches,
-      PyTorch's own flash varlen kernel (finetune_varlen);
+def resolve(choice: str, device: str, precision: str, flattened: bool,
+            kernels: Kernels) -> tuple[str | None, str | None]:
+    """(implementation, why): model.attn_implementation with `auto` decided for the
+    device and what it can run (config/kernels.py). why: the reason, when auto passed over
+    a kernel that was there but cannot run, or finetune_varlen set by hand runs without
+    torch's kernel; else None (`note` makes it the start summary's line). flattened: the
+    run would train padding-free or packed batches, given a varlen kernel for them.
+    - CUDA in 16 bits, a GPU of compute capability 8.0 or newer: flash-attention 2 when
+      flash_attn imports; else, for flattened batches, PyTorch's own flash varlen kernel
+      (finetune_varlen) when torch's takes what it passes;
     - CPU, flattened batches: finetune_varlen with its reference kernel (one sdpa per
       sequence), faster than the dense mask sdpa would build (docs/benchmarks.md);
     - otherwise None: transformers' default, sdpa."""
+    if choice == VARLEN and device == "cuda":
+        unable = kernels.flash_capable or kernels.varlen or (
+            precision == "fp32" and "precision fp32 (the kernel computes in 16 bits)")
+        return choice, unable and ("on its reference kernel (one sdpa per sequence, "
+                                   f"slow): {unable}")
     if choice != "auto":
-        return choice
-    if device == "cuda" and precision in ("bf16", "fp16"):
-        if find_spec("flash_attn") is not None:
-            return "flash_attention_2"
-        if flattened and torch_has_varlen():
-            return VARLEN
-    if device == "cpu" and flattened:
-        return VARLEN
-    return None
+        return choice, None
+    if device == "cpu":
+        return (VARLEN if flattened else None), None
+    if precision not in ("bf16", "fp16"):
+        return None, None
+    if kernels.flash_capable is not None:
+        return None, kernels.flash_capable
+    if kernels.flash_attn is None:
+        return "flash_attention_2", None
+    broken = None if kernels.flash_attn == NOT_INSTALLED else kernels.flash_attn
+    if not flattened:
+        return None, broken
+    if kernels.varlen is None:
+        return VARLEN, broken
+    return None, "; ".join(reason for reason in (broken, kernels.varlen) if reason) + \
+        "; flattened batches are padded"
+
+
+def note(choice: str, implementation: str | None, why: str | None) -> str | None:
+    """resolve()'s reason as the start summary's line."""
+    if why is None:
+        return None
+    return f"attention {label(implementation)} ({'auto' if choice == 'auto' else 'set'}): {why}"
 
 
 def runs_varlen(implementation: str | None) -> bool:
@@ -72,7 +87,6 @@ def runs_varlen(implementation: str | None) -> bool:
 
 def label(implementation: str | None) -> str:
     return implementation or "sdpa"
-
 
 
 # The module each implementation imports and its pip package; without it, transformers

@@ -12,12 +12,12 @@ there when a device is given.
 
 from __future__ import annotations
 
-from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
 from finetune.config import attention, trl_fields
 from finetune.config.deepspeed import deepspeed_dict
+from finetune.config.kernels import Kernels, installed
 from finetune.config.methods import Method, method
 from finetune.config.schema import Experiment
 
@@ -87,17 +87,27 @@ def flattens(experiment: Experiment) -> bool:
         and (bool(training.get("packing")) or training.get("padding_free") is not False)
 
 
-def attention_implementation(experiment: Experiment, device: str, precision: str) -> str | None:
-    """The attention the run's model is built with (None: transformers' default, sdpa)."""
+def attention_choice(experiment: Experiment, device: str, precision: str,
+                     kernels: Kernels | None = None) -> tuple[str | None, str | None]:
+    """(the attention the run's model is built with, why auto fell back or None). None:
+    transformers' default, sdpa. kernels: what the machine runs, as measured by the
+    worker; else what is installed here (config/kernels.py)."""
     return attention.resolve(experiment.model.attn_implementation, device, precision,
-                             flattens(experiment))
+                             flattens(experiment), kernels or installed())
 
 
-def speed_defaults(experiment: Experiment, device: str, precision: str) -> dict[str, Any]:
+def attention_implementation(experiment: Experiment, device: str, precision: str,
+                             kernels: Kernels | None = None) -> str | None:
+    return attention_choice(experiment, device, precision, kernels)[0]
+
+
+def speed_defaults(experiment: Experiment, device: str, precision: str,
+                   kernels: Kernels | None = None) -> dict[str, Any]:
     """Faster settings that change no result, each overridden by setting it in `training:`.
     (Fused AdamW is transformers' own default already: optim adamw_torch_fused.)"""
     training, out = experiment.training, {}
-    implementation = attention_implementation(experiment, device, precision)
+    kernels = kernels or installed()
+    implementation = attention_implementation(experiment, device, precision, kernels)
     if flattens(experiment) and not training.get("packing") and \
             attention.runs_varlen(implementation):
         # Flattened batches with position_ids: no compute spent on padding, and the same
@@ -108,7 +118,7 @@ def speed_defaults(experiment: Experiment, device: str, precision: str) -> dict[
         out["padding_free"] = True
     if device == "cuda":
         out["dataloader_num_workers"] = 2  # collate while the GPU computes
-        if record(experiment).liger_default and find_spec("liger_kernel") is not None:
+        if record(experiment).liger_default and kernels.liger is not None:
             out["use_liger_kernel"] = True  # fused RMSNorm/RoPE/SwiGLU and chunked loss
     return {k: v for k, v in out.items() if k not in training}
 
@@ -125,14 +135,16 @@ def checkpointing_setting(experiment: Experiment) -> bool | str:
 
 
 def arguments(experiment: Experiment, device: str | None = None, precision: str | None = None,
-              run_dir: Path | None = None, checkpointing: bool | None = None) -> dict[str, Any]:
+              run_dir: Path | None = None, checkpointing: bool | None = None,
+              kernels: Kernels | None = None) -> dict[str, Any]:
     """The keyword arguments of the method's config class: finetune's defaults, the
     method's own, the speed defaults, the experiment's `training:`, then the fields
     finetune owns. device (and precision, else resolved for it) adds what depends on the
     device; run_dir the output directory. checkpointing: the decision for
-    activation_checkpointing "auto" (None: TRL's default, on)."""
+    activation_checkpointing "auto" (None: TRL's default, on). kernels: what the device
+    runs (attention_choice)."""
     speed = speed_defaults(experiment, device, precision or resolve_precision(
-        experiment, device)) if device else {}
+        experiment, device), kernels) if device else {}
     kwargs = {**DEFAULTS, **record(experiment).defaults, **speed,
               "run_name": experiment.name, **experiment.training}
     if checkpointing_setting(experiment) == "auto":
@@ -188,10 +200,11 @@ def _device_owned(experiment: Experiment, device: str, precision: str) -> dict[s
 
 
 def value(experiment: Experiment, key: str, device: str | None = None,
-          precision: str | None = None, default: Any = _REQUIRED) -> Any:
+          precision: str | None = None, default: Any = _REQUIRED,
+          kernels: Kernels | None = None) -> Any:
     """A training argument as the run will have it: from `arguments`, else the config
     class's own default. A key the class lacks is a KeyError, or `default` if given."""
-    assembled = arguments(experiment, device, precision)
+    assembled = arguments(experiment, device, precision, kernels=kernels)
     if key in assembled:
         return assembled[key]
     return class_default(experiment.method, key, default)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from finetune.config.kernels import Kernels, installed
 from finetune.config.schema import Experiment
 from finetune.estimate.census import census, value_census, value_head
 from finetune.estimate.core import (CUDA_CONTEXT, FRAGMENTATION, GiB, Evaluation, evaluate,
@@ -129,11 +130,14 @@ def _not_counted(settings: Settings) -> list[str]:
 
 def estimate(experiment: Experiment, gpus: int | None = None, gpu_memory: int | None = None,
              seq_len: int | None = None, device: str | None = None,
-             precision: str | None = None) -> Estimate:
+             precision: str | None = None, kernels: Kernels | None = None) -> Estimate:
     """Per-GPU memory of training `experiment` on `gpus` GPUs of `gpu_memory` bytes each.
-    device, precision: as resolved where the run happens (else assumed, settings_of)."""
+    device, precision, kernels: as resolved where the run happens (else assumed,
+    settings_of)."""
     shape = read_shape(experiment.model.name_or_path, experiment.model.revision)
-    settings = settings_of(experiment, gpus, seq_len, shape.max_positions, device, precision)
+    kernels = kernels or installed()
+    settings = settings_of(experiment, gpus, seq_len, shape.max_positions, device, precision,
+                           kernels, shape.model_type)
     memory = gpu_memory or DEFAULT_GPU_MEMORY
     tensors = census(shape, settings)
     value = []
@@ -168,7 +172,8 @@ def estimate(experiment: Experiment, gpus: int | None = None, gpu_memory: int | 
                 "GPU): training.activation_checkpointing=false saves its recomputation, "
                 "about a quarter of the step's compute")
     logits = next(size for key, _, size in configured.rows if key == "logits")
-    if logits > 0.25 * configured.total and settings.record.fused_loss:
+    liger_could = kernels.liger is None or kernels.liger_patches(shape.model_type)
+    if logits > 0.25 * configured.total and settings.record.fused_loss and liger_could:
         recommendation.append(f"  the logits and loss take {_gib(logits)} per GPU: "
                               "training.use_liger_kernel=true computes the loss without them")
     if checkpointing_note:

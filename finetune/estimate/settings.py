@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from finetune.config import attention, effective
+from finetune.config.kernels import Kernels, installed
 from finetune.config.methods import Method, method
 from finetune.config.schema import Experiment, PeftSection
 from finetune.errors import ConfigError
@@ -88,11 +89,12 @@ class Settings:
         return method(self.method)
 
 
-def _attention(exp: Experiment, device: str, precision: str, flattened: bool) -> tuple[str, str]:
+def _attention(exp: Experiment, device: str, precision: str, flattened: bool,
+               kernels: Kernels) -> tuple[str, str]:
     """(kernel family, mask) of the attention the run will use: a varlen/flash kernel keeps
     no mask; sdpa and eager keep a padding mask, or a dense mask over the whole flattened
     row for padding-free and packed batches."""
-    implementation = effective.attention_implementation(exp, device, precision)
+    implementation = effective.attention_implementation(exp, device, precision, kernels)
     if attention.runs_varlen(implementation) or implementation == "flex_attention":
         return "flash", "none"
     kind = "eager" if implementation == "eager" else "sdpa"
@@ -153,10 +155,13 @@ def _layout(exp: Experiment, world: int) -> Layout:
 
 def settings_of(exp: Experiment, gpus: int | None = None, seq_len: int | None = None,
                 max_positions: int | None = None, device: str | None = None,
-                precision: str | None = None) -> Settings:
+                precision: str | None = None, kernels: Kernels | None = None,
+                model_type: str | None = None) -> Settings:
     """device and precision: as resolved on the machine (the worker); else assumed from
-    the experiment (auto: CUDA, bf16)."""
+    the experiment (auto: CUDA, bf16). kernels: what the machine runs, as measured by the
+    worker; else what is installed here. model_type: the model's, for what Liger patches."""
     notes: list[str] = []
+    kernels = kernels or installed()
     dist = exp.distributed
     own = effective.record(exp)
     if device is None:
@@ -168,7 +173,8 @@ def settings_of(exp: Experiment, gpus: int | None = None, seq_len: int | None = 
         if exp.precision == "auto" and device == "cuda":
             notes.append("precision auto: bf16 (a GPU with bf16 support, Ampere or newer)")
     # The training arguments the worker will build on this device, speed defaults included.
-    value = lambda key: effective.value(exp, key, device, precision, default=None)
+    value = lambda key: effective.value(exp, key, device, precision, default=None,
+                                        kernels=kernels)
     world = gpus or dist.world_size
     per_machine = world // dist.num_machines if world % dist.num_machines == 0 else world
     if gpus and dist.strategy == "none" and gpus > 1:
@@ -195,7 +201,16 @@ def settings_of(exp: Experiment, gpus: int | None = None, seq_len: int | None = 
     micro = value("per_device_train_batch_size") or 8
     labels = effective.setting(exp, own.labels) if own.labels else None
     flattened = bool(value("padding_free")) or bool(value("packing"))
-    kind, mask = _attention(exp, device, precision, flattened)
+    kind, mask = _attention(exp, device, precision, flattened, kernels)
+    fused = own.fused_loss and bool(value("use_liger_kernel"))
+    if fused and kernels.liger is None:
+        notes.append("use_liger_kernel: liger-kernel is not installed here; assumed "
+                     f"installed where the run trains, patching {model_type}")
+    elif fused and not kernels.liger_patches(model_type):
+        # Liger patches the architectures it knows; others keep their logits and layers.
+        notes.append(f"use_liger_kernel: liger-kernel patches no {model_type} model, so "
+                     "the logits are counted")
+        fused = False
     optim = value("optim") or "adamw_torch"
     setting = effective.checkpointing_setting(exp)
     return Settings(
@@ -203,7 +218,7 @@ def settings_of(exp: Experiment, gpus: int | None = None, seq_len: int | None = 
         micro_batch=int(micro), seq_len=int(tokens), logit_tokens=int(logits),
         sequences=sequences, checkpointing=None if setting == "auto" else setting,
         head=own.head, num_labels=len(labels) if labels else 1, attention=kind, mask=mask,
-        fused_loss=own.fused_loss and bool(value("use_liger_kernel")),
+        fused_loss=fused,
         world=world, per_machine=max(per_machine, 1),
         layout=_layout(exp, world), trl_cast=own.casts_quantized and precision != "fp32",
         reference=_reference(exp, own, value),

@@ -11,7 +11,7 @@ from typing import Mapping
 from finetune.config import deepspeed_file
 from finetune.config.schema import Experiment
 from finetune.config.effective import value
-from finetune.render.accelerate import MIXED_PRECISION
+from finetune.render.accelerate import MIXED_PRECISION, static_precision
 
 _TRUE = ("1", "true", "yes")
 
@@ -99,7 +99,12 @@ def launch_problems(experiment: Experiment, env: Mapping[str, str], precision: s
     # Accelerate file saying bf16 would silently turn an fp32 experiment into bf16. A file
     # saying 'no' changes nothing (the experiment's bf16/fp16 flags win).
     launched = env.get("ACCELERATE_MIXED_PRECISION", "no")
-    if launched != "no" and launched != MIXED_PRECISION[precision]:
+    # precision auto: the generated file states what auto was assumed to become before the
+    # GPU was seen (bf16); a GPU without bf16 makes it fp16, and the flags set that.
+    expected = {MIXED_PRECISION[precision]}
+    if experiment.precision == "auto":
+        expected.add(MIXED_PRECISION[static_precision(experiment)])
+    if launched != "no" and launched not in expected:
         problems.append(f"the Accelerate launch says mixed_precision {launched!r}, but the "
                         f"experiment's precision is {precision}; set it in one place: precision")
     for name, strategy in (("ACCELERATE_USE_DEEPSPEED", "deepspeed"),

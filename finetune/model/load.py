@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -14,6 +13,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequence
 from finetune.hardware import Hardware
 from finetune.config import attention
 from finetune.config.effective import attention_implementation, record, setting
+from finetune.config.kernels import NOT_INSTALLED
 from finetune.config.schema import Experiment
 from finetune.errors import RunError, first_line
 
@@ -118,8 +118,15 @@ def attention_of(experiment: Experiment, hw: Hardware, config) -> str | None:
     """The attention implementation for this hardware (config/effective.py decides
     auto); finetune's own varlen function is registered with transformers before it is
     named. `auto` does not pick it for a model whose attention it cannot run (logit
-    softcapping, attention sinks): transformers' default then."""
-    implementation = attention_implementation(experiment, hw.device, hw.precision)
+    softcapping, attention sinks): transformers' default then. flash-attention set by
+    hand where it cannot run is one line naming why, not transformers' error at load."""
+    implementation = attention_implementation(experiment, hw.device, hw.precision, hw.kernels)
+    if implementation == "flash_attention_2" and hw.device == "cuda":
+        unable = hw.kernels.flash_capable or (
+            hw.kernels.flash_attn if hw.kernels.flash_attn != NOT_INSTALLED else None)
+        if unable:
+            raise RunError(f"model.attn_implementation flash_attention_2: {unable}; set it "
+                           "to auto (or sdpa)")
     if implementation != attention.VARLEN:
         return implementation
     unsupported = getattr(config, "attn_logit_softcapping", None) is not None or \
@@ -145,8 +152,14 @@ def initial_weights(experiment: Experiment, hw: Hardware, tokenizer: PreTrainedT
     """model.init random: build the weights from the seed, before the training arguments
     exist. Under ZeRO-3 those arguments make every model creation a partitioned zero.Init,
     which would draw other numbers; built first, every layout starts from the same weights.
-    Rank 0 saves them to init-model/ for loading back (quantized, or partitioned)."""
+    Rank 0 saves them to init-model/ for loading back (quantized, partitioned, sharded).
+    Under FSDP only rank 0 draws them, on the CPU, and keeps none: every rank loads them
+    back as FSDP shards them (rank 0 reads, the others start empty: cpu_ram_efficient_
+    loading), where a whole fp32 model on every GPU would not fit for large models."""
     if experiment.model.init != "random":
+        return None
+    sharded = experiment.distributed.strategy == "fsdp"
+    if sharded and rank != 0:
         return None
     from transformers import set_seed
 
@@ -155,7 +168,7 @@ def initial_weights(experiment: Experiment, hw: Hardware, tokenizer: PreTrainedT
     # Drawn where the model will train: on a GPU, seconds of CPU random numbers (~8 s for
     # 0.5B) become milliseconds. The seeded CUDA generator makes it as reproducible.
     config = _config(experiment, tokenizer)
-    with torch.device(_init_device(hw)):
+    with torch.device("cpu" if sharded else hw.torch_device):
         model = auto_class.from_config(config, dtype=torch.float32,
                                        **_kwargs(experiment, hw, config))
     if rank == 0:
@@ -165,36 +178,36 @@ def initial_weights(experiment: Experiment, hw: Hardware, tokenizer: PreTrainedT
         model.save_pretrained(staging)
         shutil.rmtree(target, ignore_errors=True)
         staging.rename(target)
-    return model
-
-
-def _init_device(hw: Hardware) -> torch.device:
-    if hw.device != "cuda":
-        return torch.device("cpu")
-    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+    return None if sharded else model
 
 
 def load_model(experiment: Experiment, hw: Hardware, tokenizer: PreTrainedTokenizerBase,
                run_dir: Path, initial: PreTrainedModel | None) -> PreTrainedModel:
-    """The model to train. `initial` is the random-init model (or None); it is used as is
-    unless it must be loaded back from init-model/ (quantized, or ZeRO-3-partitioned; the
-    caller has waited for rank 0 to save it)."""
+    """The model to train. `initial` is the random-init model, used as is unless it must
+    be loaded back from init-model/ (quantized, ZeRO-3-partitioned, or FSDP, where no
+    rank keeps one; the caller has waited for rank 0 to save it)."""
     from transformers.integrations import is_deepspeed_zero3_enabled
 
     quantization = _quantization(experiment, hw)
     if initial is not None and quantization is None and not is_deepspeed_zero3_enabled():
         return initial.to(hw.model_dtype(experiment, "policy"))
     source, revision = experiment.model.name_or_path, experiment.model.revision
-    if initial is not None:
+    if experiment.model.init == "random":
         source, revision = str(run_dir / "init-model"), None
     config = _config(experiment, tokenizer)
     kwargs = _kwargs(experiment, hw, config)
     if quantization is not None:
         kwargs["quantization_config"] = quantization
-        kwargs["device_map"] = {"": 0} if hw.device == "cuda" else {"": "cpu"}
+        kwargs["device_map"] = quantized_placement(hw)
     return head(experiment)[0].from_pretrained(
         source, config=config, revision=revision,
         dtype=hw.model_dtype(experiment, "policy"), **kwargs)
+
+
+def quantized_placement(hw: Hardware) -> dict:
+    """Where bitsandbytes puts a quantized model: this process's own GPU (one process per
+    GPU, hardware.local_gpu), whole."""
+    return {"": hw.index if hw.device == "cuda" else "cpu"}
 
 
 def count_parameters(model: torch.nn.Module) -> tuple[int, int]:

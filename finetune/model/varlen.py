@@ -7,8 +7,9 @@ sequence boundaries become cu_seqlens for PyTorch's own flash varlen kernel
 (torch.nn.attention.varlen.varlen_attn), registered through transformers' public
 AttentionInterface, so models select it with attn_implementation="finetune_varlen".
 
-Where that kernel cannot run (CPU, fp32) the same glue calls a reference kernel with the
-same signature: sdpa per sequence. Inputs the varlen path does not cover (a padding mask,
+Where that kernel cannot run (CPU, fp32, a GPU older than Ampere, a sliding window on
+torch 2.10) the same glue calls a reference kernel with the same signature: sdpa per
+sequence. Inputs the varlen path does not cover (a padding mask,
 cached decoding with fewer queries than keys, attention dropout, which the flash varlen
 kernel lacks, or a bidirectional model) go to transformers' sdpa with the equivalent
 dense mask, so the function is correct for every call a model makes.
@@ -17,6 +18,8 @@ dense mask, so the function is correct for every call a model makes.
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -25,17 +28,79 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import flash_attention_mask
 
 from finetune.config.attention import VARLEN
+from finetune.config.kernels import FLASH_CAPABILITY
 
 try:
     from torch.nn.attention.varlen import varlen_attn
 except ImportError:  # torch < 2.10
     varlen_attn = None
-_KERNEL_GQA = varlen_attn is not None and "enable_gqa" in inspect.signature(varlen_attn).parameters
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """A varlen kernel and what it takes. torch's flash kernel runs 16-bit tensors on GPUs
+    of compute capability 8.0 or newer, and its signature moved: 2.10 takes is_causal and
+    no scale, window_size or enable_gqa; 2.11 adds window_size and scale; enable_gqa came
+    later. `call` passes what this one takes; the reference kernel takes everything."""
+    fn: Callable
+    parameters: frozenset[str]
+    device_type: str | None = "cuda"   # None: any device
+    dtypes: tuple[torch.dtype, ...] | None = (torch.float16, torch.bfloat16)  # None: any
+
+    @classmethod
+    def of(cls, fn: Callable, **kwargs) -> "Kernel":
+        return cls(fn, frozenset(inspect.signature(fn).parameters), **kwargs)
+
+    def runs(self, query: torch.Tensor, dtype: torch.dtype, window: tuple[int, int]) -> bool:
+        """This kernel computes these inputs (a sliding window needs window_size)."""
+        if self.dtypes is not None and dtype not in self.dtypes:
+            return False
+        if window != (-1, 0) and "window_size" not in self.parameters:
+            return False
+        if self.device_type is None:
+            return True
+        if query.device.type != self.device_type:
+            return False
+        return self.device_type != "cuda" or query.device.index in flash_devices()
+
+    def call(self, q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: float | None,
+             window: tuple[int, int]) -> torch.Tensor:
+        kwargs: dict = {}
+        if "window_size" in self.parameters:
+            kwargs["window_size"] = window
+        else:  # torch 2.10: causal without a window (runs() refused a window)
+            kwargs["is_causal"] = True
+        if "scale" in self.parameters:
+            kwargs["scale"] = scale
+        elif scale is not None:  # the kernel scales by 1/sqrt(dim): fold ours into q
+            q = q * (scale * q.shape[-1] ** 0.5)
+        if q.shape[1] != k.shape[1]:
+            if "enable_gqa" in self.parameters:
+                kwargs["enable_gqa"] = True
+            else:  # repeat each kv head for its group of query heads
+                group = q.shape[1] // k.shape[1]
+                k, v = (t.repeat_interleave(group, dim=1) for t in (k, v))
+        return self.fn(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs)
+
+
+# The CUDA devices whose capability runs torch's flash kernel, read once, outside any
+# compiled region (register() runs before the model is built).
+_flash_devices: frozenset[int] | None = None
+
+
+def flash_devices() -> frozenset[int]:
+    global _flash_devices
+    if _flash_devices is None:
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        _flash_devices = frozenset(i for i in range(count)
+                                   if torch.cuda.get_device_capability(i) >= FLASH_CAPABILITY)
+    return _flash_devices
 
 
 def register() -> None:
     """Make `finetune_varlen` selectable. Its mask function is flash attention's: None
     when nothing is padded, else the 2D padding mask (never a dense one)."""
+    flash_devices()
     AttentionInterface.register(VARLEN, varlen_attention)
     AttentionMaskInterface.register(VARLEN, flash_attention_mask)
 
@@ -56,6 +121,11 @@ def reference_kernel(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, sca
     return torch.cat(outputs)
 
 
+# torch's kernel where it runs, else the reference: the kernels tried in order.
+KERNELS = tuple([Kernel.of(varlen_attn)] if varlen_attn is not None else []) + \
+    (Kernel.of(reference_kernel, device_type=None, dtypes=None),)
+
+
 def _window(n_q: int, n_k: int, window_size, device) -> torch.Tensor:
     """(n_q, n_k) booleans: key j is visible to query i (bottom-right aligned)."""
     left, right = window_size
@@ -69,34 +139,33 @@ def _window(n_q: int, n_k: int, window_size, device) -> torch.Tensor:
     return allowed
 
 
-# The boundaries of the batch in flight: every layer of one forward gets the same
-# position_ids tensor, so they (and the one host sync for the longest sequence) are
-# computed once per forward.
-_segments: tuple[torch.Tensor, tuple, tuple] | None = None
-
-
-def segments(position_ids: torch.Tensor | None, batch: int, length: int,
-             device: torch.device) -> tuple[torch.Tensor, int]:
-    """(cu_seqlens int32, longest) of a (batch, length) batch flattened row after row: a
-    sequence starts at each row and wherever the position does not follow the previous one
-    (the rule transformers' sdpa mask applies to packed position_ids)."""
-    global _segments
-    key = (batch, length)
-    if position_ids is not None and _segments is not None and \
-            _segments[0] is position_ids and _segments[1] == key:
-        return _segments[2]
+def boundaries(kwargs: dict, batch: int, length: int,
+               device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """(cu_seqlens of queries, of keys, longest query, longest key) of a (batch, length)
+    batch flattened row after row. A padding-free batch from TRL's collator carries them
+    (cu_seq_lens_q/k, max_length_q/k as ints, computed on the CPU): used as given, with no
+    host sync and nothing for a compiled graph to break on, whether or not the model
+    passes position_ids down. Else they are read from position_ids: a sequence starts at
+    each row and wherever the position does not follow the previous one (the rule
+    transformers' sdpa mask applies to packed position_ids)."""
+    cu_q, max_q = kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q")
+    if batch == 1 and cu_q is not None and max_q is not None:
+        cu_k = kwargs.get("cu_seq_lens_k")
+        max_k = kwargs.get("max_length_k")
+        cu_q = cu_q.to(device=device, dtype=torch.int32)
+        cu_k = cu_q if cu_k is None else cu_k.to(device=device, dtype=torch.int32)
+        return cu_q, cu_k, int(max_q), int(max_q if max_k is None else max_k)
     starts = torch.zeros(batch, length, dtype=torch.bool, device=device)
     starts[:, 0] = True
+    position_ids = kwargs.get("position_ids")
     if position_ids is not None:
         pos = position_ids.expand(batch, length)
         starts[:, 1:] |= pos[:, 1:] != pos[:, :-1] + 1
     index = starts.reshape(-1).nonzero().flatten()
     total = torch.tensor([batch * length], device=device)
     cu = torch.cat([index, total]).to(torch.int32)
-    result = (cu, int(cu.diff().max()))
-    if position_ids is not None:
-        _segments = (position_ids, key, result)
-    return result
+    longest = int(cu.diff().max())
+    return cu, cu, longest, longest
 
 
 def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -115,27 +184,22 @@ def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     if attention_mask is not None or n_q != n_k or dropout > 0 or not causal:
         return _dense(module, query, key, value, attention_mask, dropout, scaling,
                       sliding_window, causal, **kwargs)
-    cu, longest = segments(kwargs.get("position_ids"), batch, n_q, query.device)
-    flat = [t.transpose(1, 2).reshape(batch * n_q, t.shape[1], dim) for t in (query, key, value)]
+    cu_q, cu_k, max_q, max_k = boundaries(kwargs, batch, n_q, query.device)
     dtype = query.dtype
     if query.is_cuda and dtype == torch.float32 and torch.is_autocast_enabled("cuda"):
         dtype = torch.get_autocast_dtype("cuda")  # projections promoted to fp32 by RoPE
-    kernel_ok = varlen_attn is not None and query.is_cuda and dtype in (torch.float16,
-                                                                         torch.bfloat16)
-    kernel, gqa = (varlen_attn, _KERNEL_GQA) if kernel_ok else (reference_kernel, True)
-    q, k, v = (t.to(dtype) for t in flat)
-    if heads != k.shape[1] and not gqa:  # older torch: repeat the kv heads instead
-        k, v = (t.repeat_interleave(heads // t.shape[1], dim=1) for t in (k, v))
     window = (sliding_window - 1 if sliding_window else -1, 0)
-    extra = {"enable_gqa": heads != k.shape[1]} if gqa else {}
-    out = kernel(q, k, v, cu, cu, longest, longest, scale=scaling, window_size=window, **extra)
+    kernel = next(k for k in KERNELS if k.runs(query, dtype, window))
+    q, k, v = (t.transpose(1, 2).reshape(batch * n_q, t.shape[1], dim).to(dtype)
+               for t in (query, key, value))
+    out = kernel.call(q, k, v, cu_q, cu_k, max_q, max_k, scaling, window)
     return out.reshape(batch, n_q, heads, dim), None
 
 
 def _dense(module, query, key, value, attention_mask, dropout, scaling, sliding_window,
            causal, **kwargs):
     """transformers' sdpa with the mask these inputs mean: padding (2D), causal aligned to
-    the newest key, the sliding window, and sequence boundaries from position_ids."""
+    the newest key, the sliding window, and sequence boundaries (boundaries())."""
     batch, _, n_q, _ = query.shape
     n_k = key.shape[2]
     if attention_mask is not None and attention_mask.dim() == 4:  # a caller's own mask
@@ -146,8 +210,8 @@ def _dense(module, query, key, value, attention_mask, dropout, scaling, sliding_
         mask = mask.expand(batch, 1, n_q, n_k)
         if attention_mask is not None:
             mask = mask & attention_mask[:, None, None, -n_k:].bool()
-        elif n_q == n_k and kwargs.get("position_ids") is not None:
-            cu, _ = segments(kwargs["position_ids"], batch, n_q, query.device)
+        elif n_q == n_k and ("position_ids" in kwargs or "cu_seq_lens_q" in kwargs):
+            cu, _, _, _ = boundaries(kwargs, batch, n_q, query.device)
             owner = torch.zeros(batch * n_q, dtype=torch.long, device=query.device)
             owner[cu[1:-1].long()] = 1
             owner = owner.cumsum(0).view(batch, n_q)
