@@ -335,12 +335,12 @@ def build_parser() -> argparse.ArgumentParser:
     reference.set_defaults(func=_reference)
 
     # Commands whose parsers live beside their code (each torch-free at import).
-    from finetune import data_command, eval_run, hub, plots
+    from finetune import data_command, eval_run, hub, machine, plots
     from finetune.inference import commands as inference
     from finetune.sweep import command as sweep
 
-    # eval; merge, generate, chat; plot; push; data; sweep
-    for module in (eval_run, inference, plots, hub, data_command, sweep):
+    # eval; merge, generate, chat; plot; push; data; sweep; env
+    for module in (eval_run, inference, plots, hub, data_command, sweep, machine):
         module.add_commands(commands)
     return parser
 

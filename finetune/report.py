@@ -16,8 +16,9 @@ from typing import Any
 from finetune import __version__, compat
 from finetune.config.effective import record, setting
 
+# What environment.json records and `finetune env` (machine.py) prints: one list.
 PACKAGES = ("torch", "transformers", "accelerate", "peft", "trl", "datasets", "deepspeed",
-            "bitsandbytes", "pydantic")
+            "bitsandbytes", "liger-kernel", "flash-attn", "kernels", "pydantic")
 
 
 def environment(device: str, precision: str, attention: str | None) -> dict[str, Any]:

@@ -30,7 +30,7 @@ NOT_TORCH_SIDE = ("finetune.data.files", "finetune.data.rows", "finetune.data.fo
 # What `finetune validate/render/estimate/plot/push/eval --help/launch --dry-run` and a
 # launcher run: importing any of these must not load the torch side.
 TORCH_FREE = ("config", "render", "launch", "rundir", "resume", "fingerprint", "checkpoints",
-              "estimate", "errors", "cli", "plots", "hub", "modelcard", "eval_run")
+              "estimate", "errors", "cli", "plots", "hub", "modelcard", "eval_run", "machine")
 
 
 def unit(module: str) -> str:
