@@ -1,0 +1,118 @@
+#!/usr/bin/env bash
+# The GPU lane: one command on a lent GPU machine (docs/benchmarks.md, "GPU lane").
+# Here first: bash tools/gpu/prepare.sh (fills .whl/; carry [".whl"]). There:
+#   source tools/gpu/env.sh && bash tools/gpu/lane.sh [lane | bench [RUN ...] | all]
+#
+#   lane           (the default) the environment, then the GPU tests:
+#                  python -m pytest -m cuda tests/gpu -q --durations=0   (budget: 8 minutes)
+#   bench [RUN...] bench/run.py's GPU presets. RUN is PRESET[:full|lora][:CONTENDERS], e.g.
+#                  gpu-llama1b   gpu-qwen0.5b-dense:lora   gpu-llama1b:full:finetune,same
+#                  Without RUN, all eight: gpu-llama1b and gpu-qwen0.5b, each log-normal and
+#                  -dense, full and LoRA. A preset is 4 contenders x 2 repeats (40 steps,
+#                  dense 20); a device call is at most 10 minutes, so give one RUN per call,
+#                  or half a preset (finetune,same then defaults,tuned) and pool the halves
+#                  here with: python bench/table.py a.json b.json --markdown
+#   all            lane, then every bench run (a machine without a time limit per call)
+#
+# Everything lands in $OUT (default /tmp/finetune-gpu): environment.txt; lane.log, lane.xml
+# (JUnit) and lane-figures.json (what the tests measured); bench-<preset>-<full|lora>
+# [-<contenders>].json, .md and .log. Exit status: 0 when every step passed.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+[ -n "${FINETUNE_GPU_ENV:-}" ] || source tools/gpu/env.sh || exit 2
+PY=${FINETUNE_PYTHON:-python3}
+OUT=${OUT:-/tmp/finetune-gpu}
+mkdir -p "$OUT"
+failed=0
+
+environment() {
+  {
+    echo "== $(date -u +%FT%TZ) $(hostname)"
+    if command -v nvidia-smi >/dev/null; then
+      nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader
+    else
+      echo "nvidia-smi: not on PATH"
+    fi
+    "$PY" - <<'PY'
+import importlib.metadata as m, importlib.util as u, inspect, sys
+import torch
+print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda)
+if torch.cuda.is_available():
+    print("gpus", torch.cuda.device_count(), torch.cuda.get_device_name(0),
+          "capability", torch.cuda.get_device_capability(0),
+          "bf16 (no emulation)", torch.cuda.is_bf16_supported(including_emulation=False))
+else:
+    print("gpus: none visible to torch")
+for p in ("finetune", "transformers", "trl", "peft", "accelerate", "datasets", "pydantic",
+          "bitsandbytes", "liger-kernel", "flash-attn", "deepspeed", "pytest"):
+    try:
+        print(f"  {p} {m.version(p)}")
+    except m.PackageNotFoundError:
+        print(f"  {p} -")
+try:
+    from torch.nn.attention.varlen import varlen_attn
+    print("varlen_attn", inspect.signature(varlen_attn))
+except ImportError as e:
+    print("varlen_attn missing:", e)
+PY
+    # The wheel is this tree's code as prepare.sh last built it.
+    stale=$(find finetune -name '*.py' -newer "$(ls .whl/finetune-*.whl | head -1)" | head -5)
+    [ -z "$stale" ] || echo "warning: changed since .whl/finetune-*.whl was built" \
+      "(run tools/gpu/prepare.sh again): $stale"
+  } 2>&1 | tee -a "$OUT/environment.txt"
+}
+
+lane() {
+  echo "== lane: python -m pytest -m cuda tests/gpu -q --durations=0"
+  local t0=$SECONDS
+  FINETUNE_GPU_FIGURES="$OUT/lane-figures.json" timeout -k 15 "${LANE_TIMEOUT:-570}" \
+    "$PY" -m pytest -m cuda tests/gpu -q --durations=0 -rs -p no:cacheprovider \
+    --junitxml "$OUT/lane.xml" 2>&1 | tee "$OUT/lane.log"
+  local rc=${PIPESTATUS[0]}
+  echo "== lane: exit $rc in $((SECONDS - t0)) s"
+  [ "$rc" = 0 ] || failed=$((failed + 1))
+}
+
+bench_one() {  # PRESET[:full|lora][:CONTENDERS]
+  local preset kind contenders name t0 rc
+  IFS=: read -r preset kind contenders <<< "$1"
+  kind=${kind:-full}
+  if [ "$kind" != full ] && [ "$kind" != lora ]; then
+    echo "== bench $1: full or lora, not '$kind'" >&2; failed=$((failed + 1)); return
+  fi
+  name="bench-$preset-$kind${contenders:+-${contenders//,/+}}"
+  local args=(bench/run.py --preset "$preset" --out "$OUT/$name.json" --markdown
+              --timeout "${CONTENDER_TIMEOUT:-300}")
+  [ "$kind" = lora ] && args+=(--lora)
+  [ -n "$contenders" ] && args+=(--contenders "$contenders")
+  echo "== bench $1: $PY ${args[*]}"
+  t0=$SECONDS
+  timeout -k 15 "${BENCH_TIMEOUT:-570}" "$PY" "${args[@]}" > "$OUT/$name.log" 2>&1
+  rc=$?
+  if grep -q '^| contender' "$OUT/$name.log"; then
+    sed -n '/^| contender/,$p' "$OUT/$name.log" | tee "$OUT/$name.md"
+  fi
+  echo "== bench $1: exit $rc in $((SECONDS - t0)) s (log $OUT/$name.log)"
+  [ "$rc" = 0 ] || { tail -20 "$OUT/$name.log"; failed=$((failed + 1)); }
+}
+
+bench() {
+  local runs=("$@")
+  [ ${#runs[@]} -gt 0 ] || runs=(gpu-llama1b gpu-llama1b:lora gpu-llama1b-dense
+                                  gpu-llama1b-dense:lora gpu-qwen0.5b gpu-qwen0.5b:lora
+                                  gpu-qwen0.5b-dense gpu-qwen0.5b-dense:lora)
+  for run in "${runs[@]}"; do bench_one "$run"; done
+}
+
+what=${1:-lane}
+[ $# -gt 0 ] && shift
+case "$what" in
+  lane) environment; lane ;;
+  bench) environment; bench "$@" ;;
+  all) environment; lane; bench ;;
+  *) echo "usage: bash tools/gpu/lane.sh [lane | bench [PRESET[:full|lora][:CONTENDERS] ...]" \
+          "| all]" >&2
+     exit 2 ;;
+esac
+echo "== done: $failed step(s) failed; results in $OUT"
+[ "$failed" = 0 ]
