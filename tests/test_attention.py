@@ -72,7 +72,7 @@ def test_no_sequence_attends_to_another():
     assert not torch.allclose(leaky[second], alone[1], atol=1e-3)
 
 
-def _by_hand(q, k, v, lengths, scale, window):
+def by_hand(q, k, v, lengths, scale, window=None):
     """softmax(q k^T * scale + causal window mask) v per sequence, written out: an
     independent reference for scaling, GQA and the sliding window."""
     out, start = [], 0
@@ -101,7 +101,7 @@ def test_glue_honours_scale_gqa_and_sliding_window(window):
     out, _ = varlen.varlen_attention(module, q, k, v, None, scaling=0.3,
                                      sliding_window=window, position_ids=positions)
     flat = [t[0].transpose(0, 1) for t in (q, k, v)]
-    torch.testing.assert_close(out[0], _by_hand(*flat, lengths, 0.3, window))
+    torch.testing.assert_close(out[0], by_hand(*flat, lengths, 0.3, window))
 
 
 def test_padded_batches_and_cached_decoding_match_sdpa():

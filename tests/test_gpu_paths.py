@@ -5,13 +5,13 @@ FSDP's random init, and the glue under torch.compile. tests/gpu/ runs them for r
 
 from __future__ import annotations
 
-import math
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from conftest import MINIMAL_SFT, REPO, TINY_MODEL
+from test_attention import by_hand
 from finetune import hardware
 from finetune.config import attention, kernels, load_experiment
 from finetune.errors import RunError
@@ -51,22 +51,6 @@ def gpus(monkeypatch, fresh_kernels):
         monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True:
                             including_emulation or props[0].major >= 8)
     return _gpus
-
-
-def _by_hand(q, k, v, lengths, scale, window=None):
-    """softmax(q k^T * scale + causal window mask) v per sequence, written out."""
-    out, start = [], 0
-    group = q.shape[1] // k.shape[1]
-    for n in lengths:
-        qs, ks, vs = (t[start:start + n] for t in (q, k, v))
-        ks, vs = ks.repeat_interleave(group, 1), vs.repeat_interleave(group, 1)
-        scores = torch.einsum("qhd,khd->hqk", qs, ks) * scale
-        i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
-        visible = (j <= i) & ((j > i - window) if window else True)
-        scores = scores.masked_fill(~visible, -math.inf)
-        out.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), vs))
-        start += n
-    return torch.cat(out)
 
 
 def _causal_module():
@@ -110,12 +94,12 @@ def test_torch_2_10_varlen_kernel_is_called_as_it_takes(monkeypatch, tmp_path):
     out, _ = varlen.varlen_attention(_causal_module(), q, k, v, None, scaling=0.3,
                                      position_ids=positions)
     flat = [t[0].transpose(0, 1) for t in (q, k, v)]
-    torch.testing.assert_close(out[0], _by_hand(*flat, lengths, 0.3))
+    torch.testing.assert_close(out[0], by_hand(*flat, lengths, 0.3))
     assert calls == [True]  # scale folded into q, kv heads repeated, causal by is_causal
     # A sliding window is more than 2.10's kernel can do: the reference computes it.
     out, _ = varlen.varlen_attention(_causal_module(), q, k, v, None, scaling=0.3,
                                      sliding_window=3, position_ids=positions)
-    torch.testing.assert_close(out[0], _by_hand(*flat, lengths, 0.3, window=3))
+    torch.testing.assert_close(out[0], by_hand(*flat, lengths, 0.3, window=3))
     assert calls == [True]
 
     # auto reads the same signature from the source, torch-free, and does not pick it.
@@ -285,7 +269,7 @@ def test_a_batch_with_its_own_cu_seqlens_keeps_its_sequences_apart():
     out, _ = varlen.varlen_attention(_causal_module(), q, k, v, None, scaling=0.25,
                                      **boundaries)
     flat = [t[0].transpose(0, 1) for t in (q, k, v)]
-    torch.testing.assert_close(out[0], _by_hand(*flat, lengths, 0.25))
+    torch.testing.assert_close(out[0], by_hand(*flat, lengths, 0.25))
     # Negative control: without boundaries the row is one sequence.
     leaky, _ = varlen.varlen_attention(_causal_module(), q, k, v, None, scaling=0.25)
     assert not torch.allclose(leaky[0, 5:7], out[0, 5:7], atol=1e-3)
@@ -358,7 +342,7 @@ def test_the_glue_compiles_without_graph_breaks(monkeypatch):
     explained = torch._dynamo.explain(attend)(q, k, v, cu)
     assert explained.graph_break_count == 0, explained.break_reasons
     flat = [t[0].transpose(0, 1) for t in (q, k, v)]
-    torch.testing.assert_close(attend(q, k, v, cu)[0], _by_hand(*flat, lengths, 0.25))
+    torch.testing.assert_close(attend(q, k, v, cu)[0], by_hand(*flat, lengths, 0.25))
 
     # Control: boundaries read from position_ids need the longest sequence on the host.
     positions = torch.cat([torch.arange(n) for n in lengths])[None]
