@@ -39,9 +39,9 @@ except ImportError:  # torch < 2.10
 @dataclass(frozen=True)
 class Kernel:
     """A varlen kernel and what it takes. torch's flash kernel runs 16-bit tensors on GPUs
-    of compute capability 8.0 or newer, and its signature moved: 2.10 takes is_causal and
-    no scale, window_size or enable_gqa; 2.11 adds window_size and scale; enable_gqa came
-    later. `call` passes what this one takes; the reference kernel takes everything."""
+    of compute capability 8.0 or newer, and its signature moved: 2.10's takes is_causal
+    and no scale, window_size or enable_gqa; later ones take window_size and scale, and
+    then enable_gqa. `call` passes what this one takes; the reference takes everything."""
     fn: Callable
     parameters: frozenset[str]
     device_type: str | None = "cuda"   # None: any device

@@ -33,28 +33,11 @@ environment() {
     else
       echo "nvidia-smi: not on PATH"
     fi
-    "$PY" - <<'PY'
-import importlib.metadata as m, importlib.util as u, inspect, sys
-import torch
-print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda)
-if torch.cuda.is_available():
-    print("gpus", torch.cuda.device_count(), torch.cuda.get_device_name(0),
-          "capability", torch.cuda.get_device_capability(0),
-          "bf16 (no emulation)", torch.cuda.is_bf16_supported(including_emulation=False))
-else:
-    print("gpus: none visible to torch")
-for p in ("finetune", "transformers", "trl", "peft", "accelerate", "datasets", "pydantic",
-          "bitsandbytes", "liger-kernel", "flash-attn", "deepspeed", "pytest"):
-    try:
-        print(f"  {p} {m.version(p)}")
-    except m.PackageNotFoundError:
-        print(f"  {p} -")
-try:
-    from torch.nn.attention.varlen import varlen_attn
-    print("varlen_attn", inspect.signature(varlen_attn))
-except ImportError as e:
-    print("varlen_attn missing:", e)
-PY
+    # finetune's own account: versions, GPUs, what auto becomes here, and why.
+    "$PY" -m finetune env
+    "$PY" -c 'import inspect, torch.nn.attention.varlen as v
+print("varlen_attn", inspect.signature(v.varlen_attn))' || echo "varlen_attn: none in this torch"
+    "$PY" -m pytest --version
     # The wheel is this tree's code as prepare.sh last built it.
     stale=$(find finetune -name '*.py' -newer "$(ls .whl/finetune-*.whl | head -1)" | head -5)
     [ -z "$stale" ] || echo "warning: changed since .whl/finetune-*.whl was built" \
