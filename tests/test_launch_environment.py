@@ -87,3 +87,19 @@ def test_finetune_launch_sets_threads_for_the_launcher_unless_given(write):
     assert launcher_threads(two, {"OMP_NUM_THREADS": "3"}) == ({}, None)
     assert launcher_threads(exp(write), {}) == ({}, None)  # one process: torch's own default
     assert launcher_threads(exp(write, "{device: cuda, num_processes: 2}"), {}) == ({}, None)
+
+
+def test_precision_auto_on_a_gpu_without_bf16_is_no_launch_error(write):
+    """The generated Accelerate file states what precision auto becomes before the GPU is
+    seen (bf16); on a GPU without native bf16 the worker resolves fp16 and its flags win."""
+    from finetune.launch.environment import launch_problems
+
+    launched = {"ACCELERATE_MIXED_PRECISION": "bf16"}
+    auto = exp(write, "{device: cuda}")
+    assert launch_problems(auto, launched, "fp16") == []
+    assert launch_problems(auto, {"ACCELERATE_MIXED_PRECISION": "fp16"}, "bf16") == [
+        "the Accelerate launch says mixed_precision 'fp16', but the experiment's precision is "
+        "bf16; set it in one place: precision"]
+    fp16 = load_experiment(write("fp16.yaml", MINIMAL_SFT + "precision: fp16\n"
+                                 "distributed: {device: cuda}\n"))
+    assert launch_problems(fp16, launched, "fp16")  # set by hand: the file contradicts it
