@@ -185,10 +185,8 @@ def _liger(found, kernels, measured: bool) -> dict[str, Any]:
     patches = f"liger-kernel {version} patches {len(types)} model types"
     if not measured:
         return _usable(False, f"{patches}; runs use it on CUDA only")
-    if kernels.liger is None:  # measure_kernels tried it: installed, but does not import
-        from finetune.hardware import import_problem
-
-        return _usable(False, import_problem("liger_kernel.transformers") or "does not import",
+    if kernels.liger_broken:  # measure_kernels tried it: installed, but does not import
+        return _usable(False, kernels.liger_broken,
                        "pip install --force-reinstall --no-deps liger-kernel")
     return _usable(True, f"{patches} (use_liger_kernel is on by default for sft)")
 
