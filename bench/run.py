@@ -304,6 +304,10 @@ def main(argv=None) -> None:
     if padded:
         print(f"warning: pad_to_multiple_of is set for {', '.join(sorted(padded))}: TRL's "
               "num_tokens then counts the padding of padding-free batches as tokens")
+    failed = sorted({r["contender"] for r in runs if not r.get("result")})
+    if failed:  # a table of dashes is no result: lane.sh counts the step as failed
+        sys.exit(f"error: {len(failed)} contender(s) failed: {', '.join(failed)} "
+                 "(the tail of each failed run's log is printed above)")
 
 
 if __name__ == "__main__":

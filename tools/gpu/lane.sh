@@ -63,7 +63,7 @@ bench_one() {  # PRESET[:full|lora][:CONTENDERS]
   if [ "$kind" != full ] && [ "$kind" != lora ]; then
     echo "== bench $1: full or lora, not '$kind'" >&2; failed=$((failed + 1)); return
   fi
-  name="bench-$preset-$kind${contenders:+-${contenders//,/+}}"
+  name="bench-$preset-$kind${contenders:+-${contenders//,/_}}"  # $OUT takes [A-Za-z0-9._-]
   local args=(bench/run.py --preset "$preset" --out "$OUT/$name.json" --markdown
               --timeout "${CONTENDER_TIMEOUT:-300}")
   [ "$kind" = lora ] && args+=(--lora)

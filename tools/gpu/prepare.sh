@@ -27,9 +27,9 @@ grep -qx '/.whl/' "$exclude" 2>/dev/null || echo '/.whl/' >> "$exclude"
 
 py=.venv/bin/python
 [ -x "$py" ] || { echo "prepare: no .venv (bash setup.sh first)" >&2; exit 2; }
-pin() {  # name==version from constraints.txt, else the bare name
+pin() {  # name==version from constraints.txt (- and _ alike), else the bare name
   local line
-  line=$(grep -i -m1 -E "^$1==" constraints.txt || true)
+  line=$(grep -i -m1 -E "^${1//[-_]/[-_]}==" constraints.txt || true)
   echo "${line:-$1}"
 }
 fetch() {  # wheels for the GPU machine's Python and platform, never sources
