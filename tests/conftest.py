@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-# Offline, quiet, one thread per process: the CI machine has 2 cores.
+# Offline, quiet, one thread per process: the CI machine has 2 cores and runs 2 tests at
+# a time (pytest-xdist); more threads than cores made runs 10-50x slower.
 os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
-                  OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
+                  OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+MAX_WORKERS = 4  # `-n auto`: tests start 2-process runs; more workers only oversubscribe
 
 REPO = Path(__file__).resolve().parent.parent
 QUICKSTART = REPO / "configs" / "quickstart"
@@ -28,10 +31,92 @@ data:
 """
 
 
-def run_cli(*args: str, cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:
-    """Run `finetune ARGS` as a user would, in a subprocess."""
+def free_port() -> int:
+    """A TCP port nothing listens on now, for a launch's main_process_port: tests run in
+    parallel (pytest-xdist), so no two may share a fixed port. The kernel picks it from
+    the ephemeral range; a run binds it moments later."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def run_cli(*args: str, cwd: Path, timeout: int = 600,
+            cold: bool = False) -> subprocess.CompletedProcess:
+    """Run `finetune ARGS` as a user would, in a process of its own: forked from the warm
+    interpreter (tests/warm.py: the same process, less ~8 s of imports) unless cold=True,
+    the test changed the environment or pytest ran with --cold-cli, else
+    `python -m finetune`."""
+    args = tuple(str(arg) for arg in args)
+    warm = None if cold else warm_interpreter()
+    if warm is not None:
+        return warm.run(list(args), cwd, timeout)
     return subprocess.run([sys.executable, "-m", "finetune", *args], cwd=cwd, text=True,
                           capture_output=True, timeout=timeout)
+
+
+# The worker's warm interpreters by environment, the least recently used first; at most
+# WARM_KEPT (a test that sets a variable, then the tests after it).
+_WARM: dict = {}
+WARM_KEPT = 2
+
+
+def warm_interpreter():
+    """A WarmInterpreter started with the environment this test has now (the libraries
+    read some variables at import: a child must see what a cold process would), started
+    on first use; None with --cold-cli."""
+    if _COLD[0]:
+        return None
+    key = frozenset((k, v) for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST")
+    warm = _WARM.pop(key, None)
+    if warm is not None and not warm.alive():
+        warm.close()
+        warm = None
+    if warm is None:
+        from warm import WarmInterpreter
+
+        while len(_WARM) >= WARM_KEPT:
+            _WARM.pop(next(iter(_WARM))).close()
+        try:
+            warm = WarmInterpreter()
+        except RuntimeError as exc:  # the child would be cold anyway: say so, run cold
+            print(f"conftest: no warm interpreter for this environment ({exc})")
+            return None
+    _WARM[key] = warm
+    return warm
+
+
+_COLD = [False]
+
+
+def pytest_addoption(parser):
+    parser.addoption("--cold-cli", action="store_true",
+                     help="run every run_cli as a cold `python -m finetune` (no warm fork)")
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto`: the cores this process may use, at most MAX_WORKERS."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, min(cores or 1, MAX_WORKERS))
+
+
+def pytest_configure(config):
+    _COLD[0] = config.getoption("--cold-cli")
+
+
+def pytest_collection_modifyitems(config, items):
+    """The exhaustive lane runs only when -m names it: each of its cases repeats a code path
+    that a case of the default run covers (its comment says which)."""
+    if "exhaustive" in (config.getoption("markexpr") or ""):
+        return
+    kept = [item for item in items if item.get_closest_marker("exhaustive") is None]
+    if len(kept) < len(items):
+        config.hook.pytest_deselected(items=[i for i in items if i not in kept])
+        items[:] = kept
+
+
+def pytest_unconfigure(config):
+    for warm in _WARM.values():
+        warm.close()
 
 
 @pytest.fixture

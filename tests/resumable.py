@@ -15,7 +15,7 @@ import psutil
 import torch
 from safetensors.torch import load_file
 
-from conftest import DATA, TINY_MODEL
+from conftest import DATA, TINY_MODEL, warm_interpreter, free_port
 from finetune.errors import EXIT_PREEMPTED
 
 DATASETS = {"sft": "sft_train", "reward": "pref_train", "dpo": "pref_train",
@@ -25,9 +25,12 @@ DATASETS = {"sft": "sft_train", "reward": "pref_train", "dpo": "pref_train",
 
 def experiment(name: str, method: str, *, processes: int = 1, steps: int = 40,
                batch: int = 4, accumulation: int = 1, samples: int = 24, extra: str = "",
-               port: int = 29541, zero_stage: int | None = None, logging_steps: int = 1) -> str:
+               port: int | None = None, zero_stage: int | None = None,
+               logging_steps: int = 1) -> str:
     """fp32 CPU, fixed seed, a checkpoint every 4 steps, several epochs (24 samples);
-    DDP over `processes`, or DeepSpeed ZeRO at `zero_stage`."""
+    DDP over `processes`, or DeepSpeed ZeRO at `zero_stage`; a free port unless given."""
+    if port is None:
+        port = free_port()
     strategy = "ddp" if zero_stage is None else \
         f"deepspeed, deepspeed: {{zero_stage: {zero_stage}}}"
     distributed = (f"distributed: {{strategy: {strategy}, num_processes: {processes}, "
@@ -45,13 +48,21 @@ def experiment(name: str, method: str, *, processes: int = 1, steps: int = 40,
 
 
 class Run:
-    """One attempt of `finetune train|launch CONFIG`, output kept in files."""
+    """One attempt of `finetune train|launch CONFIG`, output kept in files. `train` forks
+    from the warm interpreter (conftest.run_cli) unless cold=True; `launch` is always a
+    cold process (its workers are cold either way)."""
 
-    def __init__(self, command: str, config: Path, cwd: Path, attempt: int):
+    def __init__(self, command: str, config: Path, cwd: Path, attempt: int,
+                 cold: bool = False):
         self.log = cwd / f"{config.stem}-{attempt}.log"
-        handle = self.log.open("w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "finetune", command, str(config)],
-                                     cwd=cwd, stdout=handle, stderr=subprocess.STDOUT, text=True)
+        warm = None if cold or command != "train" else warm_interpreter()
+        if warm is not None:
+            self.proc = warm.start([command, str(config)], cwd, self.log, self.log)
+            return
+        with self.log.open("w") as handle:
+            self.proc = subprocess.Popen([sys.executable, "-m", "finetune", command,
+                                          str(config)], cwd=cwd, stdout=handle,
+                                         stderr=subprocess.STDOUT, text=True)
 
     def wait(self, timeout: float = 300) -> int:
         return self.proc.wait(timeout)
@@ -120,10 +131,10 @@ def assert_identical(a: Path, b: Path, context: str = "") -> None:
 
 
 def stopped_by_sigterm(command: str, config: Path, run_dir: Path, cwd: Path,
-                       at_step: int) -> Run:
+                       at_step: int, cold: bool = False) -> Run:
     """Run until `at_step` is logged, SIGTERM `finetune COMMAND` (as SLURM signals the
     task), and check it saved and exited 75."""
-    run = Run(command, config, cwd, 1)
+    run = Run(command, config, cwd, 1, cold)
     wait_for_step(run, run_dir, at_step)
     run.signal(signal.SIGTERM)
     assert run.wait() == EXIT_PREEMPTED, run.text()[-3000:]

@@ -14,6 +14,9 @@ import yaml
 
 from conftest import DATA, QUICKSTART, run_cli
 
+# One worker runs this module: its module fixture (runs) trains once, not once per worker.
+pytestmark = pytest.mark.xdist_group("best_of_n")
+
 LENGTH = '''
 def length(completions, **kwargs):
     """Characters of the completion (an assistant turn or text)."""

@@ -20,6 +20,9 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequence
 from conftest import DATA, REPO, TINY_MODEL
 from finetune import compat
 
+# One worker runs this module: its module fixture (seen) trains once, not once per worker.
+pytestmark = pytest.mark.xdist_group("compat")
+
 # finetune's Trainer subclasses: each private method they define that a library class
 # also defines must be in compat.OVERRIDES.
 OURS = ("finetune.trainers.classify:ClassifyTrainer",

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from conftest import DATA, TINY_MODEL, run_cli
+from conftest import DATA, TINY_MODEL, free_port, run_cli
 
 PROBE = """
 import json, os
@@ -34,7 +34,7 @@ def experiment(extra: str = "") -> str:
             "attn_implementation: sdpa}\n"
             f"data:\n  train: {{path: {DATA}/sft_train.jsonl, max_samples: 4}}\n"
             "distributed: {strategy: fsdp, num_processes: 4, device: cuda, "
-            f"main_process_port: 29745, context_parallel: 2{extra}}}\n"
+            f"main_process_port: {free_port()}, context_parallel: 2{extra}}}\n"
             "output: {plot: false}\ntraining: {max_steps: 1, activation_checkpointing: false}\n")
 
 

@@ -18,6 +18,9 @@ from finetune import checkpoints
 from finetune.callbacks import read_metrics, truncate_metrics
 from finetune.errors import RunError
 
+# One worker runs this module: its module fixture (finished) trains once, not once per worker.
+pytestmark = pytest.mark.xdist_group("damaged_runs")
+
 # 8 rows in batches of 2: 4 steps an epoch, half an epoch is 2 steps, each one saved.
 CONFIG = f"""\
 name: base

@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import DATA, TINY_MODEL, run_cli
+from conftest import DATA, TINY_MODEL, free_port, run_cli
 from teachers import tiny_teacher
 
 pytestmark = pytest.mark.slow  # training runs on several processes
@@ -37,7 +37,7 @@ LAYOUTS = {  # name: (processes, per-device batch, accumulation)
 
 def experiment(method: str, processes: int, batch: int, accumulation: int) -> str:
     distributed = (f"distributed: {{strategy: ddp, num_processes: {processes}, device: cpu, "
-                   "main_process_port: 29517}\n" if processes > 1 else "")
+                   f"main_process_port: {free_port()}}}\n" if processes > 1 else "")
     # sft runs finetune_varlen (padding-free rows as cu_seqlens, the reference kernel on the
     # CPU); the default sdpa path keeps its equivalences in test_launch and test_resume.
     attention = ", attn_implementation: finetune_varlen" if method == "sft" else ""
@@ -69,7 +69,11 @@ def train(method: str, layout: str, write, tmp_path) -> dict[str, torch.Tensor]:
         run / "init-model" / "model.safetensors")
 
 
-@pytest.mark.parametrize("method", ["sft", "reward", "dpo", "simpo", "distill", "gkd"])
+# One per loss normalisation: sft's token count, reward's, dpo's pair mean, distill's
+# generated completions, gkd's process scaling. simpo shares dpo's pair mean (exhaustive).
+@pytest.mark.parametrize("method", ["sft", "reward", "dpo",
+                                    pytest.param("simpo", marks=pytest.mark.exhaustive),
+                                    "distill", "gkd"])
 def test_data_parallel_and_accumulation_match_one_big_batch(method, write, tmp_path):
     runs = {layout: train(method, layout, write, tmp_path) for layout in LAYOUTS}
     reference, init = runs["single-1x4"]

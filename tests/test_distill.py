@@ -16,6 +16,9 @@ from finetune.config.load import load_experiment
 from finetune.errors import ConfigError
 from teachers import held_out_kl, tiny_teacher
 
+# One worker runs this module: its module fixture (teachers) trains once, not once per worker.
+pytestmark = pytest.mark.xdist_group("distill")
+
 
 def experiment(teacher, peft: str = "none", extra: str = "", steps: int = 3) -> str:
     peft_block = f"peft:\n  type: {peft}\n  r: 4\n" if peft != "none" else ""

@@ -13,6 +13,9 @@ import pytest
 
 from conftest import run_cli
 
+# One worker runs this module: its module fixture (bert) trains once, not once per worker.
+pytestmark = pytest.mark.xdist_group("encoders")
+
 WORDS = ("apple bread cat dog egg fish goat hat ice jam kite lamp moon nut owl pig queen "
          "rose sun tree van yak zebra good bad").split()
 

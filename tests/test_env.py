@@ -118,15 +118,14 @@ def test_a_bogus_flag_is_one_error_line(tmp_path):
 
 def test_the_cli_starts_without_torch():
     """env's module is imported at every CLI start: it must not bring torch."""
-    code = ("import sys, time\nstarted = time.monotonic()\n"
+    code = ("import sys\n"
             "from finetune.cli import build_parser\nbuild_parser()\n"
             "assert 'finetune.machine' in sys.modules\n"
             "heavy = [m for m in ('torch', 'transformers', 'bitsandbytes') if m in sys.modules]\n"
-            "assert not heavy, heavy\nprint(time.monotonic() - started)\n")
+            "assert not heavy, heavy\n")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
                             text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
-    assert float(result.stdout) < 10
+    assert result.returncode == 0, result.stderr  # the bound is the modules, not a clock
 
 
 @pytest.fixture

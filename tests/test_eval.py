@@ -14,6 +14,9 @@ import pytest
 
 from conftest import DATA, MINIMAL_SFT, QUICKSTART, TINY_MODEL, run_cli
 
+# One worker runs this module: its module fixture (sft_run) trains once, not once per worker.
+pytestmark = pytest.mark.xdist_group("eval")
+
 # What describes the evaluation rather than the model: timings, the trainer's counters.
 NOT_COMPARED = ("runtime", "per_second", "preparation_time", "num_tokens", "epoch")
 

@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 
-from conftest import DATA, TINY_MODEL, run_cli
+from conftest import DATA, TINY_MODEL, free_port, run_cli
 
 # Run by `accelerate launch` with a rendered config, on CPU: which FSDP_* variables the
 # launcher set, what Accelerator() makes of them, and the plugin built from them.
@@ -55,13 +55,13 @@ def experiment(fsdp: str, device: str, port: int) -> str:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("version,port", [(1, 29690), (2, 29691)])
-def test_rendered_config_is_what_accelerate_reads(version, port, write, tmp_path):
+@pytest.mark.parametrize("version", [1, 2])
+def test_rendered_config_is_what_accelerate_reads(version, write, tmp_path):
     from accelerate.commands.config.config_args import load_config_from_file
 
     config = write("exp.yaml", experiment(
         f"{{version: {version}, sharding_strategy: SHARD_GRAD_OP, state_dict_type: "
-        f"{'FULL' if version == 1 else 'SHARDED'}_STATE_DICT}}", "cuda", port))
+        f"{'FULL' if version == 1 else 'SHARDED'}_STATE_DICT}}", "cuda", free_port()))
     bundle = tmp_path / "bundle"
     result = run_cli("render", str(config), "--out", str(bundle), cwd=tmp_path)
     assert result.returncode == 0, result.stderr
@@ -96,7 +96,7 @@ def test_rendered_config_is_what_accelerate_reads(version, port, write, tmp_path
 def test_fsdp_without_cuda_stops_with_one_line(write, tmp_path):
     """device auto: launch resolves it on this machine (cpu) and the config rule refuses
     fsdp there; a training process that finds no CUDA itself says so in one line."""
-    config = write("auto.yaml", experiment("{}", "auto", 29692))
+    config = write("auto.yaml", experiment("{}", "auto", free_port()))
     result = run_cli("launch", str(config), cwd=tmp_path)
     assert result.returncode == 2, result.stderr[-3000:]
     assert [line for line in result.stderr.splitlines() if line.startswith("error:")] == \

@@ -17,6 +17,9 @@ from finetune.config.load import load_experiment
 from finetune.errors import ConfigError, DataError
 from teachers import held_out_kl, tiny_teacher
 
+# One worker runs this module: its module fixture (teacher) trains once, not once per worker.
+pytestmark = pytest.mark.xdist_group("gkd")
+
 
 def experiment(teacher, peft: str = "none", extra: str = "", steps: int = 3,
                train: str = "sft_train.jsonl", lmbda: float = 0.0) -> str:

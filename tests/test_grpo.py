@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 
-from conftest import DATA, TINY_MODEL, run_cli
+from conftest import DATA, TINY_MODEL, free_port, run_cli
 from finetune import checkpoint_state, checkpoints
 from resumable import Run, assert_identical, logged, stopped_by_sigterm
 
@@ -239,7 +239,7 @@ def chat_digits(prompts, completions, completion_ids, **kwargs):
                                     functions="[rewards.py:chat_digits]", extra=(
         "  per_device_train_batch_size: 8\n  save_strategy: 'no'\n")).replace(
         "evaluation:", "distributed: {strategy: ddp, num_processes: 2, device: cpu, "
-                       "main_process_port: 29575}\nevaluation:").replace(
+                       f"main_process_port: {free_port()}}}\nevaluation:").replace(
         "  per_device_train_batch_size: 16\n", ""))
     result = run_cli("launch", str(config), cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -22,6 +22,10 @@ import pytest
 
 from conftest import DATA, QUICKSTART, REPO, run_cli
 
+# One worker runs this module: its module fixtures (the trained runs) train once, not once
+# per worker.
+pytestmark = pytest.mark.xdist_group("inference")
+
 IDS = [[1, 5, 9, 17, 40, 101, 7, 3]]  # token ids for a logits comparison (vocab 349)
 
 # Loads a model directory with an auto class in a fresh process and prints its logits on
@@ -29,6 +33,7 @@ IDS = [[1, 5, 9, 17, 40, 101, 7, 3]]  # token ids for a logits comparison (vocab
 # classifier, its predicted labels for texts.
 LOAD = r"""
 import json, sys, torch, transformers, peft
+
 directory, name, task = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 auto = getattr(peft if name.startswith("AutoPeft") else transformers, name)
 model = auto.from_pretrained(directory).eval()

@@ -15,7 +15,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from conftest import DATA, QUICKSTART, REPO, TINY_MODEL, run_cli
+from conftest import DATA, QUICKSTART, REPO, TINY_MODEL, free_port, run_cli
 
 STEPS = 3
 
@@ -226,7 +226,7 @@ def _parallel(layout: str, train: Path, loss: str, write, tmp_path) -> dict:
     processes, batch, accumulation = LAYOUTS[layout]
     name = f"{loss}-{layout}"
     distributed = (f"distributed: {{strategy: ddp, num_processes: {processes}, device: cpu, "
-                   "main_process_port: 29519}\n" if processes > 1 else "")
+                   f"main_process_port: {free_port()}}}\n" if processes > 1 else "")
     config = write(f"{name}.yaml", (
         f"name: {name}\nmethod: kto\nmodel: {{name_or_path: {TINY_MODEL}, init: random}}\n"
         f"data:\n  train: {train}\n{distributed}evaluation: {{before_training: false}}\n"

@@ -5,6 +5,8 @@ is part of the cache key and of the resume fingerprint."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -222,23 +224,40 @@ def _chat(n: int, bad: int | None = None) -> list[dict]:
     return rows
 
 
+# Runs in a fresh interpreter, as training does: forking a pool from the pytest-xdist
+# worker (which has I/O threads) can copy a lock another thread holds, and hang.
+TOKENIZE_IN_PROCESSES = r"""
+import sys
+from pathlib import Path
+
+import pytest
+from datasets import Dataset
+
+from finetune.data import sft_tokens
+from finetune.errors import DataError
+from finetune.model.tokenizer import load_tokenizer
+from test_mixtures import _chat, _experiment, _rows
+
+tmp_path = Path(sys.argv[1])
+(tmp_path / "x.jsonl").write_text(_rows("x", 1))
+exp = _experiment(tmp_path, f"{tmp_path}/x.jsonl")
+tokenizer = load_tokenizer(exp)
+masking = sft_tokens.Masking(assistant_only=True, max_length=24)
+rows = Dataset.from_list(_chat(300))
+one = sft_tokens.tokenize(rows, tokenizer, "messages", masking, "train")
+three = sft_tokens.tokenize(rows, tokenizer, "messages", masking, "train", num_proc=3)
+assert 0 < len(one) < 300  # truncation left some rows nothing to train: dropped
+assert one["input_ids"] == three["input_ids"] and one["labels"] == three["labels"]
+with pytest.raises(DataError, match="chat.jsonl row 250: nothing to train"):
+    sft_tokens.tokenize(Dataset.from_list(_chat(300, bad=249)), tokenizer, "messages",
+                        masking, "train", num_proc=2)
+print("same rows")
+"""
+
+
 @pytest.mark.slow
 def test_tokenizing_in_several_processes_gives_the_same_rows(tmp_path):
-    from datasets import Dataset
-
-    from finetune.data import sft_tokens
-    from finetune.errors import DataError
-    from finetune.model.tokenizer import load_tokenizer
-
-    (tmp_path / "x.jsonl").write_text(_rows("x", 1))
-    exp = _experiment(tmp_path, f"{tmp_path}/x.jsonl")
-    tokenizer = load_tokenizer(exp)
-    masking = sft_tokens.Masking(assistant_only=True, max_length=24)
-    rows = Dataset.from_list(_chat(300))
-    one = sft_tokens.tokenize(rows, tokenizer, "messages", masking, "train")
-    three = sft_tokens.tokenize(rows, tokenizer, "messages", masking, "train", num_proc=3)
-    assert 0 < len(one) < 300  # truncation left some rows nothing to train: dropped
-    assert one["input_ids"] == three["input_ids"] and one["labels"] == three["labels"]
-    with pytest.raises(DataError, match="chat.jsonl row 250: nothing to train"):
-        sft_tokens.tokenize(Dataset.from_list(_chat(300, bad=249)), tokenizer, "messages",
-                            masking, "train", num_proc=2)
+    result = subprocess.run([sys.executable, "-c", TOKENIZE_IN_PROCESSES, str(tmp_path)],
+                            cwd=Path(__file__).parent, capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0 and "same rows" in result.stdout, result.stderr[-3000:]

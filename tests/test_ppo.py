@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import DATA, TINY_MODEL, run_cli
+from conftest import DATA, TINY_MODEL, free_port, run_cli
 from finetune import checkpoint_state, checkpoints
 from finetune.trainers import ppo_math
 from resumable import Run, logged, stopped_by_sigterm
@@ -309,7 +309,7 @@ data: {{train: {{path: {train}, max_samples: 32}}}}
 rewards: {{functions: ["{rewards}:vowels_seen"]}}
 ppo: {{value_model: shared, max_new_tokens: 4, rollout_batches: 1, ppo_epochs: 2,
        stop_strings: ["."], missing_eos_penalty: 0.1}}
-distributed: {{strategy: ddp, num_processes: 2, device: cpu, main_process_port: 29563}}
+distributed: {{strategy: ddp, num_processes: 2, device: cpu, main_process_port: {free_port()}}}
 evaluation: {{before_training: false}}
 output: {{plot: false}}
 training:

@@ -13,7 +13,8 @@ pytestmark = pytest.mark.slow
 
 
 def train(method: str, tmp_path) -> dict:
-    result = run_cli("train", str(QUICKSTART / f"{method}.yaml"), cwd=tmp_path, timeout=900)
+    result = run_cli("train", str(QUICKSTART / f"{method}.yaml"), cwd=tmp_path, timeout=900,
+                     cold=True)  # the README's command: a real interpreter start
     assert result.returncode == 0, result.stderr[-3000:]
     assert "finetune: done in" in result.stdout
     return json.loads((tmp_path / "runs" / f"quickstart-{method}" / "summary.json").read_text())

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from conftest import DATA, TINY_MODEL, run_cli
+from conftest import DATA, TINY_MODEL, free_port, run_cli
 from finetune import checkpoints
 from resumable import (Run, assert_identical, experiment, final_weights, losses,
                        stopped_by_sigterm, wait_for_step)
@@ -26,18 +26,22 @@ pytestmark = pytest.mark.slow  # every test trains, stops and resumes runs
 STEPS = 40
 
 
-# Every method family, and both process counts for sft; kept to eight chains for time
-# (reward x1 and dpo x2 passed too when they were in the list). orpo x2 and cpo x1 stand
-# for TRL's experimental preference trainers (simpo is cpo's trainer); kto x2 for a
-# trainer that samples its rows in order; distill x1: sampled generations from a
-# restored RNG, toward a teacher directory; gkd x1: half its batches on the student's
-# samples (Python's restored `random` picks which), half on the data's completions.
-@pytest.mark.parametrize("method,processes", [("sft", 1), ("sft", 2), ("reward", 2),
-                                              ("dpo", 1), ("orpo", 2), ("cpo", 1),
-                                              ("kto", 2), ("distill", 1), ("gkd", 1)])
+# One chain per path a resume restores differently: sft x1 (the Trainer's RNG and state,
+# finetune's loss window; a cold process, not the warm fork), sft x2 (two ranks); dpo x1
+# (a reference model); kto x2 (a trainer that samples its rows in order, and a reference
+# model); distill x1 (finetune's EpochOrder sampler, sampled generations from a restored
+# RNG); gkd x1 (Python's restored `random` picks student or data batches). Exhaustive:
+# reward x2 (sft x2's path with a score head), orpo x2 and cpo x1 (TRL's experimental
+# preference trainers: the Trainer's restore, as sft's).
+@pytest.mark.parametrize("method,processes", [
+    ("sft", 1), ("sft", 2), pytest.param("reward", 2, marks=pytest.mark.exhaustive),
+    ("dpo", 1), pytest.param("orpo", 2, marks=pytest.mark.exhaustive),
+    pytest.param("cpo", 1, marks=pytest.mark.exhaustive), ("kto", 2), ("distill", 1),
+    ("gkd", 1)])
 def test_sigterm_and_sigkill_then_resume_is_bitwise_identical(method, processes, write,
                                                               tmp_path):
     seed = random.randrange(10**6)
+    cold = (method, processes) == ("sft", 1)  # one chain of real interpreter starts
     rng = random.Random(seed)
     command = "launch" if processes > 1 else "train"
     extra = f"distill: {{teacher: {tiny_teacher(tmp_path / 'teacher')}}}\n" \
@@ -48,14 +52,14 @@ def test_sigterm_and_sigkill_then_resume_is_bitwise_identical(method, processes,
     # Logs every 3 steps, checkpoints every 4: a resume lands inside a logging window.
     reference = write("ref.yaml", experiment("ref", method, processes=processes, steps=STEPS,
                                              logging_steps=3, extra=extra))
-    whole = Run(command, reference, tmp_path, 0)
+    whole = Run(command, reference, tmp_path, 0, cold)
     assert whole.wait() == 0, whole.text()[-3000:]
 
     config = write("cut.yaml", experiment("cut", method, processes=processes, steps=STEPS,
                                           logging_steps=3, extra=extra))
     run_dir = tmp_path / "runs" / "cut"
     term_at = rng.randint(2, 14)
-    first = stopped_by_sigterm(command, config, run_dir, tmp_path, term_at)
+    first = stopped_by_sigterm(command, config, run_dir, tmp_path, term_at, cold)
     stopped = json.loads((run_dir / checkpoints.STOPPED).read_text())
     saved_at = stopped["step"]
     assert stopped["signal"] == "SIGTERM" and saved_at >= term_at
@@ -65,12 +69,12 @@ def test_sigterm_and_sigkill_then_resume_is_bitwise_identical(method, processes,
         assert "rank 1 received SIGTERM" in first.text()
 
     kill_at = rng.randint(saved_at + 1, saved_at + 12)
-    second = Run(command, config, tmp_path, 2)
+    second = Run(command, config, tmp_path, 2, cold)
     wait_for_step(second, run_dir, kill_at)
     second.kill_all()
     assert f"resuming from {run_dir}/checkpoints/checkpoint-{saved_at}" in second.text()
 
-    third = Run(command, config, tmp_path, 3)
+    third = Run(command, config, tmp_path, 3, cold)
     assert third.wait() == 0, third.text()[-3000:]
     print(f"{method} x{processes}: SIGTERM at step {term_at} (saved {saved_at}), SIGKILL at "
           f"step {kill_at}, seed {seed}")
@@ -82,7 +86,7 @@ def test_sigterm_and_sigkill_then_resume_is_bitwise_identical(method, processes,
 def test_deepspeed_zero3_sigterm_then_resume_is_bitwise_identical(write, tmp_path):
     """ZeRO-3 checkpoints are written by every rank (sharded states): sealed only once all
     are on disk, and resumed bitwise."""
-    text = experiment("z3", "sft", processes=2, steps=24, port=29545, zero_stage=3).replace(
+    text = experiment("z3", "sft", processes=2, steps=24, zero_stage=3).replace(
         "peft: {type: lora, r: 4, dropout: 0.1}\n", "")
     reference = write("z3ref.yaml", text.replace("name: z3", "name: z3ref"))
     assert Run("launch", reference, tmp_path, 0).wait() == 0
@@ -153,7 +157,7 @@ def test_two_processes_resume_on_one_with_the_same_global_batch(write, tmp_path)
     accumulation 2: the data goes on from the right sample (the weights match an
     uninterrupted 2-process run to rounding), with a warning that says what changes.
     Without dropout (reward, full fine-tuning) only the reduction order differs."""
-    two = experiment("moved", "reward", processes=2, steps=24, port=29543)
+    two = experiment("moved", "reward", processes=2, steps=24)
     reference = write("two.yaml", two.replace("name: moved", "name: two"))
     assert Run("launch", reference, tmp_path, 0).wait() == 0
     config = write("moved.yaml", two)
@@ -223,7 +227,8 @@ def test_weighted_classify_sigterm_then_resume_is_bitwise_identical(write, tmp_p
             f"data: {{train: {data}, weight_column: w}}\n"
             "classify: {labels: [early, middle, late], class_weights: balanced, "
             "focal_gamma: 1.0}\n"
-            "distributed: {strategy: ddp, num_processes: 2, device: cpu, main_process_port: 29547}\n"
+            "distributed: {strategy: ddp, num_processes: 2, device: cpu, "
+            f"main_process_port: {free_port()}}}\n"
             "evaluation: {before_training: false}\noutput: {plot: false}\n"
             "training: {max_steps: 24, per_device_train_batch_size: 2, "
             "gradient_accumulation_steps: 2, learning_rate: 1e-3, logging_steps: 3, "

@@ -13,7 +13,7 @@ import math
 import pytest
 import yaml
 
-from conftest import REPO, run_cli
+from conftest import REPO, free_port, run_cli
 from finetune import checkpoint_state, checkpoints
 from resumable import Run, assert_identical, logged, stopped_by_sigterm
 from test_grpo import CLOCK, REWARDS, grpo, prompts, rewarded
@@ -131,7 +131,7 @@ def test_rloo_on_two_processes_with_groups_split_across_them(write, tmp_path):
     config = write("ddp.yaml", rloo("ddp", data, steps=2, extra=(
         "  per_device_train_batch_size: 4\n  save_strategy: 'no'\n")).replace(
         "evaluation:", "distributed: {strategy: ddp, num_processes: 2, device: cpu, "
-                       "main_process_port: 29577}\nevaluation:").replace(
+                       f"main_process_port: {free_port()}}}\nevaluation:").replace(
         "  per_device_train_batch_size: 16\n", ""))
     result = run_cli("launch", str(config), cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -12,7 +12,7 @@ import random
 
 import pytest
 
-from conftest import TINY_MODEL, run_cli
+from conftest import TINY_MODEL, free_port, run_cli
 from resumable import Run, assert_identical, final_weights, losses, stopped_by_sigterm
 
 pytestmark = pytest.mark.slow  # training runs on 2 processes
@@ -31,7 +31,7 @@ def long_rows(path) -> None:
 def experiment(name: str, data, sequence_parallel: int) -> str:
     distributed = ("distributed: {strategy: deepspeed, deepspeed: {zero_stage: 1}, "
                    "sequence_parallel: 2, num_processes: 2, device: cpu, "
-                   "main_process_port: 29741}\n" if sequence_parallel > 1 else "")
+                   f"main_process_port: {free_port()}}}\n" if sequence_parallel > 1 else "")
     return (f"name: {name}\nmethod: sft\nmodel: {{name_or_path: {TINY_MODEL}, init: random}}\n"
             f"data:\n  train: {{path: {data}}}\n{distributed}"
             "evaluation: {before_training: false}\noutput: {plot: false}\n"

@@ -15,9 +15,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import DATA, REPO, TINY_MODEL, run_cli
+from conftest import DATA, REPO, TINY_MODEL, free_port, run_cli
 
-pytestmark = pytest.mark.slow  # a SLURM cluster and jobs that train
+# One cluster per machine (tests/slurm/cluster.sh): its tests run on one xdist worker, in turn.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("slurm")]  # a cluster, jobs that train
 
 CLUSTER = REPO / "tests" / "slurm" / "cluster.sh"
 
@@ -42,7 +43,8 @@ def experiment(name: str, local: bool = False) -> str:
     processes = "num_processes: 2, " if local else ""
     return (f"name: {name}\nmethod: sft\nmodel: {{name_or_path: {TINY_MODEL}, init: random}}\n"
             f"data:\n  train: {{path: {DATA}/sft_train.jsonl, max_samples: 16}}\n"
-            f"distributed: {{strategy: ddp, device: cpu, {processes}main_process_port: 29631}}\n"
+            f"distributed: {{strategy: ddp, device: cpu, {processes}"
+            f"main_process_port: {free_port()}}}\n"
             "evaluation: {before_training: false}\noutput: {plot: false}\n"
             f"training: {{max_steps: {STEPS}, per_device_train_batch_size: 2, optim: sgd, "
             "learning_rate: 0.1, max_grad_norm: 0.0, save_steps: 25, seed: 9, "

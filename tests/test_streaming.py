@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import DATA, TINY_MODEL, run_cli
+from conftest import DATA, TINY_MODEL, free_port, run_cli
 from resumable import Run, assert_identical, losses, stopped_by_sigterm
 
 WORDS = "the a cat dog sat on mat ran far over under big small red tree house river".split()
@@ -144,7 +144,7 @@ def test_two_processes_match_one_with_the_same_global_batch(write, tmp_path):
     weights = {}
     for name, processes, batch in (("one", 1, 4), ("two", 2, 2)):
         distributed = (f"distributed: {{strategy: ddp, num_processes: 2, device: cpu, "
-                       "main_process_port: 29561}\n" if processes > 1 else "")
+                       f"main_process_port: {free_port()}}}\n" if processes > 1 else "")
         text = streamed(name, str(train), steps=4, distributed=distributed, batch=batch,
                         extra=sgd).replace("learning_rate: 1e-3", "learning_rate: 0.1")
         result = run_cli("launch" if processes > 1 else "train", str(write(f"{name}.yaml", text)),

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import QUICKSTART, REPO, run_cli
+from conftest import QUICKSTART, REPO, free_port, run_cli
 
 SFT = str(QUICKSTART / "sft.yaml")
 # Seconds per trial, not minutes: no evaluation before training, no generation.
@@ -225,7 +225,7 @@ def test_a_two_process_experiment_is_swept_through_finetune_launch(write, tmp_pa
     out = tmp_path / "sweep"
     result = run_cli("sweep", SFT, grid, "--out", str(out), *FAST, "training.max_steps=2",
                      "distributed.strategy=ddp", "distributed.num_processes=2",
-                     "distributed.device=cpu", "distributed.main_process_port=29731",
+                     "distributed.device=cpu", f"distributed.main_process_port={free_port()}",
                      cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     trials = state(out)["trials"]

@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-from conftest import DATA, TINY_MODEL, run_cli
+from conftest import DATA, TINY_MODEL, free_port, run_cli
 from resumable import Run, assert_identical, final_weights, losses, stopped_by_sigterm
 
 pytestmark = pytest.mark.slow  # training runs on 2 processes
@@ -22,7 +22,7 @@ STEPS = 12
 def experiment(name: str, tensor_parallel: int) -> str:
     distributed = ("distributed: {strategy: deepspeed, deepspeed: {zero_stage: 1}, "
                    "tensor_parallel: 2, num_processes: 2, device: cpu, "
-                   "main_process_port: 29712}\n" if tensor_parallel > 1 else "")
+                   f"main_process_port: {free_port()}}}\n" if tensor_parallel > 1 else "")
     return (f"name: {name}\nmethod: sft\nmodel: {{name_or_path: {TINY_MODEL}, init: random}}\n"
             f"data:\n  train: {{path: {DATA}/sft_train.jsonl, max_samples: 16}}\n{distributed}"
             "evaluation: {before_training: false}\noutput: {plot: false}\n"

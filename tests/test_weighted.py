@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification,
                           AutoTokenizer)
 
-from conftest import TINY_MODEL, run_cli
+from conftest import TINY_MODEL, free_port, run_cli
 
 pytestmark = pytest.mark.slow  # training runs in every layout
 
@@ -61,7 +61,7 @@ EXTRA = {"classify": "classify: {labels: [warm, neutral, cool], class_weights: [
 
 def experiment(method: str, data: str, processes: int, batch: int, accumulation: int) -> str:
     distributed = (f"distributed: {{strategy: ddp, num_processes: {processes}, device: cpu, "
-                   "main_process_port: 29533}\n" if processes > 1 else "")
+                   f"main_process_port: {free_port()}}}\n" if processes > 1 else "")
     return (f"method: {method}\nmodel: {{name_or_path: {TINY_MODEL}, init: random}}\n"
             f"data: {{train: {data}, eval: {data}, weight_column: w}}\n{EXTRA.get(method, '')}"
             f"{distributed}evaluation: {{before_training: false}}\noutput: {{plot: false}}\n"

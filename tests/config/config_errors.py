@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from finetune.cli import main
@@ -19,15 +17,14 @@ def problems(path, *overrides) -> list[str]:
     return info.value.problems
 
 
-def validate(capsys, path, *overrides, seconds=5.0):
+def validate(capsys, path, *overrides):
     """`finetune validate` in-process: (exit code, error lines). Any other exception
-    than SystemExit escaping main() fails the test with its traceback."""
+    than SystemExit escaping main() fails the test with its traceback. No clock: a hostile
+    input's bound is the budget its error names (files read, nodes, values), which a
+    loaded machine cannot miss."""
     capsys.readouterr()
-    start = time.monotonic()
     code = main(["validate", str(path), *overrides])
-    took = time.monotonic() - start
     err = capsys.readouterr().err
-    assert took < seconds, f"validate took {took:.1f} s"
     assert code in (0, 2)
     lines = err.splitlines()
     if code == 2:

@@ -1,12 +1,11 @@
 """Property test over the experiment loader and overrides (issue 13): the project's own
 configs, mutated (keys deleted, values replaced by hostile or mistyped ones, raw text
 spliced in, hostile overrides), always answer exit 0 or exit 2 with `error:` lines, no
-other exception, in bounded time. A fixed, derandomized budget (1,500 examples) of about 20 s."""
+other exception (the loader's budgets bound the work; no clock is asserted). A fixed, derandomized budget (1,500 examples) of about 20 s."""
 
 from __future__ import annotations
 
 import shutil
-import time
 from pathlib import Path
 
 import pytest
@@ -116,16 +115,15 @@ def workdir(tmp_path_factory):
     return root
 
 
-def outcome(root: Path, case, capsys) -> tuple[int | None, str, float]:
-    """(exit code, stderr, seconds) of `finetune validate` in-process; an exception other
-    than SystemExit propagates."""
+def outcome(root: Path, case, capsys) -> tuple[int | None, str]:
+    """(exit code, stderr) of `finetune validate` in-process; an exception other than
+    SystemExit propagates."""
     name, body, overrides = case
     path = root / name
     path.write_bytes(body)
     capsys.readouterr()
-    start = time.monotonic()
     code = main(["validate", str(path), *overrides])
-    return code, capsys.readouterr().err, time.monotonic() - start
+    return code, capsys.readouterr().err
 
 
 @pytest.mark.slow
@@ -133,9 +131,8 @@ def outcome(root: Path, case, capsys) -> tuple[int | None, str, float]:
           suppress_health_check=list(HealthCheck))
 @given(case=cases())
 def test_validate_answers_every_mutated_config(workdir, capsys, online, case):
-    code, err, seconds = outcome(workdir, case, capsys)
+    code, err = outcome(workdir, case, capsys)
     assert code in (0, 2), err
-    assert seconds < 5, f"{seconds:.1f} s"
     assert "Traceback" not in err
     if code == 2:
         assert err and all(line.startswith("error: ") for line in err.splitlines()), err
@@ -192,18 +189,16 @@ def test_what_validate_accepts_every_command_accepts(workdir, capsys, online, mo
                                                      case, command):
     """render, launch --dry-run, slurm and estimate answer whatever validate accepted with
     exit 0 or one-line errors, and write no credentials into what they write."""
-    code, _, _ = outcome(workdir, case, capsys)
+    code, _ = outcome(workdir, case, capsys)
     if code != 0:
         return
     out = workdir / "out"
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir()
     monkeypatch.chdir(out)
-    start = time.monotonic()
     code = main([command[0], str(workdir / case[0]), *case[2], *command[1:]])
-    seconds = time.monotonic() - start
     captured = capsys.readouterr()
-    assert code in (0, 2) and seconds < 5, (code, seconds, captured.err)
+    assert code in (0, 2), (code, captured.err)
     if code == 2:
         assert all(line.startswith("error: ") for line in captured.err.splitlines()), captured.err
     written = [p.read_bytes() for p in out.rglob("*") if p.is_file()]

@@ -1,10 +1,8 @@
 """Hostile and careless experiment files and overrides (issue 13): every one is exit 0 or
-exit 2 with `error:` lines naming file, line and YAML path, in a few seconds, never a
-traceback; no secret is echoed. (Values training would refuse: test_rules.py.)"""
+exit 2 with `error:` lines naming file, line and YAML path, within a budget the error
+names (nodes, files, values: never a clock), never a traceback; no secret is echoed. (Values training would refuse: test_rules.py.)"""
 
 from __future__ import annotations
-
-import time
 
 import pytest
 
@@ -124,10 +122,9 @@ def test_secrets_are_not_echoed(capsys, write, text, overrides):
 @pytest.mark.slow
 def test_subprocess_alias_bomb_and_yaml_override(write):
     path = write("exp.yaml", BASE + BOMB)
-    start = time.monotonic()
-    result = run_cli("validate", str(path), cwd=path.parent, timeout=60)
+    result = run_cli("validate", str(path), cwd=path.parent, timeout=60)  # a hang, not a clock
     assert result.returncode == 2 and "expands to more than" in result.stderr
-    assert "Traceback" not in result.stderr and time.monotonic() - start < 30
+    assert "Traceback" not in result.stderr
     result = run_cli("validate", str(write("ok.yaml", BASE)), "training.learning_rate={",
                      cwd=path.parent, timeout=60)
     assert result.returncode == 2 and result.stderr.startswith("error: override")
@@ -161,13 +158,12 @@ def test_extends_fan_out_is_bounded(capsys, tmp_path):
     _chain(tmp_path, 5, 10)
     path = tmp_path / "exp.yaml"
     path.write_text("extends: b0.yaml\n" + BASE)
-    assert "more than 64 experiment files read" in refused(capsys, path, seconds=2)
+    assert "more than 64 experiment files read" in refused(capsys, path)
 
 
 @pytest.mark.slow
 def test_overrides_share_the_experiment_value_budget(capsys, write):
     many = "[" + ",".join(["1"] * 19_000) + "]"
-    message = refused(capsys, write("exp.yaml", BASE), *[f"x.a{i}={many}" for i in range(15)],
-                      seconds=10)
+    message = refused(capsys, write("exp.yaml", BASE), *[f"x.a{i}={many}" for i in range(15)])
     # The second override is refused: the first spent what the experiment may hold.
     assert "override 'x.a1=" in message and "left of the experiment's 20,000" in message

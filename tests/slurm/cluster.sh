@@ -2,6 +2,8 @@
 # A throwaway SLURM cluster on this machine for the test suite: munge, slurmctld and two
 # slurmd "nodes" (n1, n2) on 127.0.0.1, partitions debug (preemptible) and high. Needs
 # root; installs Debian's slurm-wlm and munge when missing.   bash cluster.sh start | stop
+# `install` only installs them (CI runs it before the suite, so no test waits on apt-get);
+# without root or apt-get it says so and exits 0: the SLURM tests then skip, saying why.
 set -euo pipefail
 STATE=${FINETUNE_SLURM_STATE:-/tmp/finetune-slurm}
 CONF=/etc/slurm/slurm.conf
@@ -10,12 +12,17 @@ NODES=2
 up() { sinfo -h -N -o '%t' 2>/dev/null | grep -cE '^(idle|mix|alloc)' || true; }
 alive() { [ -s "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
 
+installed() { command -v slurmctld >/dev/null && command -v munged >/dev/null; }
+
+install() {
+  installed && return 0
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+    slurm-wlm munge >/dev/null
+}
+
 start() {
-  if ! command -v slurmctld >/dev/null || ! command -v munged >/dev/null; then
-    apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-      slurm-wlm munge >/dev/null
-  fi
+  install
   if [ ! -s /etc/munge/munge.key ]; then
     dd if=/dev/urandom of=/etc/munge/munge.key bs=1024 count=1 status=none
     chown munge:munge /etc/munge/munge.key; chmod 0400 /etc/munge/munge.key
@@ -121,7 +128,12 @@ stop_daemons() {
 }
 
 case "${1:-}" in
+  install)
+    if installed; then echo "slurm-wlm and munge: installed"
+    elif [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then
+      echo "slurm-wlm and munge: not installed, and this needs root and apt-get (the SLURM tests will skip)"
+    else install && echo "slurm-wlm and munge: installed now"; fi ;;
   start) start ;;
   stop) stop_daemons; echo "slurm test cluster stopped" ;;
-  *) echo "usage: $0 start|stop" >&2; exit 2 ;;
+  *) echo "usage: $0 install|start|stop" >&2; exit 2 ;;
 esac

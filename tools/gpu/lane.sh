@@ -49,7 +49,7 @@ lane() {
   echo "== lane: python -m pytest -m cuda tests/gpu -q --durations=0"
   local t0=$SECONDS
   FINETUNE_GPU_FIGURES="$OUT/lane-figures.json" timeout -k 15 "${LANE_TIMEOUT:-570}" \
-    "$PY" -m pytest -m cuda tests/gpu -q --durations=0 -rs -p no:cacheprovider \
+    "$PY" -m pytest -m cuda tests/gpu -q -n 0 --durations=0 -rs -p no:cacheprovider \
     --junitxml "$OUT/lane.xml" 2>&1 | tee "$OUT/lane.log"
   local rc=${PIPESTATUS[0]}
   echo "== lane: exit $rc in $((SECONDS - t0)) s"

@@ -13,7 +13,7 @@
 #   the QLoRA test         bitsandbytes: its wheel (43 MB) holds a library per CUDA and ROCm
 #                          release; only CUDA 13's are kept (BNB_CUDA="130 132", the
 #                          image's torch is cu130), ~3 MB, its RECORD rewritten to match
-#   the test runner        pytest pluggy iniconfig packaging pygments
+#   the test runner        pytest pytest-xdist execnet pluggy iniconfig packaging pygments
 # Not carried: deepspeed (no GPU test uses it) and flash-attn (no wheel for this stack: the
 # lane checks finetune_varlen, torch's own kernel).
 #   bash tools/gpu/prepare.sh           # then every device call: carry [".whl"]
@@ -42,7 +42,7 @@ mkdir -p .whl
 rm -f .whl/finetune-*.whl
 fetch $(for p in transformers trl datasets peft pydantic pydantic-core annotated-types \
                  typing-inspection dill multiprocess liger-kernel bitsandbytes \
-                 pytest pluggy iniconfig packaging pygments; do pin "$p"; done)
+                 pytest pytest-xdist execnet pluggy iniconfig packaging pygments; do pin "$p"; done)
 # bitsandbytes for the image's CUDA only (bitsandbytes loads libbitsandbytes_cuda<torch's
 # CUDA version>.so). pip fetches the whole wheel again on each run (the slimmed one has
 # another hash than the index gives), and it is cut again.
