@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import DATA, TINY_MODEL, warm_interpreter, free_port
+from warm import WarmProcess
 from finetune.errors import EXIT_PREEMPTED
 
 DATASETS = {"sft": "sft_train", "reward": "pref_train", "dpo": "pref_train",
@@ -79,6 +80,11 @@ class Run:
             tree = [psutil.Process(self.proc.pid)]
             tree += tree[0].children(recursive=True)
         except psutil.NoSuchProcess:
+            return
+        # A warm child is reaped by its server the moment it ends, and its pid reused:
+        # only once it is known alive after the lookup is the tree above its own.
+        if isinstance(self.proc, WarmProcess) and not self.proc.running():
+            self.proc.wait(60)
             return
         for proc in tree:
             try:

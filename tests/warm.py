@@ -167,8 +167,11 @@ class WarmInterpreter:
             self.server = subprocess.Popen([sys.executable, __file__, self.socket],
                                            stdout=subprocess.PIPE, stderr=log, text=True,
                                            env=self.env)
-        ready = self.server.stdout.readline().strip()
-        if ready != "ready":
+        # Imports may print first (wandb offline says so on stdout): skip to "ready".
+        for line in self.server.stdout:
+            if line.strip() == "ready":
+                break
+        else:
             self.server.kill()
             raise RuntimeError(f"the warm interpreter did not start: {_read(self.log)[-3000:]}")
         self.count = 0
@@ -212,12 +215,22 @@ class WarmInterpreter:
 class WarmProcess:
     """A forked child, as much of subprocess.Popen as the tests use: pid, args, poll(),
     wait(timeout), send_signal(), kill(), returncode. The server reports its exit status
-    on the connection."""
+    on the connection.
+
+    The child is the server's, not ours: the server reaps it as soon as it ends, and its
+    pid may then be given to any new process or thread (pid_max is 32768 here and the suite
+    starts tens of thousands). Signals therefore go through a pidfd, opened at once, which
+    names this process and no later one: a stray SIGKILL once took down the SLURM
+    controller beside a test."""
 
     def __init__(self, conn: socket.socket, args: list[str]):
         self.conn, self.args, self.returncode = conn, args, None
         self._buffer = b""
         self.pid = json.loads(self._line(None))["pid"]
+        try:
+            self._pidfd: int | None = os.pidfd_open(self.pid)
+        except ProcessLookupError:  # already ended and reaped: nothing left to signal
+            self._pidfd = None
 
     def _line(self, timeout: float | None) -> bytes:
         self.conn.settimeout(timeout)
@@ -236,7 +249,13 @@ class WarmProcess:
             except TimeoutError:
                 raise subprocess.TimeoutExpired(self.args, timeout) from None
             self.conn.close()
+            self._close_pidfd()
         return self.returncode
+
+    def _close_pidfd(self) -> None:
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
 
     def poll(self) -> int | None:
         if self.returncode is None:
@@ -247,8 +266,24 @@ class WarmProcess:
         return self.returncode
 
     def send_signal(self, signum: int) -> None:
-        if self.returncode is None:
-            os.kill(self.pid, signum)
+        if self.returncode is None and self._pidfd is not None:
+            try:
+                signal.pidfd_send_signal(self._pidfd, signum)
+            except ProcessLookupError:  # ended, not yet reported: as Popen, a no-op
+                pass
+
+    def running(self) -> bool:
+        """Whether this child still exists (not merely its pid, which may be another's)."""
+        if self.returncode is not None or self._pidfd is None:
+            return False
+        try:
+            signal.pidfd_send_signal(self._pidfd, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+    def __del__(self) -> None:
+        self._close_pidfd()
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
