@@ -41,6 +41,9 @@ STEPS = 40
     pytest.param("kto", 2, marks=pytest.mark.exhaustive), ("distill", 1), ("gkd", 1)])
 def test_sigterm_and_sigkill_then_resume_is_bitwise_identical(method, processes, write,
                                                               tmp_path):
+    """Four runs per chain: uninterrupted, stopped by SIGTERM, killed by SIGKILL, finished.
+    Over 60 s for sft x1 (four cold interpreters, on purpose) and x2 (four `finetune
+    launch`es, three cold interpreters each)."""
     seed = random.randrange(10**6)
     cold = (method, processes) == ("sft", 1)  # one chain of real interpreter starts
     rng = random.Random(seed)
@@ -86,7 +89,8 @@ def test_sigterm_and_sigkill_then_resume_is_bitwise_identical(method, processes,
 
 def test_deepspeed_zero3_sigterm_then_resume_is_bitwise_identical(write, tmp_path):
     """ZeRO-3 checkpoints are written by every rank (sharded states): sealed only once all
-    are on disk, and resumed bitwise."""
+    are on disk, and resumed bitwise. Over 60 s: three 2-rank DeepSpeed launches
+    (reference, stopped, resumed), each rank importing DeepSpeed cold."""
     text = experiment("z3", "sft", processes=2, steps=24, zero_stage=3).replace(
         "peft: {type: lora, r: 4, dropout: 0.1}\n", "")
     reference = write("z3ref.yaml", text.replace("name: z3", "name: z3ref"))
@@ -157,7 +161,8 @@ def test_two_processes_resume_on_one_with_the_same_global_batch(write, tmp_path)
     """2 processes x batch 4 stopped by SIGTERM, continued by 1 process x batch 4 x
     accumulation 2: the data goes on from the right sample (the weights match an
     uninterrupted 2-process run to rounding), with a warning that says what changes.
-    Without dropout (reward, full fine-tuning) only the reduction order differs."""
+    Without dropout (reward, full fine-tuning) only the reduction order differs. Near
+    60 s: two 2-process launches (the reference, the stopped run) and two one-process runs."""
     two = experiment("moved", "reward", processes=2, steps=24)
     reference = write("two.yaml", two.replace("name: moved", "name: two"))
     assert Run("launch", reference, tmp_path, 0).wait() == 0

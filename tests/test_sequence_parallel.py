@@ -41,6 +41,9 @@ def experiment(name: str, data, sequence_parallel: int) -> str:
 
 
 def test_sequence_parallel_matches_one_process_and_resumes_exactly(write, tmp_path):
+    """Over 60 s: four runs in one test (one process; an uninterrupted 2-process reference;
+    the same stopped by SIGTERM; resumed), three of them `finetune launch`es whose two
+    ranks each import torch and TRL cold. Split, each part would train the reference again."""
     data = tmp_path / "long.jsonl"
     long_rows(data)
     one = write("one.yaml", experiment("one", data, 1))

@@ -32,6 +32,9 @@ def experiment(name: str, tensor_parallel: int) -> str:
 
 
 def test_tensor_parallel_matches_one_process_and_resumes_exactly(write, tmp_path):
+    """Over 60 s: four runs in one test (one process; an uninterrupted 2-process reference;
+    the same stopped by SIGTERM; resumed), three of them `finetune launch`es whose two
+    ranks each import torch and TRL cold. Split, each part would train the reference again."""
     one = write("one.yaml", experiment("one", 1))
     assert Run("train", one, tmp_path, 0).wait() == 0
     reference = write("tpref.yaml", experiment("tpref", 2))

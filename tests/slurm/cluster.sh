@@ -36,7 +36,7 @@ start() {
   # cgroup proctrack when a v1 freezer is mounted (as on most clusters), else process groups
   if grep -qE '^cgroup /sys/fs/cgroup/freezer cgroup ' /proc/mounts; then track=cgroup; else track=pgid; fi
   host=$(hostname -s)
-  cpus=$(nproc)
+  cpus=$(getconf _NPROCESSORS_ONLN)  # not nproc: it follows OMP_NUM_THREADS
   mem=$(( $(awk '/MemTotal/{print int($2/1024)}' /proc/meminfo) * 8 / 10 / NODES ))
   cat > "$STATE/slurm.conf" <<CONF
 ClusterName=finetune-test
