@@ -42,10 +42,10 @@ def free_port() -> int:
 
 def run_cli(*args: str, cwd: Path, timeout: int = 600,
             cold: bool = False) -> subprocess.CompletedProcess:
-    """Run `finetune ARGS` as a user would, in a process of its own: forked from the warm
-    interpreter (tests/warm.py: the same process, less ~8 s of imports) unless cold=True,
-    the test changed the environment or pytest ran with --cold-cli, else
-    `python -m finetune`."""
+    """Run `finetune ARGS` as a user would, in a process of its own: forked from a warm
+    interpreter started with the test's environment (tests/warm.py: the same process, less
+    ~8 s of imports), or a cold `python -m finetune` with cold=True, with --cold-cli, or
+    where no warm interpreter starts."""
     args = tuple(str(arg) for arg in args)
     warm = None if cold else warm_interpreter()
     if warm is not None:
