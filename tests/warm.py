@@ -220,8 +220,8 @@ class WarmProcess:
     The child is the server's, not ours: the server reaps it as soon as it ends, and its
     pid may then be given to any new process or thread (pid_max is 32768 here and the suite
     starts tens of thousands). Signals therefore go through a pidfd, opened at once, which
-    names this process and no later one: a stray SIGKILL once took down the SLURM
-    controller beside a test."""
+    names this process and no later one: a SIGKILL to a stale pid could hit any process of
+    the machine (a SLURM daemon, another test's run)."""
 
     def __init__(self, conn: socket.socket, args: list[str]):
         self.conn, self.args, self.returncode = conn, args, None
