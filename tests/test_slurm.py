@@ -23,8 +23,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("slurm")]  # a cluster, 
 CLUSTER = REPO / "tests" / "slurm" / "cluster.sh"
 
 
-# Session scope: xdist may run another module's test on this worker between two of these,
-# and a module fixture would then stop the cluster (and its jobs) and start it again.
+# Session scope: started once per worker and stopped when the worker ends, never between two
+# of these tests (their xdist group keeps them on one worker: test_suite_tools).
 @pytest.fixture(scope="session")
 def cluster():
     if os.geteuid() != 0:
@@ -108,8 +108,8 @@ def interrupt_and_finish(name: str, interrupt, write, tmp_path, uninterrupted) -
     try:
         assert wait_for(lambda: steps_logged(run) >= 3, 240, every=0.05), log()[-3000:]
         interrupt(job)
-        # A job in the middle of its requeue has read COMPLETED for a moment (under load):
-        # finished is COMPLETED with the run's last line in its log.
+        # Finished is COMPLETED and the run's last line in its log: the state alone once read
+        # COMPLETED before the requeued job had started again.
         assert wait_for(lambda: state(job) in ("FAILED", "CANCELLED") or (
             state(job) == "COMPLETED" and "finetune: done" in log()), 300), \
             f"{state(job)}\n{log()[-3000:]}"
