@@ -19,6 +19,7 @@ def test_{n}(): open(os.environ["WORKERS"], "a").write(os.environ["PYTEST_XDIST_
 """
 
 
+@pytest.mark.slow  # a pytest of its own with two workers: ~5 s
 def test_an_xdist_group_runs_on_one_worker(tmp_path):
     """pytest 9.2's structured node ids dropped xdist 3.8's group suffix without a word
     (pytest-xdist issue 1386): every group silently spread over the workers, and a SLURM
