@@ -57,19 +57,6 @@ def test_two_machines_on_loopback_match_one_machine(write, tmp_path):
     assert all(torch.allclose(a[k], b[k], rtol=1e-5, atol=1e-7) for k in a)
 
 
-def test_ecosystem_accelerate_launch_with_a_preset(write, tmp_path):
-    config = write("eco.yaml", experiment("{strategy: ddp, num_processes: 2, device: cpu}"))
-    result = subprocess.run(
-        [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-         str(REPO / "accelerate_configs" / "ddp.yaml"), "--main_process_port", str(free_port()),
-         "-m", "finetune", "train", str(config)],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "x 2 process(es)" in result.stdout
-    # The data was tokenized once, by the main process; the other rank loaded its entry.
-    assert result.stdout.count("finetune: data prepared and cached") == 1
-
-
 def _fails(result: subprocess.CompletedProcess, message: str) -> None:
     assert result.returncode != 0
     assert message in result.stderr, result.stderr[-3000:]
@@ -102,8 +89,11 @@ def test_torchrun_copies_of_a_one_process_experiment_are_refused(write, tmp_path
 def test_the_launchers_process_count_is_taken_when_the_experiment_gives_none(
         write, tmp_path, launcher):
     """README's recipe, `accelerate launch --config_file accelerate_configs/ddp.yaml -m
-    finetune train EXP`, and torchrun, with no count in the experiment: it trains on the
-    launcher's 2 processes, says so once, and the run directory records 2."""
+    finetune train EXP` (the shipped preset), and torchrun, with no count in the experiment:
+    it trains on the launcher's 2 processes, says so once, the data is tokenized once (by
+    the main process; the other rank loads its cache entry), and the run directory records
+    2. An experiment whose count agrees with the launcher's takes the same path as
+    `finetune launch`, which every launch test runs."""
     config = write("adopt.yaml", experiment("{device: cpu}"))
     port = str(free_port())
     start = ["accelerate.commands.launch", "--config_file",
@@ -118,6 +108,7 @@ def test_the_launchers_process_count_is_taken_when_the_experiment_gives_none(
             "(WORLD_SIZE=2); the experiment gives no process count")
     assert result.stdout.count(note) == 1, result.stdout
     assert result.stdout.index(note) < result.stdout.index("finetune: data prepared")
+    assert result.stdout.count("finetune: data prepared and cached") == 1
     assert "x 2 process(es)" in result.stdout
     assert "2 processes with distributed.strategy none: data parallel (DDP) on cpu" in \
         result.stdout

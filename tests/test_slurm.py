@@ -93,21 +93,50 @@ def steps_logged(run: Path) -> int:
     return sum('"loss"' in line for line in metrics.read_text().splitlines())
 
 
-def interrupt_and_finish(name: str, interrupt, write, tmp_path, uninterrupted) -> str:
-    """Submit a 2-node job, interrupt it a few steps in, and wait until it has been
-    requeued, has resumed and has completed; then compare it with the local run.
+def usr1(job: str) -> None:
+    """What --signal=USR1@N does before the time limit: USR1 to the srun steps (our tasks),
+    not the batch shell."""
+    subprocess.run(["scancel", "--signal=USR1", job], check=True)
 
-    Why each test that calls this takes over 60 s: two job starts of two ranks each (cold
-    interpreters under srun), the scheduler's 2 s passes, SLURM's wait before a requeued
-    job may start again (10 s, cred_expire), and 150 steps: enough that the interrupt
-    lands mid-run on a loaded machine."""
+
+def scontrol_requeue(job: str) -> None:
+    """An operator's requeue: SIGTERM to the tasks, SLURM requeues the job itself."""
+    subprocess.run(["scontrol", "requeue", job], check=True)
+
+
+def test_a_job_interrupted_three_ways_resumes_each_time_and_ends_as_one_run(
+        cluster, write, tmp_path, uninterrupted):
+    """One 2-node job, stopped in each way a cluster stops a job, in turn: USR1 before the
+    time limit (finetune saves and requeues the job), `scontrol requeue` (SIGTERM; SLURM
+    requeues), preemption by a higher-priority partition (preempt_send_user_signal: USR1
+    first). Each time both ranks save, the job is requeued and resumes from the checkpoint;
+    it ends bitwise equal to the local run, every step logged once.
+
+    Over 2 minutes: four job starts of two ranks each (cold interpreters under srun), the
+    scheduler's 2 s passes, SLURM's wait before a requeued job may start again (10 s,
+    cred_expire) three times, and 150 steps: enough that each interrupt lands mid-run."""
+    high = []
+
+    def preempt(job: str) -> None:
+        result = subprocess.run(["sbatch", "--parsable", "-p", "high", "-N2", "--exclusive",
+                                 "--time=1", f"--output={tmp_path}/high-%j.out", "--wrap",
+                                 "echo high ran"], capture_output=True, text=True, check=True)
+        high.append(result.stdout.strip())
+
+    name = "interrupted"
     job = submit(write(f"{name}.yaml", experiment(name)), tmp_path)
     run = tmp_path / "runs" / name
     log_file = run / f"slurm-{job}.out"
     log = lambda: log_file.read_text(errors="replace") if log_file.exists() else "no log yet"
     try:
-        assert wait_for(lambda: steps_logged(run) >= 3, 240, every=0.05), log()[-3000:]
-        interrupt(job)
+        for restart, interrupt in enumerate((usr1, scontrol_requeue, preempt)):
+            # Running again (from its checkpoint after the first), and a few steps in.
+            assert wait_for(lambda: f"restart {restart} on" in log() and log().count(
+                "finetune: resuming from") >= restart, 240, every=0.05), log()[-3000:]
+            base = steps_logged(run)
+            assert wait_for(lambda: steps_logged(run) >= base + 3, 240, every=0.05), \
+                log()[-3000:]
+            interrupt(job)
         # Finished is COMPLETED and the run's last line in its log: the state alone once read
         # COMPLETED before the requeued job had started again.
         assert wait_for(lambda: state(job) in ("FAILED", "CANCELLED") or (
@@ -117,55 +146,23 @@ def interrupt_and_finish(name: str, interrupt, write, tmp_path, uninterrupted) -
     finally:
         subprocess.run(["scancel", job])
     text = log()
-    assert "restart 0 on" in text and "restart 1 on" in text, text[-4000:]
+    assert all(f"restart {n} on" in text for n in range(4)), text[-4000:]
     assert "machine 0 runs" in text and "machine 1 runs" in text
     assert "x 2 process(es)" in text and "finetune: done" in text
-    assert re.search(r"finetune: resuming from .*checkpoint-\d+", text), text[-4000:]
+    assert len(re.findall(r"finetune: resuming from .*checkpoint-\d+", text)) >= 3, text[-4000:]
+    # USR1 (the time limit, then the preemption) and SIGTERM (the requeue), on both ranks
+    assert all(text.count(f"rank {r} received SIGUSR1") >= 2 for r in (0, 1)), text[-4000:]
+    assert "rank 0 received SIGTERM" in text and "rank 1 received SIGTERM" in text
+    assert re.search(r"finetune: checkpoint saved \(.*\); requeueing job", text)
+    assert state(high[0]) == "COMPLETED"
     a = load_file(run / "final" / "model.safetensors")
     b = load_file(uninterrupted / "final" / "model.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a), "weights differ from the local run"
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text()
              .splitlines() if '"loss"' in line]
     assert steps == list(range(1, STEPS + 1))  # nothing skipped, nothing repeated
-    return text
-
-
-def test_usr1_before_the_time_limit_saves_requeues_and_resumes(cluster, write, tmp_path,
-                                                               uninterrupted):
-    """Over 60 s: a job interrupted, requeued and finished (interrupt_and_finish says why)."""
-    # What --signal=USR1@N does: USR1 to the srun steps (our tasks), not the batch shell.
-    text = interrupt_and_finish(
-        "usr1", lambda job: subprocess.run(["scancel", "--signal=USR1", job], check=True),
-        write, tmp_path, uninterrupted)
-    assert "rank 0 received SIGUSR1" in text and "rank 1 received SIGUSR1" in text
-    assert re.search(r"finetune: checkpoint saved \(.*\); requeueing job", text)
-    script = (tmp_path / "runs" / "usr1" / "job.sbatch").read_text()
+    script = (run / "job.sbatch").read_text()
     assert "#SBATCH --requeue" in script and "#SBATCH --signal=USR1@120" in script
-
-
-def test_scontrol_requeue_saves_and_resumes(cluster, write, tmp_path, uninterrupted):
-    """Over 60 s: a job interrupted, requeued and finished (interrupt_and_finish says why)."""
-    text = interrupt_and_finish(
-        "requeue", lambda job: subprocess.run(["scontrol", "requeue", job], check=True),
-        write, tmp_path, uninterrupted)
-    assert "rank 0 received SIGTERM" in text and "rank 1 received SIGTERM" in text
-
-
-def test_preemption_by_a_higher_priority_partition_saves_and_resumes(cluster, write, tmp_path,
-                                                                     uninterrupted):
-    """Over 60 s: a job interrupted, requeued and finished (interrupt_and_finish says why)."""
-    high = []
-
-    def preempt(job: str) -> None:
-        result = subprocess.run(["sbatch", "--parsable", "-p", "high", "-N2", "--exclusive",
-                                 "--time=1", f"--output={tmp_path}/high-%j.out", "--wrap",
-                                 "echo high ran"], capture_output=True, text=True, check=True)
-        high.append(result.stdout.strip())
-
-    text = interrupt_and_finish("preempted", preempt, write, tmp_path, uninterrupted)
-    assert state(high[0]) == "COMPLETED"
-    # preempt_send_user_signal: the job's --signal (USR1) arrives first, at preemption.
-    assert "rank 0 received SIGUSR1" in text and "rank 1 received SIGUSR1" in text
 
 
 def test_a_hostile_run_directory_reaches_sbatch_whole(cluster, tmp_path):

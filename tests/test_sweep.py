@@ -81,16 +81,17 @@ def test_example_sweep_file_is_valid(tmp_path):
 
 
 @pytest.mark.slow
-def test_grid_runs_every_combination_and_names_the_best(write, tmp_path):
+def test_grid_runs_its_trials_and_names_the_best(write, tmp_path):
+    """Two real trials; that a grid is every combination is the dry runs' to show."""
     grid = sweep_file(write, "method: grid\nparameters:\n"
-                             "  training.learning_rate: {values: [1.0e-3, 3.0e-3]}\n"
-                             "  training.max_steps: {values: [2, 4]}\n")
+                             "  training.learning_rate: {values: [3.0e-3]}\n"
+                             "  training.max_steps: {values: [2, 3]}\n")
     out = tmp_path / "sweep"
     result = run_cli("sweep", SFT, grid, "--out", str(out), *FAST, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     record = state(out)
     assert record["status"] == "finished"
-    assert [t["status"] for t in record["trials"]] == ["finished"] * 4
+    assert [t["status"] for t in record["trials"]] == ["finished"] * 2
     losses = {}
     for trial in record["trials"]:
         run_dir = out / trial["name"]
@@ -109,10 +110,10 @@ def test_grid_runs_every_combination_and_names_the_best(write, tmp_path):
     # run again: nothing is rerun
     stamps = {name: (out / name / "summary.json").stat().st_mtime_ns for name in losses}
     again = run_cli("sweep", SFT, grid, "--out", str(out), *FAST, cwd=tmp_path)
-    assert again.returncode == 0 and "4 of 4 trials done" in again.stdout
+    assert again.returncode == 0 and "2 of 2 trials done" in again.stdout
     assert stamps == {n: (out / n / "summary.json").stat().st_mtime_ns for n in losses}
     # a changed sweep is refused
-    changed = sweep_file(write, Path(grid).read_text().replace("[2, 4]", "[2, 5]")
+    changed = sweep_file(write, Path(grid).read_text().replace("[2, 3]", "[2, 5]")
                          .split("goal: minimize\n", 1)[1], "changed.yaml")
     refused = run_cli("sweep", SFT, changed, "--out", str(out), *FAST, cwd=tmp_path)
     assert refused.returncode == 2 and "a different sweep" in refused.stderr
@@ -124,72 +125,71 @@ def _start(args: list[str], cwd: Path) -> subprocess.Popen:
                             start_new_session=True)
 
 
-def _wait_for_training(metrics: Path, timeout: float = 300) -> None:
-    """Until the trial has logged a few optimizer steps."""
+def _losses(metrics: Path) -> int:
+    return metrics.read_text().count('"loss"') if metrics.exists() else 0
+
+
+def _wait_for_training(metrics: Path, past: int = 0, timeout: float = 300) -> None:
+    """Until the trial has logged two optimizer steps more than `past`."""
     deadline = time.time() + timeout
     while time.time() < deadline:
-        if metrics.exists() and metrics.read_text().count('"loss"') >= 2:
+        if _losses(metrics) >= past + 2:
             return
         time.sleep(0.3)
     raise AssertionError(f"{metrics}: no training logged in {timeout} s")
 
 
-def _stop_mid_trial(write, tmp_path, how: signal.Signals):
-    """A 2-trial sweep stopped while its second trial trains; returns what the rerun needs."""
+@pytest.mark.slow
+def test_a_stopped_and_then_a_killed_sweep_continue_where_they_were(write, tmp_path):
+    """One chain, two ways a sweep ends mid-trial: SIGTERM (the sweep stops its trial, which
+    saves and exits 75), then, on the rerun, SIGKILL (the trial's parent-death signal saves
+    it); the last rerun finishes the trial from its checkpoint without rerunning the first."""
     grid = sweep_file(write, "method: grid\nparameters:\n  training.max_steps: {values: [2, 40]}\n")
     out = tmp_path / "sweep"
     args = [SFT, grid, "--out", str(out), *FAST, "training.logging_steps=1",
             "training.save_steps=1000"]
+    metrics = out / "trial-001" / "metrics.jsonl"
     sweep = _start(args, tmp_path)
-    _wait_for_training(out / "trial-001" / "metrics.jsonl")
+    _wait_for_training(metrics)
     first = (out / "trial-000" / "summary.json").stat().st_mtime_ns
-    os.kill(sweep.pid, how)
+    os.kill(sweep.pid, signal.SIGTERM)
     output, _ = sweep.communicate(timeout=300)
-    return args, out, first, sweep.returncode, output
-
-
-def _continues(args, out, first, tmp_path):
-    again = run_cli("sweep", *args, cwd=tmp_path)
-    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
-    assert "1 of 2 trials done" in again.stdout
-    assert "resuming from" in again.stdout + again.stderr  # the run resumed, not restarted
-    assert (out / "trial-000" / "summary.json").stat().st_mtime_ns == first  # not rerun
-    assert json.loads((out / "trial-001" / "summary.json").read_text())["global_step"] == 40
-    assert [t["status"] for t in state(out)["trials"]] == ["finished", "finished"]
-
-
-@pytest.mark.slow
-def test_sigterm_stops_the_trial_with_a_checkpoint_and_a_rerun_continues(write, tmp_path):
-    args, out, first, code, output = _stop_mid_trial(write, tmp_path, signal.SIGTERM)
-    assert code == 75, output[-3000:]
+    assert sweep.returncode == 75, output[-3000:]
     record = state(out)
     assert record["status"] == "stopped"
     assert [t["status"] for t in record["trials"]] == ["finished", "stopped"]
     assert (out / "trial-001" / "stopped.json").is_file()  # the trial saved and exited 75
     assert record["trials"][1]["exit_code"] == 75
-    _continues(args, out, first, tmp_path)
 
-
-@pytest.mark.slow
-def test_sigkill_of_the_sweep_then_a_rerun_continues(write, tmp_path):
-    args, out, first, code, output = _stop_mid_trial(write, tmp_path, signal.SIGKILL)
-    assert code == -9
+    sweep = _start(args, tmp_path)
+    _wait_for_training(metrics, past=_losses(metrics))
+    os.kill(sweep.pid, signal.SIGKILL)
+    output, _ = sweep.communicate(timeout=300)
+    assert sweep.returncode == -9
+    assert "resuming from" in output, output[-3000:]
     assert state(out)["trials"][1]["status"] == "running"  # as the kill left it
-    _continues(args, out, first, tmp_path)
+
+    again = run_cli("sweep", *args, cwd=tmp_path)
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
+    assert "1 of 2 trials done" in again.stdout
+    assert "resuming from" in again.stdout + again.stderr  # the run resumed, not restarted
+    assert (out / "trial-000" / "summary.json").stat().st_mtime_ns == first  # not rerun
+    assert json.loads(metrics.with_name("summary.json").read_text())["global_step"] == 40
+    assert [t["status"] for t in state(out)["trials"]] == ["finished", "finished"]
 
 
 @pytest.mark.slow
 def test_tpe_searches_with_optuna(write, tmp_path):
     pytest.importorskip("optuna")
-    tpe = sweep_file(write, "method: tpe\ntrials: 3\nseed: 1\nstartup_trials: 2\nparameters:\n"
+    tpe = sweep_file(write, "method: tpe\ntrials: 2\nseed: 1\nstartup_trials: 1\nparameters:\n"
                             "  training.learning_rate: {low: 1.0e-4, high: 1.0e-2, log: true}\n"
                             "  training.max_steps: {values: [2, 3]}\n")
     out = tmp_path / "sweep"
     result = run_cli("sweep", SFT, tpe, "--out", str(out), *FAST, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     trials = state(out)["trials"]
-    assert [t["status"] for t in trials] == ["finished"] * 3
-    assert len({t["params"]["training.learning_rate"] for t in trials}) == 3
+    assert [t["status"] for t in trials] == ["finished"] * 2  # one random, one from TPE
+    assert len({t["params"]["training.learning_rate"] for t in trials}) == 2
     for trial in trials:
         assert 1e-4 <= trial["params"]["training.learning_rate"] <= 1e-2
         summary = json.loads((out / trial["name"] / "summary.json").read_text())
@@ -198,30 +198,56 @@ def test_tpe_searches_with_optuna(write, tmp_path):
 
 @pytest.mark.slow
 def test_median_pruning_stops_a_trial_worse_than_the_finished_ones(write, tmp_path):
-    grid = sweep_file(write, "method: grid\nprune: {min_trials: 2}\nparameters:\n"
-                             "  training.learning_rate: {values: [3.0e-3, 2.0e-3, 1.0e-7]}\n")
+    """A real trial pruned by a real one (the rule's cases: test_the_median_rule...)."""
+    grid = sweep_file(write, "method: grid\nprune: {min_trials: 1}\nparameters:\n"
+                             "  training.learning_rate: {values: [3.0e-3, 1.0e-7]}\n")
     out = tmp_path / "sweep"
-    result = run_cli("sweep", SFT, grid, "--out", str(out), *FAST, "training.max_steps=30",
+    result = run_cli("sweep", SFT, grid, "--out", str(out), *FAST, "training.max_steps=12",
                      "training.warmup_steps=0", "training.eval_strategy=steps",
                      "training.eval_steps=2", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     trials = state(out)["trials"]
-    assert [t["status"] for t in trials] == ["finished", "finished", "pruned"]
-    assert "pruning trial-002 at step" in result.stdout
-    pruned = out / "trial-002"
+    assert [t["status"] for t in trials] == ["finished", "pruned"]
+    assert "pruning trial-001 at step" in result.stdout
+    pruned = out / "trial-001"
     assert not (pruned / "summary.json").exists() and (pruned / "stopped.json").is_file()
-    step = max(int(s) for s in trials[2]["intermediate"])
-    assert step < 30
-    # worse than the median of the finished trials at a step it was evaluated at
-    assert trials[2]["metric"] > min(t["intermediate"][str(step)] for t in trials[:2])
+    step = max(int(s) for s in trials[1]["intermediate"])
+    assert step < 12
+    # worse than the finished trial at a step it was evaluated at
+    assert trials[1]["metric"] > trials[0]["intermediate"][str(step)]
+
+
+def test_the_median_rule_waits_for_finished_trials_and_its_warmup():
+    """Optuna's MedianPruner rule on recorded values: the trial's best so far against the
+    median of the finished trials at its latest evaluation step."""
+    from finetune.sweep.runner import should_prune
+    from finetune.sweep.spec import Sweep
+
+    def sweep(goal="minimize", **prune):
+        return Sweep(method="grid", parameters={"training.seed": {"values": [1]}},
+                     metric="eval_loss", goal=goal, prune=prune)
+
+    finished = [{"status": "finished", "intermediate": {"2": 1.0, "4": 0.5}},
+                {"status": "finished", "intermediate": {"2": 3.0, "4": 0.7}},
+                {"status": "pruned", "intermediate": {"2": 0.1, "4": 0.1}}]  # not counted
+    assert should_prune(sweep(), finished, {2: 2.5, 4: 0.65})  # 0.65 > median 0.6
+    assert not should_prune(sweep(), finished, {2: 2.5, 4: 0.55})
+    assert not should_prune(sweep(), finished, {2: 0.5, 4: 0.65})  # its best so far, 0.5
+    assert not should_prune(sweep(min_trials=3), finished, {2: 2.5, 4: 0.65})
+    assert not should_prune(sweep(warmup_steps=5), finished, {2: 2.5, 4: 0.65})
+    assert not should_prune(sweep(), finished, {6: 9.0})  # no finished value at step 6
+    assert should_prune(sweep("maximize"), finished, {2: 0.2, 4: 0.55})
+    assert not should_prune(sweep("maximize"), finished, {2: 0.2, 4: 0.65})
+    assert not should_prune(sweep().model_copy(update={"prune": None}), finished, {4: 9.0})
 
 
 @pytest.mark.slow
 def test_a_two_process_experiment_is_swept_through_finetune_launch(write, tmp_path):
     """Each trial of a DDP experiment runs as `finetune launch` (two gloo processes on the CPU):
-    its run directory holds launch.sh and the Accelerate file, and the trial trained as two."""
+    its run directory holds launch.sh and the Accelerate file, and the trial trained as two
+    with the sweep's value. One trial: more would repeat the path."""
     grid = sweep_file(write, "method: grid\nparameters:\n"
-                             "  training.learning_rate: {values: [1.0e-3, 3.0e-3]}\n")
+                             "  training.learning_rate: {values: [3.0e-3]}\n")
     out = tmp_path / "sweep"
     result = run_cli("sweep", SFT, grid, "--out", str(out), *FAST, "training.max_steps=2",
                      "distributed.strategy=ddp", "distributed.num_processes=2",
@@ -229,12 +255,11 @@ def test_a_two_process_experiment_is_swept_through_finetune_launch(write, tmp_pa
                      cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     trials = state(out)["trials"]
-    assert [t["status"] for t in trials] == ["finished", "finished"]
-    for trial in trials:
-        run_dir = out / trial["name"]
-        assert (run_dir / "launch.sh").is_file() and (run_dir / "accelerate.yaml").is_file()
-        assert "num_processes: 2" in (run_dir / "accelerate.yaml").read_text()
-        summary = json.loads((run_dir / "summary.json").read_text())
-        assert summary["global_step"] == 2
-        assert trial["metric"] == summary["after"]["eval_loss"]
-    assert trials[0]["metric"] != trials[1]["metric"]
+    assert [t["status"] for t in trials] == ["finished"]
+    run_dir = out / trials[0]["name"]
+    assert (run_dir / "launch.sh").is_file() and (run_dir / "accelerate.yaml").is_file()
+    assert "num_processes: 2" in (run_dir / "accelerate.yaml").read_text()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["global_step"] == 2
+    assert trials[0]["metric"] == summary["after"]["eval_loss"]
+    assert "learning_rate: 0.003" in (run_dir / "experiment.yaml").read_text()
