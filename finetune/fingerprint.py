@@ -14,6 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from finetune.config import inputs
 from finetune.config.effective import class_default, record, value
 from finetune.config.rules import is_local
 from finetune.config.schema import Experiment
@@ -73,13 +74,13 @@ def layout(experiment: Experiment) -> dict[str, int]:
 def _training_files(experiment: Experiment) -> list[Path]:
     """The local files training reads (a directory: its data files, as data/load.py)."""
     files = []
-    for source in experiment.data.train:
-        if not is_local(source.path):
-            continue  # a hub dataset: its id and revision are in data.train
+    for loc, path in inputs.values(experiment, "data"):
+        if loc[1] != "train" or not is_local(path):
+            continue  # eval data; a hub dataset: its id and revision are in data.train
         try:
-            files += list_data_files(Path(source.path))
+            files += list_data_files(Path(path))
         except DataError:
-            files.append(Path(source.path))  # reading the data reports what is wrong
+            files.append(Path(path))  # reading the data reports what is wrong
     return files
 
 

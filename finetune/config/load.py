@@ -17,12 +17,16 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from finetune.config import models, paths, rules, trl_fields, yamltext
+from finetune.config.inputs import Input, declared, mark_at
 from finetune.config.methods import METHODS
 from finetune.config.schema import Experiment
 from finetune.config.secrets import REDACTED, is_secret, scrub
 from finetune.errors import ConfigError
 
 Loc = tuple  # a path into the experiment: ("training", "learning_rate") or ("data", "train", 0)
+# The settings that name a model directory or hub id: a near miss beside the file is named.
+MODEL_INPUTS = tuple(loc for loc, mark in declared(Experiment).items()
+                     if isinstance(mark, Input) and mark.kind in ("model", "teacher"))
 MAX_FILES = 64  # files one experiment reads, itself and its bases, counted each time read
 
 
@@ -112,35 +116,37 @@ def _local(value: Any, base: Path) -> Any:
     return value
 
 
-_PATH_KEYS = {("model", "name_or_path"), ("tokenizer", "name_or_path"), ("dpo", "ref_model"),
-              ("tokenizer", "chat_template"), ("distributed", "deepspeed", "config_file"),
-              ("rewards", "model"), ("ppo", "value_model_path"), ("distill", "teacher")}
-
-
 def is_input_path(loc: Loc) -> bool:
-    """Does the key at loc name an input file or directory? data.<split> may be a path,
-    a list of paths, or sources with a `path`."""
-    if loc in _PATH_KEYS:
-        return True
-    if loc[:1] != ("data",) or len(loc) < 2 or loc[1] not in ("train", "eval"):
-        return False
-    rest = loc[2:]
-    return rest in ((), ("path",)) or (isinstance(rest[0], int) and rest[1:] in ((), ("path",)))
+    """Does the key at loc (an experiment file as written) name an input resolved against
+    the YAML file? The schema's types say (config/inputs.py)."""
+    mark = mark_at(Experiment, loc)
+    return isinstance(mark, Input) and mark.relative_to == "yaml"
 
 
 def _resolve(value: Any, loc: Loc, base: Path) -> Any:
     """Input paths are relative to the YAML file that names them (outputs: to the CWD).
-    An inline chat template is text, not a path."""
+    An inline chat template is text, not a path; of 'file.py:function' the file is."""
     if isinstance(value, dict):
         return {k: _resolve(v, loc + (k,), base) for k, v in value.items()}
     if isinstance(value, list):
         return [_resolve(v, loc + (i,), base) for i, v in enumerate(value)]
-    if is_input_path(loc) and isinstance(value, str) and "{{" not in value and "{%" not in value:
-        return _local(value, base)
-    if loc[:2] == ("rewards", "functions") and isinstance(value, str) and ".py:" in value:
+    if not isinstance(value, str) or not is_input_path(loc):
+        return value
+    kind = mark_at(Experiment, loc).kind
+    if kind == "template" and ("{{" in value or "{%" in value):
+        return value
+    if kind == "code":
+        if ".py:" not in value:
+            return value  # an importable module
         file, _, function = value.rpartition(":")  # a file of reward functions
         return f"{_local(file, base)}:{function}"
-    return value
+    return _local(value, base)
+
+
+def _get(data: Any, loc: Loc) -> Any:
+    for key in loc:
+        data = data.get(key) if isinstance(data, dict) else None
+    return data
 
 
 def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
@@ -170,9 +176,8 @@ def _load_file(path: Path, origins: _Origins, problems: list[str],
         raise ConfigError([f"{where}{path}: more than {MAX_FILES} experiment files read "
                            "through extends: (a base named many times is read each time)"])
     data = _read_yaml(path, origins, problems)
-    for loc in (("model", "name_or_path"), ("tokenizer", "name_or_path")):
-        section = data.get(loc[0])
-        value = section.get(loc[1]) if isinstance(section, dict) else None
+    for loc in MODEL_INPUTS:
+        value = _get(data, loc)
         hint = models.near_miss(value, path.parent) if isinstance(value, str) else None
         if hint:
             origins.near_misses[loc] = (value, hint)
@@ -316,8 +321,7 @@ def _load_experiment(path: Path, overrides: list[str] | tuple[str, ...]) -> Expe
         apply_override(data, override, origins)
     data.setdefault("name", path.stem)
     for loc, (value, hint) in origins.near_misses.items():
-        section = data.get(loc[0])
-        if isinstance(section, dict) and section.get(loc[1]) == value:
+        if _get(data, loc) == value:  # not replaced by an override or a later file
             problems.append(_problem(origins, loc, hint, str(path)))
     method = data.get("method")
     problems += _training_fields_at_top(data, method, origins, str(path))

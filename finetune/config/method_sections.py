@@ -4,32 +4,33 @@ and losses, distill's teacher and ppo's options."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field
 
+from finetune.config.inputs import Input
 from finetune.config.script_values import MAX_LENGTH
 from finetune.config.section import Section, for_methods
 
 
 class DPOSection(Section):
-    ref_model: str | None = Field(
+    ref_model: Annotated[str | None, Input("model")] = Field(
         None, description="Reference model path or hub id. Default: the starting policy "
         "(the adapter-disabled model under LoRA, a frozen copy otherwise).")
 
 
 class KTOSection(Section):
-    ref_model: str | None = Field(
+    ref_model: Annotated[str | None, Input("model")] = Field(
         None, description="Reference model path or hub id. Default: the starting policy "
         "(the adapter-disabled model under LoRA, a frozen copy otherwise).")
 
 
 class RewardsSection(Section):
-    model: str | None = Field(
+    model: Annotated[str | None, Input("model")] = Field(
         None, description=for_methods(lambda m: m.rewarded) + "a reward model: the run "
         "directory of a `method: reward` run (its final/ model or adapter is used) or a model "
         "directory / hub id with a one-logit sequence-classification head.")
-    functions: list[str] = Field(
+    functions: list[Annotated[str, Input("code")]] = Field(
         default_factory=list,
         description=for_methods(lambda m: m.rewarded) + "Python reward functions as "
         "'module:function' (an importable module, or a .py file relative to the YAML file). "
@@ -57,7 +58,7 @@ class ClassifySection(Section):
 
 
 class DistillSection(Section):
-    teacher: str = Field(
+    teacher: Annotated[str, Input("teacher")] = Field(
         description=for_methods(lambda m: "distill" in m.sections) + "the teacher whose "
         "next-token distribution the student learns: a model directory or hub id (an adapter directory loads onto its base), or "
         "the run directory of a finetune run of a causal LM (its final/ model or adapter). "
@@ -71,7 +72,7 @@ class PPOSection(Section):
         "base with a scalar head, or value_model_path); shared: a value head on the policy's "
         "backbone. Under lora/qlora a separate value model is a full trainable copy of the "
         "base model in fp32; use shared to save memory.")
-    value_model_path: str | None = Field(
+    value_model_path: Annotated[str | None, Input("model")] = Field(
         None, description="separate only: initialise the value model from this model "
         "directory (for example the reward model) instead of the policy's base.")
     max_new_tokens: int = Field(64, gt=0, le=MAX_LENGTH,

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 import typing
 
 from pydantic import BaseModel
@@ -16,6 +17,8 @@ from finetune.config.section import Section
 
 def _type_name(annotation) -> str:
     text = str(annotation).replace("typing.", "")
+    # A list item's path mark (config/inputs.py): the descriptions say what the path is.
+    text = re.sub(r"Annotated\[([^\[\]]*), (?:Input|Output)\([^()]*\)\]", r"\1", text)
     for prefix in ("finetune.config.schema.", "<class '"):
         text = text.replace(prefix, "")
     return text.replace("'>", "").replace("NoneType", "None")

@@ -1,4 +1,5 @@
-"""Cross-field rules, all in one place. Each returns (loc, problem) pairs; imports no torch."""
+"""The cross-field rules: RULES lists them, this module's own and those of parallel.py,
+sequence.py and values.py. Each returns (loc, problem) pairs; imports no torch."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Iterator
 
 from pydantic import BaseModel
 
-from finetune.config import deepspeed_file, models, parallel, paths, sequence, values
+from finetune.config import deepspeed_file, inputs, models, parallel, paths, sequence, values
 from finetune.config.formats import accepted as accepted_formats, trained
 from finetune.config.effective import record, value
 from finetune.config.methods import names_where, sections, spoken
@@ -28,37 +29,29 @@ def is_local(path: str) -> bool:
 
 
 def _paths(exp: Experiment) -> Iterator[Problem]:
-    for split in ("train", "eval"):
-        for i, source in enumerate(getattr(exp.data, split) or []):
-            loc = ("data", split, i, "path")
-            bad = paths.problem(source.path)
-            if bad:
-                yield loc, bad
-            elif is_local(source.path):
-                if source.data_files is not None:
-                    yield (("data", split, i, "data_files"),
-                           "only for hub datasets; a local source names its files in path "
-                           "(a file, or a directory of them)")
-                if not paths.exists(source.path):
-                    yield loc, f"no such file or directory: {source.path}"
-                elif not (paths.is_file(source.path) or paths.is_dir(source.path)):
-                    # A FIFO, socket or device: reading it would block or never end.
-                    yield loc, f"not a regular file or directory: {source.path}"
-            elif source.path.lower().endswith(DATA_SUFFIXES):
-                yield loc, f"no such file: {source.path} (relative paths are relative to " \
-                           "the YAML file that names them)"
-            elif not HUB_ID.fullmatch(source.path):
-                yield loc, f"neither a local file nor a hub dataset id: {source.path!r}"
-            else:
-                yield from models.offline(loc, source.path, "dataset")
-    for loc, value in ((("model", "name_or_path"), exp.model.name_or_path),
-                       (("tokenizer", "name_or_path"), exp.tokenizer.name_or_path),
-                       (("dpo", "ref_model"), exp.dpo.ref_model),
-                       (("kto", "ref_model"), exp.kto.ref_model),
-                       (("rewards", "model"), exp.rewards.model),
-                       (("ppo", "value_model_path"), exp.ppo.value_model_path)):
-        if value is None:
-            continue
+    for loc, path in inputs.values(exp, "data"):
+        source = getattr(exp.data, loc[1])[loc[2]]  # loc: ("data", split, i, "path")
+        bad = paths.problem(path)
+        if bad:
+            yield loc, bad
+        elif is_local(path):
+            if source.data_files is not None:
+                yield (loc[:-1] + ("data_files",),
+                       "only for hub datasets; a local source names its files in path "
+                       "(a file, or a directory of them)")
+            if not paths.exists(path):
+                yield loc, f"no such file or directory: {path}"
+            elif not (paths.is_file(path) or paths.is_dir(path)):
+                # A FIFO, socket or device: reading it would block or never end.
+                yield loc, f"not a regular file or directory: {path}"
+        elif path.lower().endswith(DATA_SUFFIXES):
+            yield loc, f"no such file: {path} (relative paths are relative to " \
+                       "the YAML file that names them)"
+        elif not HUB_ID.fullmatch(path):
+            yield loc, f"neither a local file nor a hub dataset id: {path!r}"
+        else:
+            yield from models.offline(loc, path, "dataset")
+    for loc, value in inputs.values(exp, "model"):  # distill.teacher: _distill
         bad = paths.problem(value)
         if bad:
             yield loc, bad
@@ -345,9 +338,11 @@ def _credentials(exp: Experiment) -> Iterator[Problem]:
 def _distill(exp: Experiment) -> Iterator[Problem]:
     """distill.teacher: a model directory (full or adapter), a finished run of a causal
     LM (its final/), or a hub id. The vocabulary is checked where the model loads."""
-    if exp.distill is None:
-        return
-    loc, teacher = ("distill", "teacher"), exp.distill.teacher
+    for loc, teacher in inputs.values(exp, "teacher"):
+        yield from _teacher(exp, loc, teacher)
+
+
+def _teacher(exp: Experiment, loc: tuple, teacher: str) -> Iterator[Problem]:
     bad = paths.problem(teacher)
     if bad:
         yield loc, bad

@@ -8,12 +8,13 @@ instead of being written twice. Imports no torch.
 from __future__ import annotations
 
 import re
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, field_validator
 
 from finetune.config import attention, methods
 from finetune.config import formats as source_formats
+from finetune.config.inputs import Input, Output
 from finetune.config.method_sections import (ClassifySection, DistillSection, DPOSection,
                                              KTOSection, PPOSection, RewardsSection)
 from finetune.config.script_values import (MAX_LENGTH, MAX_MACHINES, MAX_PROCESSES,
@@ -25,7 +26,7 @@ Method = Literal[methods.NAMES]  # type: ignore[valid-type]
 
 
 class ModelSection(Section):
-    name_or_path: str = Field(
+    name_or_path: Annotated[str, Input("model")] = Field(
         description="Hub model id (org/name) or a local directory, relative to the YAML file.")
     init: Literal["pretrained", "random"] = Field(
         "pretrained",
@@ -51,9 +52,9 @@ class ModelSection(Section):
 
 
 class TokenizerSection(Section):
-    name_or_path: str | None = Field(
+    name_or_path: Annotated[str | None, Input("model")] = Field(
         None, description="Tokenizer to load; defaults to model.name_or_path.")
-    chat_template: str | None = Field(
+    chat_template: Annotated[str | None, Input("template")] = Field(
         None, description="A Jinja chat template, inline or as a path to a .jinja file; "
         "replaces the tokenizer's own.")
     pad_token: str | None = Field(
@@ -84,7 +85,8 @@ class PeftSection(Section):
 
 
 class DataSource(Section):
-    path: str = Field(
+    SHORTHAND: ClassVar[str] = "path"  # a bare string stands for {path: ...}
+    path: Annotated[str, Input("data")] = Field(
         description="A local .json/.jsonl/.csv/.parquet file (relative to the YAML file), a "
         "directory of them, or a hub dataset id.")
     split: str = Field("train", description="Split to read from a hub dataset.")
@@ -163,7 +165,7 @@ class DataSection(Section):
     cache: bool = Field(
         True, description="Cache the prepared (validated, tokenized) data on disk, keyed by "
         "the data files, tokenizer and settings: the other ranks and later runs reuse it.")
-    cache_dir: str | None = Field(
+    cache_dir: Annotated[str | None, Output()] = Field(
         None, description="Where the data cache lives; default .data-cache next to the run "
         "directory (runs/.data-cache). On several machines, a shared directory makes one "
         "machine tokenize for all; a local one makes each machine tokenize once.")
@@ -212,10 +214,11 @@ class DeepSpeedSection(Section):
         "none", description="Where optimizer states live (ZeRO 1-3).")
     offload_params: Literal["none", "cpu", "nvme"] = Field(
         "none", description="Where parameters live between uses (ZeRO-3 only).")
-    nvme_path: str | None = Field(None, description="Directory for nvme offload.")
+    nvme_path: Annotated[str | None, Output()] = Field(
+        None, description="Directory for nvme offload.")
     save_16bit_model: bool = Field(
         True, description="ZeRO-3: gather the weights into one 16/32-bit model when saving.")
-    config_file: str | None = Field(
+    config_file: Annotated[str | None, Input("file")] = Field(
         None, description="A hand-written DeepSpeed JSON to use instead of the generated one; "
         "checked against the experiment (stage, precision, batch, accumulation, clipping).")
 
@@ -304,7 +307,7 @@ class DistributedSection(Section):
 
 
 class OutputSection(Section):
-    dir: str | None = Field(
+    dir: Annotated[str | None, Output()] = Field(
         None, description="Run directory; default runs/<name> under the current directory.")
     save_final: bool = Field(True, description="Save the final model or adapter to <dir>/final.")
     plot: bool = Field(True, description="Write the loss curve to <dir>/loss.png.")
@@ -353,7 +356,7 @@ class Experiment(Section):
         "model.")
     distributed: DistributedSection = Field(default_factory=DistributedSection)
     output: OutputSection = Field(default_factory=OutputSection)
-    resume: str = Field(
+    resume: Annotated[str, Input("checkpoint", relative_to="cwd")] = Field(
         "auto", description="'auto': continue from the newest complete checkpoint of the run "
         "directory, or start fresh if it has none; 'never': start fresh, and refuse a run "
         "directory that already holds checkpoints; or the path of a checkpoint directory "
