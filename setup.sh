@@ -2,7 +2,7 @@
 # Create .venv and install finetune into it, torch first, at the versions the suite passed
 # with (constraints.txt). Idempotent: re-runs only when this file, pyproject.toml,
 # constraints.txt, finetune's version or the torch build asked for change; a different
-# torch build (CPU/CUDA, another index) reinstalls torch. README, "Install".
+# torch build (CPU/CUDA, another index) reinstalls torch. docs/install.md.
 #   bash setup.sh           .venv, the tested versions (what CI runs): torch==2.13.0 as pip
 #                           resolves it, the CPU build where pip is offered one (this
 #                           project's machines have a local torch-2.13.0+cpu wheel)
@@ -12,7 +12,7 @@
 #   --torch-index URL       take torch from this index, e.g. PyTorch's
 #                           https://download.pytorch.org/whl/cu126 for an older driver
 #   bash setup.sh --latest  .venv-latest, the newest versions pyproject.toml allows, to
-#                           check upcoming releases (README, "Dependencies"); torch
+#                           check upcoming releases (docs/testing.md, "Dependencies"); torch
 #                           stays at 2.13.0 (the newest torch of an index may be a
 #                           CUDA build of several GB)
 set -euo pipefail

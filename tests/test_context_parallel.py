@@ -5,7 +5,7 @@ accelerators (tests/test_fsdp.py), so it cannot train here. Checked: the acceler
 that `finetune render` writes for distributed.context_parallel is what accelerate's own
 config loader reads and what its launcher turns into the ParallelismConfig meant
 (FSDP shards x context parallel = processes), and a launch that bypasses the file is
-refused on every rank. On GPUs: README "Tensor and context parallelism"."""
+refused on every rank. On GPUs: docs/distributed.md, "Tensor and context parallelism"."""
 
 from __future__ import annotations
 

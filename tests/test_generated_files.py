@@ -35,9 +35,10 @@ def test_experiment_reference_doc_is_current():
         "run `finetune reference > docs/experiment.md`"
 
 
-def test_readme_and_reference_list_every_method():
-    """The reference's methods table is generated from the records; the README's table and
-    its example's `method:` comment are written by hand, so they are checked here."""
+def test_docs_and_reference_list_every_method():
+    """The reference's methods table is generated from the records; the table of
+    docs/methods.md and the `method:` comment of docs/experiment-file.md's example are
+    written by hand, so they are checked here."""
     from finetune.config.methods import METHODS
     from finetune.config.reference import markdown
 
@@ -45,8 +46,9 @@ def test_readme_and_reference_list_every_method():
     reference = markdown()
     assert [line.split("`")[1] for line in reference.splitlines()
             if line.startswith("| `") and line.split("`")[1] in METHODS] == names
-    readme = (REPO / "README.md").read_text()
-    comment = next(line for line in readme.splitlines() if line.startswith("method: "))
+    example = (REPO / "docs" / "experiment-file.md").read_text()
+    comment = next(line for line in example.splitlines() if line.startswith("method: "))
     assert [w.strip() for w in comment.split("#")[1].split("|")] == names, comment
-    table = readme.split("### Methods and data")[1].split("\n\n")[1]
+    methods = (REPO / "docs" / "methods.md").read_text()
+    table = methods.split("\n## Methods and data\n\n")[1].split("\n\n")[0]
     assert [row.split("`")[1] for row in table.splitlines()[2:]] == names, table

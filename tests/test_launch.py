@@ -88,12 +88,12 @@ def test_torchrun_copies_of_a_one_process_experiment_are_refused(write, tmp_path
 @pytest.mark.parametrize("launcher", ["accelerate", "torchrun"])
 def test_the_launchers_process_count_is_taken_when_the_experiment_gives_none(
         write, tmp_path, launcher):
-    """README's recipe, `accelerate launch --config_file accelerate_configs/ddp.yaml -m
-    finetune train EXP` (the shipped preset), and torchrun, with no count in the experiment:
-    it trains on the launcher's 2 processes, says so once, the data is tokenized once (by
-    the main process; the other rank loads its cache entry), and the run directory records
-    2. An experiment whose count agrees with the launcher's takes the same path as
-    `finetune launch`, which every launch test runs."""
+    """docs/distributed.md's recipe, `accelerate launch --config_file
+    accelerate_configs/ddp.yaml -m finetune train EXP` (the shipped preset), and torchrun,
+    with no count in the experiment: it trains on the launcher's 2 processes, says so once,
+    the data is tokenized once (by the main process; the other rank loads its cache entry),
+    and the run directory records 2. An experiment whose count agrees with the launcher's
+    takes the same path as `finetune launch`, which every launch test runs."""
     config = write("adopt.yaml", experiment("{device: cpu}"))
     port = str(free_port())
     start = ["accelerate.commands.launch", "--config_file",

@@ -194,5 +194,5 @@ def require_lm(run: RunModel, command: str) -> None:
         raise RunError(f"{run.run_dir} is a {run.experiment.method} run: its model scores "
                        f"text (a sequence-classification head) and generates nothing; "
                        f"`finetune {command}` needs a causal LM (sft, dpo, grpo or ppo). Load "
-                       "it with AutoModelForSequenceClassification (see README, After "
-                       "training)")
+                       "it with AutoModelForSequenceClassification (see "
+                       "docs/after-training.md)")

@@ -19,7 +19,7 @@ def add_commands(commands) -> None:
         description="Run a hyperparameter search (grid, random or Optuna's TPE) over "
                     "experiment keys. Each trial is a `finetune train` (or `launch`) run "
                     "in SWEEP_DIR/trial-NNN; sweep.json records them, so the same command "
-                    "continues a stopped sweep. See README, Hyperparameter search.")
+                    "continues a stopped sweep. See docs/sweeps.md.")
     sweep.add_argument("config", help="experiment YAML file")
     sweep.add_argument("sweep", help="sweep YAML file (method, parameters, metric, goal ...)")
     sweep.add_argument("overrides", nargs="*", metavar="key.sub=value",

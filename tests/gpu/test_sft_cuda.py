@@ -1,5 +1,5 @@
 """The quickstart sft on CUDA with `model.attn_implementation=auto`, and what a user does
-with the run afterwards (README, "After training"): `finetune generate` and `finetune eval`
+with the run afterwards (docs/after-training.md): `finetune generate` and `finetune eval`
 on CUDA. One run, trained once for the module."""
 
 from __future__ import annotations
