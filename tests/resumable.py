@@ -136,6 +136,19 @@ def assert_identical(a: Path, b: Path, context: str = "") -> None:
     assert losses(a) == losses(b), f"{context}: logged losses differ"
 
 
+def assert_continues(resumed: Path, reference: Path, step: int, context: str = "") -> None:
+    """A run resumed (resume: PATH) from the uninterrupted reference's checkpoint-<step>
+    ends with the reference's weights bitwise and logs its losses after that step: the
+    restore path of a signal's checkpoint, without a third run to stop (the signal's save
+    is the same Trainer save; SIGTERM and SIGKILL chains: test_resume.py)."""
+    wa, wb = final_weights(resumed), final_weights(reference)
+    assert wa.keys() == wb.keys()
+    different = [k for k in wa if not torch.equal(wa[k], wb[k])]
+    assert not different, f"{context}: weights differ in {different[:5]}"
+    after = [entry for entry in losses(reference) if entry[0] > step]
+    assert after and losses(resumed) == after, f"{context}: logged losses differ"
+
+
 def stopped_by_sigterm(command: str, config: Path, run_dir: Path, cwd: Path,
                        at_step: int, cold: bool = False) -> Run:
     """Run until `at_step` is logged, SIGTERM `finetune COMMAND` (as SLURM signals the

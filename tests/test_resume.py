@@ -17,8 +17,8 @@ import pytest
 
 from conftest import DATA, TINY_MODEL, run_cli
 from finetune import checkpoints
-from resumable import (Run, assert_identical, experiment, final_weights, losses,
-                       stopped_by_sigterm, wait_for_step)
+from resumable import (Run, assert_continues, assert_identical, experiment, final_weights,
+                       losses, stopped_by_sigterm, wait_for_step)
 from teachers import tiny_teacher
 
 pytestmark = pytest.mark.slow  # every test trains, stops and resumes runs
@@ -87,23 +87,23 @@ def test_sigterm_and_sigkill_then_resume_is_bitwise_identical(method, processes,
     assert [s for s, *_ in losses(run_dir)] == [1, *range(3, STEPS + 1, 3)]
 
 
-def test_deepspeed_zero3_sigterm_then_resume_is_bitwise_identical(write, tmp_path):
+def test_deepspeed_zero3_checkpoint_then_resume_is_bitwise_identical(write, tmp_path):
     """ZeRO-3 checkpoints are written by every rank (sharded states): sealed only once all
-    are on disk, and resumed bitwise. Over 60 s: three 2-rank DeepSpeed launches
-    (reference, stopped, resumed), each rank importing DeepSpeed cold."""
+    are on disk, and resumed bitwise. Near 60 s: two 2-rank DeepSpeed launches (the
+    reference; a run resumed from its checkpoint-8), each rank importing DeepSpeed cold."""
     text = experiment("z3", "sft", processes=2, steps=24, zero_stage=3).replace(
         "peft: {type: lora, r: 4, dropout: 0.1}\n", "")
     reference = write("z3ref.yaml", text.replace("name: z3", "name: z3ref"))
     assert Run("launch", reference, tmp_path, 0).wait() == 0
-    config = write("z3.yaml", text)
-    run_dir = tmp_path / "runs" / "z3"
-    stopped_by_sigterm("launch", config, run_dir, tmp_path, 6)
-    sealed = checkpoints.scan(run_dir / "checkpoints").newest
+    sealed = tmp_path / "runs" / "z3ref" / "checkpoints" / "checkpoint-8"
+    assert checkpoints.problem(sealed) is None
     shards = [f for f in checkpoints.read_manifest(sealed)["files"] if "optim_states" in f]
     assert len(shards) == 2, shards  # one optimizer shard per rank, both in the manifest
+    config = write("z3.yaml", text + f"resume: {sealed}\n")
     second = Run("launch", config, tmp_path, 2)
     assert second.wait() == 0, second.text()[-3000:]
-    assert_identical(run_dir, tmp_path / "runs" / "z3ref", "ZeRO-3")
+    assert f"resuming from {sealed}" in second.text()
+    assert_continues(tmp_path / "runs" / "z3", tmp_path / "runs" / "z3ref", 8, "ZeRO-3")
 
 
 def _unsealed(run_dir) -> list:
@@ -158,24 +158,24 @@ def test_fault_injection_every_kill_point_survives(write, tmp_path):
 
 
 def test_two_processes_resume_on_one_with_the_same_global_batch(write, tmp_path):
-    """2 processes x batch 4 stopped by SIGTERM, continued by 1 process x batch 4 x
-    accumulation 2: the data goes on from the right sample (the weights match an
-    uninterrupted 2-process run to rounding), with a warning that says what changes.
-    Without dropout (reward, full fine-tuning) only the reduction order differs. Near
-    60 s: two 2-process launches (the reference, the stopped run) and two one-process runs."""
-    two = experiment("moved", "reward", processes=2, steps=24)
-    reference = write("two.yaml", two.replace("name: moved", "name: two"))
-    assert Run("launch", reference, tmp_path, 0).wait() == 0
-    config = write("moved.yaml", two)
+    """A checkpoint of 2 processes x batch 4 (an uninterrupted run's checkpoint-8),
+    continued by 1 process x batch 4 x accumulation 2: the data goes on from the right
+    sample (the weights match the 2-process run to rounding), with a warning that says what
+    changes. Without dropout (reward, full fine-tuning) only the reduction order differs.
+    One 2-process launch and two one-process runs."""
+    two = experiment("two", "reward", processes=2, steps=24)
+    assert Run("launch", write("two.yaml", two), tmp_path, 0).wait() == 0
+    checkpoint = tmp_path / "runs" / "two" / "checkpoints" / "checkpoint-8"
     run_dir = tmp_path / "runs" / "moved"
-    stopped_by_sigterm("launch", config, run_dir, tmp_path, 9)
 
-    halved = write("halved.yaml", experiment("moved", "reward", steps=24))
+    halved = write("halved.yaml", experiment("moved", "reward", steps=24)
+                   + f"resume: {checkpoint}\n")
     refused = run_cli("train", str(halved), cwd=tmp_path)
     assert refused.returncode == 2 and "global batch: 8 -> 4" in refused.stderr
     assert "Traceback" not in refused.stderr
 
-    one = write("one.yaml", experiment("moved", "reward", steps=24, accumulation=2))
+    one = write("one.yaml", experiment("moved", "reward", steps=24, accumulation=2)
+                + f"resume: {checkpoint}\n")
     result = run_cli("train", str(one), cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "warning: the checkpoint was written by 2 process(es) x batch 4 x accumulation 1; " \
@@ -185,7 +185,7 @@ def test_two_processes_resume_on_one_with_the_same_global_batch(write, tmp_path)
     print(f"2 -> 1 process resume: weights rel. diff to an uninterrupted 2-process run "
           f"{worst:.2e}")
     assert worst <= 1e-5
-    assert [s for s, *_ in losses(run_dir)] == list(range(1, 25))
+    assert [s for s, *_ in losses(run_dir)] == list(range(9, 25))
 
 
 def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint(write, tmp_path):

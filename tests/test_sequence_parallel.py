@@ -13,7 +13,7 @@ import random
 import pytest
 
 from conftest import TINY_MODEL, free_port, run_cli
-from resumable import Run, assert_identical, final_weights, losses, stopped_by_sigterm
+from resumable import Run, assert_continues, final_weights, losses
 
 pytestmark = pytest.mark.slow  # training runs on 2 processes
 
@@ -41,9 +41,9 @@ def experiment(name: str, data, sequence_parallel: int) -> str:
 
 
 def test_sequence_parallel_matches_one_process_and_resumes_exactly(write, tmp_path):
-    """Over 60 s: four runs in one test (one process; an uninterrupted 2-process reference;
-    the same stopped by SIGTERM; resumed), three of them `finetune launch`es whose two
-    ranks each import torch and TRL cold. Split, each part would train the reference again."""
+    """Over 60 s: three runs in one test (one process; an uninterrupted 2-process reference;
+    a run resumed from its checkpoint), two of them `finetune launch`es whose two ranks
+    each import torch and TRL cold. Split, each part would train the reference again."""
     data = tmp_path / "long.jsonl"
     long_rows(data)
     one = write("one.yaml", experiment("one", data, 1))
@@ -69,14 +69,14 @@ def test_sequence_parallel_matches_one_process_and_resumes_exactly(write, tmp_pa
 
     AutoModelForCausalLM.from_pretrained(runs / "spref" / "final")
 
-    # Stopped by SIGTERM mid-epoch (6 steps an epoch), resumed into the next epoch: the
-    # same run bitwise (the skipped batches, and the second epoch's shuffle).
-    config = write("sp.yaml", experiment("sp", data, 2))
-    stopped_by_sigterm("launch", config, runs / "sp", tmp_path, 2)
+    # Resumed from the reference's checkpoint-4, mid-epoch (6 steps an epoch), into the
+    # next epoch: the same run bitwise (the skipped batches, and the second epoch's shuffle).
+    config = write("sp.yaml", experiment("sp", data, 2)
+                   + f"resume: {runs}/spref/checkpoints/checkpoint-4\n")
     second = Run("launch", config, tmp_path, 2)
     assert second.wait() == 0, second.text()[-3000:]
-    assert "resum" in second.text().lower()
-    assert_identical(runs / "sp", runs / "spref", "sequence parallel resume")
+    assert f"resuming from {runs}/spref/checkpoints/checkpoint-4" in second.text()
+    assert_continues(runs / "sp", runs / "spref", 4, "sequence parallel resume")
 
 
 def test_validate_refuses_sequence_parallel_without_deepspeed(write, tmp_path):

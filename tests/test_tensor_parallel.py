@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import DATA, TINY_MODEL, free_port, run_cli
-from resumable import Run, assert_identical, final_weights, losses, stopped_by_sigterm
+from resumable import Run, assert_continues, final_weights, losses
 
 pytestmark = pytest.mark.slow  # training runs on 2 processes
 
@@ -32,9 +32,9 @@ def experiment(name: str, tensor_parallel: int) -> str:
 
 
 def test_tensor_parallel_matches_one_process_and_resumes_exactly(write, tmp_path):
-    """Over 60 s: four runs in one test (one process; an uninterrupted 2-process reference;
-    the same stopped by SIGTERM; resumed), three of them `finetune launch`es whose two
-    ranks each import torch and TRL cold. Split, each part would train the reference again."""
+    """Over 60 s: three runs in one test (one process; an uninterrupted 2-process reference;
+    a run resumed from its checkpoint), two of them `finetune launch`es whose two ranks
+    each import torch and TRL cold. Split, each part would train the reference again."""
     one = write("one.yaml", experiment("one", 1))
     assert Run("train", one, tmp_path, 0).wait() == 0
     reference = write("tpref.yaml", experiment("tpref", 2))
@@ -62,13 +62,13 @@ def test_tensor_parallel_matches_one_process_and_resumes_exactly(write, tmp_path
     weight = model.model.layers[0].self_attn.q_proj.weight
     assert type(weight) is torch.nn.Parameter and tuple(weight.shape) == (128, 128)
 
-    # Stopped by SIGTERM after a checkpoint, resumed: the same run bitwise.
-    config = write("tp.yaml", experiment("tp", 2))
-    stopped_by_sigterm("launch", config, runs / "tp", tmp_path, 6)
+    # Resumed from the reference's checkpoint-4 (its AutoTP shards): the same run bitwise.
+    config = write("tp.yaml", experiment("tp", 2)
+                   + f"resume: {runs}/tpref/checkpoints/checkpoint-4\n")
     second = Run("launch", config, tmp_path, 2)
     assert second.wait() == 0, second.text()[-3000:]
-    assert "resum" in second.text().lower()
-    assert_identical(runs / "tp", runs / "tpref", "tensor parallel resume")
+    assert f"resuming from {runs}/tpref/checkpoints/checkpoint-4" in second.text()
+    assert_continues(runs / "tp", runs / "tpref", 4, "tensor parallel resume")
 
 
 def final_weights_of(directory):
