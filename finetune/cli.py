@@ -43,12 +43,15 @@ def _train(args: argparse.Namespace) -> int:
 
     launched = time.time()  # before the heavy imports: see data/prepare.py, _wait
 
-    from finetune.launch.environment import experiment_as_launched, rank_of
+    from finetune.errors import EXIT_PREEMPTED, ConfigError, DataError, RunError
+    from finetune.launch.environment import early_launch_problems, experiment_as_launched, rank_of
     from finetune.render.bundle import prepare_run_dir
 
     experiment = experiment_as_launched(args.config, args.overrides, os.environ)
+    problems = early_launch_problems(experiment, os.environ)
+    if problems:
+        raise RunError("; ".join(problems))
     experiment, run_dir, plan = prepare_run_dir(experiment, rank=rank_of(os.environ))
-    from finetune.errors import EXIT_PREEMPTED, ConfigError, DataError, RunError
 
     if experiment.peft.type != "qlora":
         # transformers imports bitsandbytes, which on CPUs with AVX512-BF16 warns at import

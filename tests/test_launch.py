@@ -140,6 +140,8 @@ def test_accelerate_precision_that_contradicts_the_experiment_is_refused(write, 
         cwd=tmp_path, capture_output=True, text=True, timeout=300)
     _fails(result, "the Accelerate launch says mixed_precision 'bf16', but the experiment's "
                    "precision is fp32")
+    # refused before torch is imported: no data prepared, no run directory written
+    assert "data prepared" not in result.stdout and not (tmp_path / "runs").exists()
 
 
 def test_unreachable_main_machine_fails_in_bounded_time(write, tmp_path):

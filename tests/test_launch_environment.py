@@ -103,3 +103,20 @@ def test_precision_auto_on_a_gpu_without_bf16_is_no_launch_error(write):
     fp16 = load_experiment(write("fp16.yaml", MINIMAL_SFT + "precision: fp16\n"
                                  "distributed: {device: cuda}\n"))
     assert launch_problems(fp16, launched, "fp16")  # set by hand: the file contradicts it
+
+
+def test_early_checks_run_only_where_the_precision_is_known_without_the_hardware(write):
+    """Before torch is imported: a precision set by hand, or auto on the CPU (fp32), is
+    checked against the launcher's; auto on a GPU waits for the hardware (build.py)."""
+    from finetune.launch.environment import early_launch_problems
+
+    bf16 = {"ACCELERATE_MIXED_PRECISION": "bf16"}
+    assert early_launch_problems(exp(write, "{device: cpu}"), bf16) == [
+        "the Accelerate launch says mixed_precision 'bf16', but the experiment's precision is "
+        "fp32; set it in one place: precision"]
+    assert early_launch_problems(exp(write, "{device: cuda}"), bf16) == []
+    assert early_launch_problems(exp(write, "{device: auto}"), bf16) == []
+    fp16 = load_experiment(write("fp16.yaml", MINIMAL_SFT + "precision: fp16\n"
+                                 "distributed: {device: auto}\n"))
+    assert early_launch_problems(fp16, bf16)  # set by hand: known before the hardware
+    assert early_launch_problems(exp(write, "{device: cpu}"), {}) == []

@@ -10,7 +10,7 @@ from typing import Mapping
 
 from finetune.config import deepspeed_file
 from finetune.config.schema import Experiment
-from finetune.config.effective import value
+from finetune.config.effective import resolve_precision, value
 from finetune.render.accelerate import MIXED_PRECISION, static_precision
 
 _TRUE = ("1", "true", "yes")
@@ -86,6 +86,17 @@ def experiment_as_launched(config: str, overrides: list[str], env: Mapping[str, 
     if rank_of(env) == 0:
         print(f"finetune: {note}", flush=True)
     return load_experiment(config, [*overrides, *extra])
+
+
+def early_launch_problems(experiment: Experiment, env: Mapping[str, str]) -> list[str]:
+    """launch_problems before torch is imported, where the precision does not wait for the
+    hardware (set in the experiment, or auto on the CPU): a launch that contradicts the
+    experiment stops before any rank imports torch or writes the run directory. Every
+    rank checks again once the hardware is known (build.py)."""
+    device = experiment.distributed.device
+    if experiment.precision == "auto" and device != "cpu":
+        return []
+    return launch_problems(experiment, env, resolve_precision(experiment, device))
 
 
 def launch_problems(experiment: Experiment, env: Mapping[str, str], precision: str) -> list[str]:
