@@ -45,6 +45,9 @@ class Output:
     """A file or directory finetune writes, relative to the current directory."""
 
 
+Marks = dict  # Loc -> Input | Output
+
+
 def _mark(annotation: Any, metadata: list) -> Input | Output | None:
     found = [m for m in metadata if isinstance(m, (Input, Output))]
     if typing.get_origin(annotation) is typing.Annotated:
@@ -63,8 +66,7 @@ def _members(annotation: Any) -> list[Any]:
     return [annotation]
 
 
-def _walk(model: type[BaseModel], loc: Loc, out: dict[Loc, Input | Output],
-          raw: dict[Loc, Input | Output]) -> None:
+def _walk(model: type[BaseModel], loc: Loc, out: Marks, raw: Marks) -> None:
     for name, field in model.model_fields.items():
         here = loc + (name,)
         mark = _mark(field.annotation, list(field.metadata))
@@ -84,7 +86,7 @@ def _walk(model: type[BaseModel], loc: Loc, out: dict[Loc, Input | Output],
                 _walk(member, here, out, raw)
 
 
-def _shorthand(item: type[BaseModel], here: Loc, out: dict, raw: dict) -> None:
+def _shorthand(item: type[BaseModel], here: Loc, out: Marks, raw: Marks) -> None:
     """A list of a section with a SHORTHAND field is also written as one section (no
     list), and a bare string stands for {SHORTHAND: string}: what the YAML may hold before
     validation shapes it (DataSection's before-validator)."""
@@ -97,14 +99,15 @@ def _shorthand(item: type[BaseModel], here: Loc, out: dict, raw: dict) -> None:
 
 
 @cache
-def _declared(model: type[BaseModel]) -> tuple[dict[Loc, Input | Output], dict[Loc, Input | Output]]:
-    out: dict[Loc, Input | Output] = {}
-    raw: dict[Loc, Input | Output] = {}
+def _declared(model: type[BaseModel]) -> tuple[Marks, Marks]:
+    """(the marks by validated pattern, the marks by every form a file may write)."""
+    out: Marks = {}
+    raw: Marks = {}
     _walk(model, (), out, raw)
     return out, raw
 
 
-def declared(model: type[BaseModel]) -> dict[Loc, Input | Output]:
+def declared(model: type[BaseModel]) -> Marks:
     """Every path setting of the schema rooted at `model`, as validated: pattern -> mark."""
     return dict(_declared(model)[0])
 
