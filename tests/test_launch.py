@@ -38,23 +38,28 @@ def launch(*argv: str, cwd) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
-def test_two_machines_on_loopback_match_one_machine(write, tmp_path):
+def test_two_machines_on_loopback_match_one_process(write, tmp_path):
+    """Two machines of one process each, batch 2, against one process of batch 4: the data is
+    one global batch (4 rows), so every step sees the same rows in both layouts."""
+    eight = "max_samples: 8}"
     two = write("two.yaml", experiment(
         "{strategy: ddp, num_processes: 2, num_machines: 2, "
-        f"main_process_port: {free_port()}, device: cpu}}"))
+        f"main_process_port: {free_port()}, device: cpu}}").replace(eight, "max_samples: 4}"))
     machines = [launch("launch", str(two), "--machine-rank", str(rank), cwd=tmp_path)
                 for rank in (0, 1)]
     outputs = [m.communicate(timeout=300) for m in machines]
     for machine, (out, err) in zip(machines, outputs):
         assert machine.returncode == 0, err[-3000:]
     assert "x 2 process(es)" in outputs[0][0]
-    one = write("one.yaml", experiment(
-        f"{{strategy: ddp, num_processes: 2, main_process_port: {free_port()}, device: cpu}}"))
-    result = run_cli("launch", str(one), cwd=tmp_path)
+    one = write("one.yaml", experiment("{device: cpu}").replace(eight, "max_samples: 4}")
+                .replace("per_device_train_batch_size: 2", "per_device_train_batch_size: 4"))
+    result = run_cli("train", str(one), cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     a = load_file(tmp_path / "runs" / "two" / "final" / "model.safetensors")
     b = load_file(tmp_path / "runs" / "one" / "final" / "model.safetensors")
     assert all(torch.allclose(a[k], b[k], rtol=1e-5, atol=1e-7) for k in a)
+    start = load_file(tmp_path / "runs" / "one" / "init-model" / "model.safetensors")
+    assert any(not torch.equal(b[k], start[k]) for k in b)  # it trained
 
 
 def _fails(result: subprocess.CompletedProcess, message: str) -> None:
