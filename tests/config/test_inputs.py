@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import re
 import shutil
-import types
 import typing
 
 import pytest
@@ -15,6 +14,7 @@ from pydantic import BaseModel
 from conftest import QUICKSTART, TINY_MODEL, run_cli
 from finetune.config import inputs, load_experiment
 from finetune.config.inputs import Input, Output
+from finetune.config.inputs import _members as _types  # Optional/Annotated unwrapped
 from finetune.config.methods import METHODS
 from finetune.config.schema import Experiment
 
@@ -45,15 +45,6 @@ def _settings(model: type[BaseModel], loc: tuple = ()):
                 yield from _settings(member, here)
         if not nested:
             yield here, field.annotation
-
-
-def _types(annotation):
-    origin = typing.get_origin(annotation)
-    if origin is typing.Annotated:
-        return _types(typing.get_args(annotation)[0])
-    if origin in (typing.Union, types.UnionType):
-        return [t for arg in typing.get_args(annotation) for t in _types(arg)]
-    return [annotation]
 
 
 def _holds_text(annotation) -> bool:
