@@ -128,11 +128,15 @@ def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(final / name)
 
 
-def assert_identical(a: Path, b: Path, context: str = "") -> None:
+def _assert_same_weights(a: Path, b: Path, context: str) -> None:
     wa, wb = final_weights(a), final_weights(b)
     assert wa.keys() == wb.keys()
     different = [k for k in wa if not torch.equal(wa[k], wb[k])]
     assert not different, f"{context}: weights differ in {different[:5]}"
+
+
+def assert_identical(a: Path, b: Path, context: str = "") -> None:
+    _assert_same_weights(a, b, context)
     assert losses(a) == losses(b), f"{context}: logged losses differ"
 
 
@@ -141,10 +145,7 @@ def assert_continues(resumed: Path, reference: Path, step: int, context: str = "
     ends with the reference's weights bitwise and logs its losses after that step: the
     restore path of a signal's checkpoint, without a third run to stop (the signal's save
     is the same Trainer save; SIGTERM and SIGKILL chains: test_resume.py)."""
-    wa, wb = final_weights(resumed), final_weights(reference)
-    assert wa.keys() == wb.keys()
-    different = [k for k in wa if not torch.equal(wa[k], wb[k])]
-    assert not different, f"{context}: weights differ in {different[:5]}"
+    _assert_same_weights(resumed, reference, context)
     after = [entry for entry in losses(reference) if entry[0] > step]
     assert after and losses(resumed) == after, f"{context}: logged losses differ"
 
