@@ -4,6 +4,7 @@ evaluate before and after (evaluation.py), save."""
 
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 import sys
@@ -154,6 +155,9 @@ def _write_results(run_dir: Path, summary: dict[str, Any], plot_title: str | Non
 def train(experiment: Experiment, run_dir: Path, plan: ResumePlan,
           launched: float | None = None) -> dict[str, Any]:
     started = time.time()
+    # What the imports built lives as long as the process: frozen, it is skipped by every
+    # full collection (accelerate runs gc.collect() at each free_memory): ~0.5 s a run.
+    gc.freeze()
     rank = rank_of(os.environ)
     stop = StopOnSignal(rank, experiment.preemption.save_timeout)
     if rank == 0:
