@@ -42,8 +42,11 @@ STEPS = 40
 def test_sigterm_and_sigkill_then_resume_is_bitwise_identical(method, processes, write,
                                                               tmp_path):
     """Four runs per chain: uninterrupted, stopped by SIGTERM, killed by SIGKILL, finished.
-    Over 60 s for sft x1 (four cold interpreters, on purpose) and x2 (four `finetune
-    launch`es, three cold interpreters each)."""
+    Two ranks skip the SIGTERM run: that both save on a signal and resume bitwise is the
+    SLURM chain's (test_slurm) and test_launch's USR1 test's; the kill of both ranks, then
+    the resume from the checkpoint they sealed together, is this chain's. Over 60 s for
+    sft x1 (four cold interpreters, on purpose) and x2 (three `finetune launch`es, three
+    cold interpreters each)."""
     seed = random.randrange(10**6)
     cold = (method, processes) == ("sft", 1)  # one chain of real interpreter starts
     rng = random.Random(seed)
@@ -62,26 +65,30 @@ def test_sigterm_and_sigkill_then_resume_is_bitwise_identical(method, processes,
     config = write("cut.yaml", experiment("cut", method, processes=processes, steps=STEPS,
                                           logging_steps=3, extra=extra))
     run_dir = tmp_path / "runs" / "cut"
-    term_at = rng.randint(2, 14)
-    first = stopped_by_sigterm(command, config, run_dir, tmp_path, term_at, cold)
-    stopped = json.loads((run_dir / checkpoints.STOPPED).read_text())
-    saved_at = stopped["step"]
-    assert stopped["signal"] == "SIGTERM" and saved_at >= term_at
-    assert checkpoints.problem(run_dir / "checkpoints" / f"checkpoint-{saved_at}") is None
-    assert "received SIGTERM" in first.text()
-    if processes == 2:
-        assert "rank 1 received SIGTERM" in first.text()
+    term_at = saved_at = None
+    if processes == 1:
+        term_at = rng.randint(2, 14)
+        first = stopped_by_sigterm(command, config, run_dir, tmp_path, term_at, cold)
+        stopped = json.loads((run_dir / checkpoints.STOPPED).read_text())
+        saved_at = stopped["step"]
+        assert stopped["signal"] == "SIGTERM" and saved_at >= term_at
+        assert checkpoints.problem(run_dir / "checkpoints" / f"checkpoint-{saved_at}") is None
+        assert "received SIGTERM" in first.text()
 
-    kill_at = rng.randint(saved_at + 1, saved_at + 12)
+    kill_at = rng.randint(saved_at + 1, saved_at + 12) if saved_at else rng.randint(5, 16)
     second = Run(command, config, tmp_path, 2, cold)
     wait_for_step(second, run_dir, kill_at)
     second.kill_all()
-    assert f"resuming from {run_dir}/checkpoints/checkpoint-{saved_at}" in second.text()
+    if saved_at:
+        assert f"resuming from {run_dir}/checkpoints/checkpoint-{saved_at}" in second.text()
+    sealed = checkpoints.scan(run_dir / "checkpoints").newest
+    assert sealed is not None, "the kill left no complete checkpoint"
 
     third = Run(command, config, tmp_path, 3, cold)
     assert third.wait() == 0, third.text()[-3000:]
+    assert f"resuming from {sealed}" in third.text()
     print(f"{method} x{processes}: SIGTERM at step {term_at} (saved {saved_at}), SIGKILL at "
-          f"step {kill_at}, seed {seed}")
+          f"step {kill_at}, resumed from {sealed.name}, seed {seed}")
     assert_identical(run_dir, tmp_path / "runs" / "ref",
                      f"{method} x{processes}, kill seed {seed}")
     assert [s for s, *_ in losses(run_dir)] == [1, *range(3, STEPS + 1, 3)]
@@ -127,7 +134,7 @@ def test_fault_injection_every_kill_point_survives(write, tmp_path):
         "  save_steps: 4\n", "") + extra)
     run_dir = tmp_path / "runs" / "fault"
 
-    kills, mid_save, survived = 6, 0, 0
+    kills, mid_save, survived = 4, 0, 0
     for attempt in range(1, kills + 1):
         run = Run("train", config, tmp_path, attempt)
         start = losses(run_dir)[-1][0] if losses(run_dir) else 0

@@ -80,45 +80,6 @@ def test_example_sweep_file_is_valid(tmp_path):
     assert result.stdout.count("trial-") == 6
 
 
-@pytest.mark.slow
-def test_grid_runs_its_trials_and_names_the_best(write, tmp_path):
-    """Two real trials; that a grid is every combination is the dry runs' to show."""
-    grid = sweep_file(write, "method: grid\nparameters:\n"
-                             "  training.learning_rate: {values: [3.0e-3]}\n"
-                             "  training.max_steps: {values: [2, 3]}\n")
-    out = tmp_path / "sweep"
-    result = run_cli("sweep", SFT, grid, "--out", str(out), *FAST, cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
-    record = state(out)
-    assert record["status"] == "finished"
-    assert [t["status"] for t in record["trials"]] == ["finished"] * 2
-    losses = {}
-    for trial in record["trials"]:
-        run_dir = out / trial["name"]
-        summary = json.loads((run_dir / "summary.json").read_text())
-        assert summary["global_step"] == trial["params"]["training.max_steps"]
-        assert trial["metric"] == summary["after"]["eval_loss"]
-        losses[trial["name"]] = trial["metric"]
-        assert (run_dir / "final").is_dir() and (run_dir / "experiment.yaml").is_file()
-    best = min(losses, key=losses.get)
-    assert f"finetune: best {best}: eval_loss" in result.stdout
-    with open(out / "sweep_results.csv") as file:
-        rows = list(csv.DictReader(file))
-    assert [r["trial"] for r in rows] == sorted(losses)
-    assert {r["trial"]: float(r["eval_loss"]) for r in rows} == losses
-    assert (out / "sweep.png").stat().st_size > 0
-    # run again: nothing is rerun
-    stamps = {name: (out / name / "summary.json").stat().st_mtime_ns for name in losses}
-    again = run_cli("sweep", SFT, grid, "--out", str(out), *FAST, cwd=tmp_path)
-    assert again.returncode == 0 and "2 of 2 trials done" in again.stdout
-    assert stamps == {n: (out / n / "summary.json").stat().st_mtime_ns for n in losses}
-    # a changed sweep is refused
-    changed = sweep_file(write, Path(grid).read_text().replace("[2, 3]", "[2, 5]")
-                         .split("goal: minimize\n", 1)[1], "changed.yaml")
-    refused = run_cli("sweep", SFT, changed, "--out", str(out), *FAST, cwd=tmp_path)
-    assert refused.returncode == 2 and "a different sweep" in refused.stderr
-
-
 def _start(args: list[str], cwd: Path) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "finetune", "sweep", *args], cwd=cwd,
                             text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -139,11 +100,37 @@ def _wait_for_training(metrics: Path, past: int = 0, timeout: float = 300) -> No
     raise AssertionError(f"{metrics}: no training logged in {timeout} s")
 
 
+def _assert_finished(out: Path, stdout: str) -> None:
+    """Every trial finished with its own steps; the sweep's record, its table, its plot and
+    its last line name the trials' eval losses and the best."""
+    record = state(out)
+    assert record["status"] == "finished"
+    assert [t["status"] for t in record["trials"]] == ["finished"] * 2
+    losses = {}
+    for trial in record["trials"]:
+        run_dir = out / trial["name"]
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert summary["global_step"] == trial["params"]["training.max_steps"]
+        assert trial["metric"] == summary["after"]["eval_loss"]
+        losses[trial["name"]] = trial["metric"]
+        assert (run_dir / "final").is_dir() and (run_dir / "experiment.yaml").is_file()
+    best = min(losses, key=losses.get)
+    assert f"finetune: best {best}: eval_loss" in stdout
+    with open(out / "sweep_results.csv") as file:
+        rows = list(csv.DictReader(file))
+    assert [r["trial"] for r in rows] == sorted(losses)
+    assert {r["trial"]: float(r["eval_loss"]) for r in rows} == losses
+    assert (out / "sweep.png").stat().st_size > 0
+
+
 @pytest.mark.slow
-def test_a_stopped_and_then_a_killed_sweep_continue_where_they_were(write, tmp_path):
-    """One chain, two ways a sweep ends mid-trial: SIGTERM (the sweep stops its trial, which
-    saves and exits 75), then, on the rerun, SIGKILL (the trial's parent-death signal saves
-    it); the last rerun finishes the trial from its checkpoint without rerunning the first."""
+def test_a_grid_stopped_then_killed_continues_where_it_was_and_names_the_best(write,
+                                                                              tmp_path):
+    """One chain of a two-trial grid, two ways a sweep ends mid-trial: SIGTERM (the sweep
+    stops its trial, which saves and exits 75), then, on the rerun, SIGKILL (the trial's
+    parent-death signal saves it); the last rerun finishes the trial from its checkpoint
+    without rerunning the first and names the best; a rerun of a finished sweep reruns
+    nothing, a changed one is refused. (That a grid is every combination: the dry runs.)"""
     grid = sweep_file(write, "method: grid\nparameters:\n  training.max_steps: {values: [2, 40]}\n")
     out = tmp_path / "sweep"
     args = [SFT, grid, "--out", str(out), *FAST, "training.logging_steps=1",
@@ -174,8 +161,19 @@ def test_a_stopped_and_then_a_killed_sweep_continue_where_they_were(write, tmp_p
     assert "1 of 2 trials done" in again.stdout
     assert "resuming from" in again.stdout + again.stderr  # the run resumed, not restarted
     assert (out / "trial-000" / "summary.json").stat().st_mtime_ns == first  # not rerun
-    assert json.loads(metrics.with_name("summary.json").read_text())["global_step"] == 40
-    assert [t["status"] for t in state(out)["trials"]] == ["finished", "finished"]
+    _assert_finished(out, again.stdout)
+
+    # run again: nothing is rerun
+    stamps = {t["name"]: (out / t["name"] / "summary.json").stat().st_mtime_ns
+              for t in state(out)["trials"]}
+    done = run_cli("sweep", *args, cwd=tmp_path)
+    assert done.returncode == 0 and "2 of 2 trials done" in done.stdout
+    assert stamps == {n: (out / n / "summary.json").stat().st_mtime_ns for n in stamps}
+    # a changed sweep is refused
+    changed = sweep_file(write, Path(grid).read_text().replace("[2, 40]", "[2, 5]")
+                         .split("goal: minimize\n", 1)[1], "changed.yaml")
+    refused = run_cli("sweep", SFT, changed, *args[2:], cwd=tmp_path)
+    assert refused.returncode == 2 and "a different sweep" in refused.stderr, refused.stderr
 
 
 @pytest.mark.slow
