@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from finetune import __version__
-from finetune.cli_args import EXIT_USER_ERROR, Parser, checked, time_limit, whole
+from finetune.commands.args import EXIT_USER_ERROR, Parser, checked, time_limit, whole
 # torch-free, no finetune imports
 from finetune.config.script_values import (MAX_LENGTH, MAX_MACHINES, MAX_PROCESSES,
                                     MAX_PROCESSES_PER_MACHINE, MAX_SIGNAL_SECONDS)
@@ -44,7 +44,7 @@ def _train(args: argparse.Namespace) -> int:
     launched = time.time()  # before the heavy imports: see data/prepare.py, _wait
 
     from finetune.errors import EXIT_PREEMPTED, ConfigError, DataError, RunError
-    from finetune.launch.environment import early_launch_problems, experiment_as_launched, rank_of
+    from finetune.run.launched import early_launch_problems, experiment_as_launched, rank_of
     from finetune.render.bundle import prepare_run_dir
 
     experiment = experiment_as_launched(args.config, args.overrides, os.environ)
@@ -60,8 +60,8 @@ def _train(args: argparse.Namespace) -> int:
         import logging
 
         logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
-    from finetune.preemption import Preempted  # heavy from here: torch, transformers, trl
-    from finetune.worker import train
+    from finetune.run.preemption import Preempted  # heavy from here: torch, transformers, trl
+    from finetune.run.worker import train
 
     try:
         train(experiment, run_dir, plan, launched)
@@ -80,9 +80,9 @@ def _record_failure(run_dir: Path, exc: Exception) -> None:
     import json
     import os
 
-    from finetune.checkpoints import write_atomic
+    from finetune.fileio.atomic import write_atomic
     from finetune.errors import FAILED_MARKER, RunError
-    from finetune.launch.environment import rank_of
+    from finetune.run.launched import rank_of
 
     problems = getattr(exc, "problems", None) or [str(exc)]
     rank = rank_of(os.environ)
@@ -123,7 +123,7 @@ def _render(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from finetune.render.bundle import write_bundle
-    from finetune.rundir import run_dir_of
+    from finetune.rundir.paths import run_dir_of
 
     experiment = _load_here(args.config, args.overrides)
     out = Path(args.out) if args.out else run_dir_of(experiment)
@@ -136,11 +136,12 @@ def _launch(args: argparse.Namespace) -> int:
     import os
     import shlex
 
-    from finetune import checkpoints
+    from finetune.rundir import checkpoints
     from finetune.errors import RunError
     from finetune.launch.rendezvous import wait_for_main
     from finetune.render.scripts import launch_argv
-    from finetune.launch.environment import launcher_threads, parallel_note
+    from finetune.launch.threads import launcher_threads
+    from finetune.run.launched import parallel_note
     from finetune.launch.forward import run_forwarding
     from finetune.render.bundle import prepare_run_dir
 
@@ -178,8 +179,7 @@ def _slurm(args: argparse.Namespace) -> int:
     from finetune.errors import RunError
     from finetune.render.scripts import sbatch_script
     from finetune.config.script_values import time_seconds
-    from finetune.render.bundle import write_file
-    from finetune.render.bundle import prepare_run_dir
+    from finetune.render.bundle import prepare_run_dir, write_file
 
     if args.signal_seconds >= time_seconds(args.time):  # both checked by argparse
         raise RunError(f"--signal-seconds {args.signal_seconds} is not before the time limit "
@@ -338,12 +338,14 @@ def build_parser() -> argparse.ArgumentParser:
     reference.set_defaults(func=_reference)
 
     # Commands whose parsers live beside their code (each torch-free at import).
-    from finetune import data_command, eval_run, hub, machine, plots
-    from finetune.inference import commands as inference
-    from finetune.sweep import command as sweep
+    from finetune.commands import data, eval as evaluation, machine
+    from finetune.hub import upload
+    from finetune.inference import cli as inference
+    from finetune.report import plots
+    from finetune.sweep import cli as sweep
 
     # eval; merge, generate, chat; plot; push; data; sweep; env
-    for module in (eval_run, inference, plots, hub, data_command, sweep, machine):
+    for module in (evaluation, inference, plots, upload, data, sweep, machine):
         module.add_commands(commands)
     return parser
 

@@ -122,7 +122,7 @@ def pytest_unconfigure(config):
 @pytest.fixture
 def online(monkeypatch):
     """As a user with network: offline, a hub id missing from the local caches is refused
-    (config/models.py), and the example configs name hub models and data."""
+    (config/rules/models.py), and the example configs name hub models and data."""
     for flag in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
         monkeypatch.delenv(flag, raising=False)
 

@@ -15,7 +15,7 @@ from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
 from conftest import DATA, TINY_MODEL, run_cli
 from finetune.model import varlen
-from finetune.config import attention, kernels
+from finetune.config.derived import attention, kernels
 
 ROWS = [
     {"input_ids": [5, 9, 13, 21, 8, 30, 2], "labels": [-100, -100, 13, 21, 8, 30, 2]},
@@ -160,7 +160,7 @@ def test_reference_kernel_takes_what_torch_varlen_takes():
     assert torch_kernel.fn is varlen_attn and torch_kernel.device_type == "cuda"
     assert {"window_size", "scale", "enable_gqa"} <= torch_kernel.parameters
     assert reference.fn is varlen.reference_kernel and reference.device_type is None
-    # What config/kernels.py reads from the source without importing torch is the same.
+    # What config/derived/kernels.py reads from the source without importing torch is the same.
     assert kernels.installed().varlen is None
     assert kernels.varlen_parameters(kernels._torch_varlen()) == frozenset(theirs)
 

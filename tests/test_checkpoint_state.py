@@ -12,8 +12,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from finetune import checkpoint_state, checkpoints
-from finetune.callbacks import ResumeState
+from finetune.rundir import checkpoint_state, checkpoints
+from finetune.run.callbacks import ResumeState
 from finetune.errors import RunError
 
 GRPO = {"layout": {"world_size": 1}, "step": 5, "global_step": 5,

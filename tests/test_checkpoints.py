@@ -11,12 +11,13 @@ from pathlib import Path
 import pytest
 
 from conftest import DATA, TINY_MODEL, run_cli
-from finetune import checkpoints
+from finetune.rundir import checkpoints
 from finetune.config import load_experiment
 from finetune.errors import RunError, RunFinished
+from finetune.fileio.atomic import write_atomic
 from finetune.config.schema import Experiment
-from finetune.fingerprint import differences, fingerprint, layout
-from finetune.resume import plan_resume
+from finetune.rundir.fingerprint import differences, fingerprint, layout
+from finetune.rundir.resume import plan_resume
 
 
 def fake_checkpoint(root: Path, step: int, exp=None, seal: bool = True) -> Path:
@@ -394,14 +395,14 @@ def test_write_atomic_is_not_blocked_by_leftovers_and_names_what_it_cannot_write
 
     target = tmp_path / "summary.json"
     (tmp_path / ".summary.json.tmp").mkdir()
-    checkpoints.write_atomic(target, "{}\n")
+    write_atomic(target, "{}\n")
     assert target.read_text() == "{}\n"
     umask = os.umask(0)
     os.umask(umask)
     assert stat_module.S_IMODE(target.stat().st_mode) == 0o666 & ~umask  # as open() makes it
     (tmp_path / "metrics.jsonl").mkdir()
     with pytest.raises(RunError, match=r"cannot write .*metrics\.jsonl"):
-        checkpoints.write_atomic(tmp_path / "metrics.jsonl", "x\n")
+        write_atomic(tmp_path / "metrics.jsonl", "x\n")
     assert sorted(p.name for p in tmp_path.iterdir()) == [".summary.json.tmp", "metrics.jsonl",
                                                           "summary.json"]
 

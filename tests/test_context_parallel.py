@@ -65,7 +65,7 @@ def test_rendered_config_gives_accelerate_the_parallelism_config_meant(write, tm
 
 def test_a_rank_launched_without_the_file_is_refused(write):
     from finetune.config import load_experiment
-    from finetune.launch.environment import launch_problems
+    from finetune.run.launched import launch_problems
 
     exp = load_experiment(write("exp.yaml", experiment()))
     found = launch_problems(exp, {"WORLD_SIZE": "4"}, "bf16")

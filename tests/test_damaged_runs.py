@@ -14,8 +14,8 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import DATA, TINY_MODEL, run_cli
-from finetune import checkpoints
-from finetune.callbacks import read_metrics, truncate_metrics
+from finetune.rundir import checkpoints
+from finetune.run.callbacks import read_metrics, truncate_metrics
 from finetune.errors import RunError
 
 # One worker runs this module: its module fixture (finished) trains once, not once per worker.
@@ -174,8 +174,8 @@ def test_damaged_metrics_lines_are_dropped_with_a_note_naming_each(tmp_path):
 
 
 def test_writers_name_the_file_and_a_plot_that_fails_keeps_the_summary(tmp_path, capsys):
-    from finetune.report import write_json
-    from finetune.worker import _save_final, _write_results
+    from finetune.report.summary import write_json
+    from finetune.run.worker import _save_final, _write_results
 
     (tmp_path / "loss.png").mkdir()
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')

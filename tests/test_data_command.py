@@ -116,7 +116,7 @@ def test_data_shows_every_method(write, tmp_path):
     rows as the method's preparation sees them, with a length summary."""
     from finetune.config.load import load_experiment
     from finetune.config.methods import METHODS
-    from finetune.data_view import report
+    from finetune.commands.data_view import report
 
     for name in METHODS:
         config = write(f"{name}.yaml", _every_method_config(name, tmp_path))

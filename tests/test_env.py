@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from conftest import REPO, run_cli
-from finetune import machine
-from finetune.config import kernels
+from finetune.commands import machine
+from finetune.config.derived import kernels
 from finetune.launch import probe
-from finetune.report import PACKAGES
+from finetune.report.summary import PACKAGES
 
 KEYS = {"finetune", "python", "platform", "packages", "driver", "torch", "gpus", "device",
         "precision", "attention", "liger", "bitsandbytes", "flash_attn"}
@@ -120,7 +120,7 @@ def test_the_cli_starts_without_torch():
     """env's module is imported at every CLI start: it must not bring torch."""
     code = ("import sys\n"
             "from finetune.cli import build_parser\nbuild_parser()\n"
-            "assert 'finetune.machine' in sys.modules\n"
+            "assert 'finetune.commands.machine' in sys.modules\n"
             "heavy = [m for m in ('torch', 'transformers', 'bitsandbytes') if m in sys.modules]\n"
             "assert not heavy, heavy\n")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,

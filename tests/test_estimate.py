@@ -271,7 +271,7 @@ def _held_bytes(model) -> int:
 @pytest.mark.parametrize("case", list(CASES))
 def test_model_states_exact_against_real_tensors(case, tiny_model, tmp_path):
     torch = pytest.importorskip("torch")
-    from finetune.hardware import Hardware
+    from finetune.model.hardware import Hardware
     from finetune.model.load import load_model
     from finetune.model.peft import apply_peft
 

@@ -117,7 +117,7 @@ def test_evaluation_as_training_begins_sees_the_untrained_model(tmp_path):
     evaluate() before train(), on a plain CPU Trainer."""
     from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainingArguments
 
-    from finetune.worker import EvaluateAsTrainingBegins
+    from finetune.run.worker import EvaluateAsTrainingBegins
 
     rows = [{"input_ids": [(7 * i + j) % 50 + 3 for j in range(12)]} for i in range(8)]
     rows = [{**r, "labels": r["input_ids"]} for r in rows]

@@ -12,8 +12,9 @@ import torch
 
 from conftest import MINIMAL_SFT, REPO, TINY_MODEL
 from test_attention import by_hand
-from finetune import hardware
-from finetune.config import attention, kernels, load_experiment
+from finetune.model import hardware
+from finetune.config import load_experiment
+from finetune.config.derived import attention, kernels
 from finetune.errors import RunError
 from finetune.model import varlen
 
@@ -31,7 +32,7 @@ def experiment(write):
 
 @pytest.fixture
 def fresh_kernels(monkeypatch):
-    """config/kernels.py reads the installed packages once per process: read them again."""
+    """config/derived/kernels.py reads the installed packages once per process: read them again."""
     kernels.installed.cache_clear()
     yield
     kernels.installed.cache_clear()
@@ -200,7 +201,7 @@ def test_exact_match_feeds_the_compute_device_of_an_offloaded_model():
     from datasets import Dataset
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from finetune.evaluation import exact_match
+    from finetune.run.evaluation import exact_match
 
     torch.manual_seed(0)
     tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL)
@@ -229,7 +230,7 @@ def test_the_estimate_counts_logits_for_a_model_liger_does_not_patch(monkeypatch
                                                                      fresh_kernels):
     """activation_checkpointing auto decides from this estimate: counted as fused where
     Liger leaves the model alone, it turned checkpointing off and the run ran out of memory."""
-    from finetune.config.effective import value
+    from finetune.config.derived.effective import value
     from finetune.estimate import estimate
 
     site = tmp_path / "site"

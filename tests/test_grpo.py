@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import DATA, TINY_MODEL, free_port, run_cli
-from finetune import checkpoint_state, checkpoints
+from finetune.rundir import checkpoint_state, checkpoints
 from resumable import Run, assert_identical, logged, stopped_by_sigterm
 
 WORDS = "apple rose yak tree goat sun van fish zebra kite wolf egg pen queen".split()

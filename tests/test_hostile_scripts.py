@@ -22,7 +22,7 @@ from finetune.config import load_experiment
 from finetune.errors import RunError
 from finetune.render.scripts import launch_argv, launch_script, sbatch_script
 from finetune.config.script_values import host_problem, slurm_time, time_seconds
-from finetune.rundir import check_run_dir
+from finetune.rundir.paths import check_run_dir
 
 # Legal directory names that a careless script would run: none may run anything.
 HOSTILE = "x $(touch PWNED) `touch PWNED`; touch PWNED; '\"#*%j$HOME&|<>"

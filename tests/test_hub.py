@@ -16,9 +16,10 @@ import pytest
 import yaml
 
 from conftest import DATA, TINY_MODEL, run_cli
-from finetune import cli, hub
+from finetune import cli
+from finetune.hub import upload
 from finetune.config import load_experiment
-from finetune.config.effective import arguments
+from finetune.config.derived.effective import arguments
 from finetune.errors import ConfigError, RunError
 from finetune.render.bundle import resolved_yaml
 
@@ -123,7 +124,7 @@ def _finished_run(write, tmp_path: Path) -> Path:
 
 def test_the_upload_is_final_only_with_a_card(write, hub_env, tmp_path):
     run = _finished_run(write, tmp_path)
-    job = hub.plan(run)
+    job = upload.plan(run)
     assert job.repo_id == "me/shared-lora" and job.private is True
     assert job.folder == run / "final"
     assert job.files == ("adapter_config.json", "adapter_model.safetensors", "extra/notes.txt",
@@ -150,7 +151,7 @@ def test_the_upload_is_final_only_with_a_card(write, hub_env, tmp_path):
     # Nothing local, nothing secret, nothing about where it is uploaded.
     for text in (str(tmp_path), str(DATA), TOKEN, "<redacted>", "push_to_hub", "checkpoint"):
         assert text not in card
-    assert hub.plan(run, "me/other").repo_id == "me/other"
+    assert upload.plan(run, "me/other").repo_id == "me/other"
 
 
 def test_push_dry_run_prints_the_upload(write, hub_env, tmp_path, capsys):
@@ -178,7 +179,7 @@ def test_an_unfinished_run_is_not_shared(write, hub_env, tmp_path, missing, mess
     else:
         path.unlink()
     with pytest.raises(RunError, match=message):
-        hub.plan(run)
+        upload.plan(run)
 
 
 @pytest.mark.slow

@@ -17,7 +17,7 @@ import yaml
 from safetensors.torch import load_file
 
 from conftest import DATA, REPO, TINY_MODEL, free_port, run_cli
-from finetune import checkpoints
+from finetune.rundir import checkpoints
 from finetune.errors import EXIT_PREEMPTED, EXIT_SAVE_TIMEOUT
 
 pytestmark = pytest.mark.slow  # several processes launched for real

@@ -95,10 +95,9 @@ def test_module_builds_and_prepares(record):
         assert callable(getattr(module, "prepare", None))
 
 
-# Torch-free layers, and the worker and report, read records instead of method names.
-READERS = ["config", "data", "estimate", "fingerprint.py", "model", "render", "report.py",
-           "plots.py", "resume.py", "worker.py", "hardware.py", "build.py", "evaluate.py",
-           "eval_run.py", "evaluation.py"]
+# Torch-free layers, the run and what reports on it read records instead of method names.
+READERS = ["config", "data", "estimate", "model", "render", "run", "rundir", "report",
+           "hub", "commands"]
 
 
 def _name_branches(path) -> list[str]:

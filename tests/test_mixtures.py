@@ -18,9 +18,9 @@ from finetune.config import load_experiment
 from finetune.data.load import ORIGIN, load_data
 from finetune.data.mix import draw, shares
 from finetune.errors import RunError
-from finetune.report import describe_mix
-from finetune.fingerprint import differences, fingerprint
-from finetune.resume import plan_resume
+from finetune.report.summary import describe_mix
+from finetune.rundir.fingerprint import differences, fingerprint
+from finetune.rundir.resume import plan_resume
 
 from test_checkpoints import fake_checkpoint
 

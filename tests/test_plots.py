@@ -1,4 +1,4 @@
-"""finetune/plots.py: the loss.png of a run and `finetune plot`. The figures are checked by
+"""finetune/report/plots.py: the loss.png of a run and `finetune plot`. The figures are checked by
 what they plot (panels, lines, points), read back from the matplotlib figure, not pixels."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import math
 import pytest
 
 from conftest import TINY_MODEL, run_cli
-from finetune import plots
+from finetune.report import plots
 from finetune.cli import main
 
 PNG = b"\x89PNG\r\n\x1a\n"

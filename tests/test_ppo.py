@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import DATA, TINY_MODEL, free_port, run_cli
-from finetune import checkpoint_state, checkpoints
+from finetune.rundir import checkpoint_state, checkpoints
 from finetune.trainers import ppo_math
 from resumable import Run, logged, stopped_by_sigterm
 

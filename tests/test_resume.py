@@ -16,7 +16,7 @@ import time
 import pytest
 
 from conftest import DATA, TINY_MODEL, run_cli
-from finetune import checkpoints
+from finetune.rundir import checkpoints
 from resumable import (Run, assert_continues, assert_identical, experiment, final_weights,
                        losses, stopped_by_sigterm, wait_for_step)
 from teachers import tiny_teacher

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from conftest import REPO, free_port, run_cli
-from finetune import checkpoint_state, checkpoints
+from finetune.rundir import checkpoint_state, checkpoints
 from resumable import Run, assert_identical, logged, stopped_by_sigterm
 from test_grpo import CLOCK, REWARDS, grpo, prompts, rewarded
 

@@ -14,7 +14,7 @@ import pytest
 
 from conftest import DATA, REPO, TINY_MODEL
 from finetune.config import load_experiment
-from finetune.config.integrations import INTEGRATIONS, TRACKED
+from finetune.config.rules.integrations import INTEGRATIONS, TRACKED
 from finetune.errors import ConfigError
 
 BASE = f"""\

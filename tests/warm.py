@@ -32,9 +32,9 @@ import threading
 # What a training, inference or evaluation process imports: all of it, once.
 WARM_IMPORTS = (
     "torch", "numpy", "safetensors.torch", "datasets", "accelerate", "peft", "transformers",
-    "transformers.models.llama.modeling_llama", "trl", "finetune.cli", "finetune.worker",
-    "finetune.build", "finetune.methods", "finetune.inference.commands",
-    "finetune.evaluation", "finetune.estimate", "finetune.model.varlen", "finetune.plots",
+    "transformers.models.llama.modeling_llama", "trl", "finetune.cli", "finetune.run.worker",
+    "finetune.methods", "finetune.inference.cli", "finetune.commands.eval_saved",
+    "finetune.estimate", "finetune.model.varlen", "finetune.report.plots",
     "matplotlib.figure", "matplotlib.backends.backend_agg",
     # Imported by every save (accelerate's unwrap looks for a DeepSpeed engine): 0.6 s a run.
     "deepspeed",

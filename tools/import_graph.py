@@ -87,7 +87,7 @@ def graph(top_level: bool = False) -> dict[str, set[str]]:
 
 
 def unit(module: str) -> str:
-    """finetune.config.schema -> config; finetune.worker -> worker."""
+    """finetune.config.schema -> config; finetune.cli -> cli."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else parts[0]
 

@@ -4,7 +4,7 @@ A field typed `Annotated[str, Input(kind)]` names something finetune reads; one 
 `Annotated[str, Output()]` something it writes. Inputs are relative to the YAML file that
 names them (config/load.py resolves them) unless declared relative to the current
 directory; outputs are relative to the current directory. The checks read the same
-declaration: config/rules.py checks every `model` input for existence, hub id form and
+declaration: config/rules/ checks every `model` input for existence, hub id form and
 offline use, and the fingerprint digests the local `data` inputs training reads.
 tests/config/test_inputs.py fails when a setting that looks like a path is declared
 neither way. Torch-free.

@@ -16,7 +16,8 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from finetune.config import models, paths, rules, trl_fields, yamltext
+from finetune.config import paths, rules, trl_fields, yamltext
+from finetune.config.rules import models
 from finetune.config.inputs import Input, declared, mark_at
 from finetune.config.methods import METHODS
 from finetune.config.schema import Experiment

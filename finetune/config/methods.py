@@ -9,7 +9,7 @@ tests/test_methods.py checks every record against the TRL field manifest, the da
 layer, the schema and its module.
 
 Settings are named by their dotted path in the experiment ("training.max_length",
-"ppo.max_new_tokens"); config/effective.py `setting` reads them.
+"ppo.max_new_tokens"); config/derived/effective.py `setting` reads them.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ class Method:
     strategies: tuple[str, ...] = ALL_STRATEGIES
     # Runs under distributed.tensor_parallel (DeepSpeed AutoTP): verified on CPU for sft's
     # plain forward and loss; trainers with generation, reference models or their own
-    # forward passes are not (config/parallel.py).
+    # forward passes are not (config/rules/parallel.py).
     tensor_parallel: bool = False
     # Runs under distributed.sequence_parallel (DeepSpeed ALST/Ulysses): verified on CPU for
     # sft, whose trainer hands the Trainer's sequence-parallel loss the model's own loss.

@@ -12,7 +12,8 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, field_validator
 
-from finetune.config import attention, methods
+from finetune.config import methods
+from finetune.config.derived import attention
 from finetune.config import formats as source_formats
 from finetune.config.inputs import Input, Output
 from finetune.config.method_sections import (ClassifySection, DistillSection, DPOSection,

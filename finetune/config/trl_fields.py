@@ -54,7 +54,7 @@ OWNED: dict[str, str] = {
 
 # Values finetune decides itself, accepted on top of the field's own type.
 FINETUNE_VALUES: dict[str, tuple[Any, ...]] = {
-    # auto: off where the run's memory estimate fits the device (config/effective.py)
+    # auto: off where the run's memory estimate fits the device (config/derived/effective.py)
     "activation_checkpointing": ("auto",),
 }
 
@@ -228,7 +228,7 @@ def check_training(method: str, training: dict[str, Any]) -> tuple[dict[str, Any
 
 def fields_of(method: str) -> dict[str, dict[str, Any]]:
     """The fields of the method's config class: name -> {types, choices, default}.
-    Values as a run sees them are config/effective.py's (finetune's defaults first)."""
+    Values as a run sees them are config/derived/effective.py's (finetune's defaults first)."""
     return load_manifest()["classes"][method_record(method).config_class[1]]["fields"]
 
 

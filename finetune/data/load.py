@@ -25,7 +25,7 @@ from finetune.config.formats import SOURCES, target as source_target
 from finetune.config.methods import method as method_record
 from finetune.config.rules import is_local
 from finetune.config.schema import DataSource, Experiment
-from finetune.config.effective import record, value
+from finetune.config.derived.effective import record, value
 from finetune.errors import DataError, one_line
 
 ORIGIN = "__origin__"  # "FILE row N" of every row, until data/prepare.py removes it

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from finetune.config.effective import value
+from finetune.config.derived.effective import value
 from finetune.config.schema import DataSource, Experiment
 
 if TYPE_CHECKING:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from finetune.config.effective import value
+from finetune.config.derived.effective import value
 from finetune.config.schema import Experiment
 
 ROWS_PER_PROCESS = 2000

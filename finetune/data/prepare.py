@@ -42,11 +42,12 @@ from typing import Any, Callable
 import pyarrow as pa
 from datasets import load_from_disk
 
-from finetune import __version__, checkpoints
+from finetune import __version__
+from finetune.fileio.atomic import sha256_of
 from finetune.data.load import FORMATS, Splits, load_data
 from finetune.data.files import list_data_files
 from finetune.model.tokenizer import require_chat_template
-from finetune.config.effective import record
+from finetune.config.derived.effective import record
 from finetune.config.rules import is_local
 from finetune.config.schema import Experiment
 from finetune.errors import FAILED_MARKER, DataError, RunError, first_line, one_line
@@ -179,7 +180,7 @@ def _listing(folder: Path, hashed: bool = True) -> dict[str, dict[str, Any]]:
     for path in sorted(p for p in folder.rglob("*") if p.is_file() and p != folder / META):
         size = path.stat().st_size
         files[str(path.relative_to(folder))] = {"size": size, **(
-            {"sha256": checkpoints.sha256_of(path)} if hashed and size <= HASHED_BELOW else {})}
+            {"sha256": sha256_of(path)} if hashed and size <= HASHED_BELOW else {})}
     return files
 
 
@@ -231,7 +232,7 @@ def _entry_problem(entry: Path) -> str | None:
         size = (entry / name).stat().st_size
         if size != expected["size"]:
             return f"{name} has {size} bytes, {META} says {expected['size']}"
-        if "sha256" in expected and checkpoints.sha256_of(entry / name) != expected["sha256"]:
+        if "sha256" in expected and sha256_of(entry / name) != expected["sha256"]:
             return f"{name} does not match its SHA-256 in {META}"
     return None
 

@@ -14,7 +14,7 @@ from finetune.data.load import ORIGIN, Splits
 from finetune.model.load import context_length
 from finetune.model.tokenizer import render_chat
 from finetune.config.schema import Experiment
-from finetune.config import effective
+from finetune.config.derived import effective
 from finetune.errors import ConfigError, DataError
 
 

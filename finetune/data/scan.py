@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from finetune.config.effective import record
+from finetune.config.derived.effective import record
 from finetune.config.formats import SOURCES, target as source_target
 from finetune.config.methods import method as method_record
 from finetune.config.rules import is_local

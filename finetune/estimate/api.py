@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from finetune.config.kernels import Kernels, installed
+from finetune.config.derived.kernels import Kernels, installed
 from finetune.config.schema import Experiment
 from finetune.estimate.census import census, value_census, value_head
 from finetune.estimate.core import (CUDA_CONTEXT, FRAGMENTATION, GiB, Evaluation, evaluate,

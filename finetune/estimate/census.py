@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from finetune.config.effective import model_precision
+from finetune.config.derived.effective import model_precision
 from finetune.errors import ConfigError
 from finetune.estimate.settings import Settings
 from finetune.estimate.shapes import Linear, Param, Shape, linears, module_names, parameters

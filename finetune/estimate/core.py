@@ -153,15 +153,15 @@ def evaluate(shape: Shape, settings: Settings, tensors: list[Tensor], value: lis
 
 def ladder_layouts(settings: Settings) -> list[Layout]:
     """Cheapest first: plain data parallel, ZeRO-1, -2, -3, then offload. Only layouts
-    finetune accepts for the experiment (rules.py: the method's strategies, qlora not with
+    finetune accepts for the experiment (config/rules/: the method's strategies, qlora not with
     ZeRO-3; tensor parallelism: ZeRO 0-2, sequence parallelism: ZeRO 1-2, with the same
     group size)."""
     base = Layout("ddp" if settings.world > 1 else "none")
     tp = settings.layout.tensor_parallel
-    if tp > 1:  # AutoTP runs under ZeRO 0-2 only (config/parallel.py)
+    if tp > 1:  # AutoTP runs under ZeRO 0-2 only (config/rules/parallel.py)
         return [Layout("deepspeed", stage, tensor_parallel=tp) for stage in (0, 1, 2)]
     sp = settings.layout.sequence_parallel
-    if sp > 1:  # Ulysses: ZeRO 1-2 (config/sequence.py)
+    if sp > 1:  # Ulysses: ZeRO 1-2 (config/rules/sequence.py)
         return [Layout("deepspeed", stage, sequence_parallel=sp) for stage in (1, 2)]
     if "deepspeed" not in settings.record.strategies:
         return [base]

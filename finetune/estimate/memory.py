@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from finetune.config.effective import model_precision
+from finetune.config.derived.effective import model_precision
 from finetune.estimate.census import BYTES, Tensor
 from finetune.estimate.optimizers import state_bytes
 from finetune.estimate.settings import Layout, Settings

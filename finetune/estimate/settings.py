@@ -1,6 +1,6 @@
 """What the estimate needs from an experiment, read once, with what had to be assumed.
 
-Training keys are read through config/effective.py with the device and precision of the
+Training keys are read through config/derived/effective.py with the device and precision of the
 run, so they are the values the worker's training arguments will have (speed defaults
 included); what differs by method comes from the method's record (config/methods.py).
 """
@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from finetune.config import attention, effective
-from finetune.config.kernels import Kernels, installed
+from finetune.config.derived import attention, effective
+from finetune.config.derived.kernels import Kernels, installed
 from finetune.config.methods import Method, method
 from finetune.config.schema import Experiment, PeftSection
 from finetune.errors import ConfigError

@@ -28,7 +28,7 @@ import torch
 
 from finetune.errors import RunError, first_line
 from finetune.inference.generate import batches, new_tokens, token_ids
-from finetune.inference.load import (device, dtype_of, load_model, load_tokenizer, locate,
+from finetune.model.saved import (device, dtype_of, load_model, load_tokenizer, locate,
                                      require_lm)
 from finetune.inference.prompts import Prompt
 from finetune.inference.reward_sources import RewardSources

@@ -13,7 +13,7 @@ import torch
 
 from finetune.errors import DataError, RunError
 from finetune.inference.generate import context_of
-from finetune.inference.load import (device, dtype_of, load_model, load_tokenizer, locate,
+from finetune.model.saved import (device, dtype_of, load_model, load_tokenizer, locate,
                                      require_lm)
 from finetune.model.tokenizer import render_chat
 

@@ -16,7 +16,7 @@ from typing import Iterable, TextIO
 import torch
 
 from finetune.errors import DataError
-from finetune.inference.load import (device, dtype_of, load_model, load_tokenizer, locate,
+from finetune.model.saved import (device, dtype_of, load_model, load_tokenizer, locate,
                                      require_lm)
 from finetune.inference.prompts import Prompt
 from finetune.model.tokenizer import render_chat

@@ -16,7 +16,7 @@ import shutil
 from pathlib import Path
 
 from finetune.errors import RunError
-from finetune.inference.load import DTYPES, load_model, load_tokenizer, locate
+from finetune.model.saved import DTYPES, load_model, load_tokenizer, locate
 
 
 def _target(run_dir: Path, out: str | None, force: bool) -> Path:

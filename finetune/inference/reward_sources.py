@@ -14,7 +14,7 @@ from pathlib import Path
 
 from finetune.config.rules import FUNCTION_RE
 from finetune.errors import ConfigError, RunError
-from finetune.inference.load import read_experiment
+from finetune.model.saved import read_experiment
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from typing import Any, Callable
 from finetune.config.methods import method
 from finetune.config.schema import Experiment
 from finetune.data.load import Splits
-from finetune.hardware import Hardware
+from finetune.model.hardware import Hardware
 
 
 @dataclass

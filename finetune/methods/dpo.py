@@ -10,7 +10,7 @@ from trl import DPOTrainer
 
 from finetune.data.load import Splits
 from finetune.config.schema import Experiment
-from finetune.config.effective import value as effective_value
+from finetune.config.derived.effective import value as effective_value
 from finetune.methods import Job
 from finetune.methods.pairs import frozen_reference, prompt_length, require_a_row_that_fits
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 from datasets import Dataset
 from trl.experimental.gkd import GKDTrainer
 
-from finetune.config.effective import value
+from finetune.config.derived.effective import value
 from finetune.config.schema import Experiment
 from finetune.data.load import ORIGIN, Splits
 from finetune.data.prompts import prompt_ids

@@ -18,7 +18,7 @@ from typing import Any
 from trl import KTOTrainer
 from trl.data_utils import common_prefix_length
 
-from finetune.config.effective import value
+from finetune.config.derived.effective import value
 from finetune.config.schema import Experiment
 from finetune.data.load import ORIGIN, Splits
 from finetune.data.mix import seed_of

@@ -12,7 +12,7 @@ from typing import Any, Callable
 from transformers import AutoModelForCausalLM
 from trl.data_utils import common_prefix_length, extract_prompt
 
-from finetune.config.effective import record, setting, value
+from finetune.config.derived.effective import record, setting, value
 from finetune.config.schema import Experiment
 from finetune.data.load import ORIGIN, Splits
 from finetune.errors import DataError

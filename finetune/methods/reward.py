@@ -17,7 +17,7 @@ from finetune.data.load import ORIGIN, Splits
 from finetune.data.parallel import processes
 from finetune.model.tokenizer import end_marker, render_chat
 from finetune.config.schema import Experiment
-from finetune.config.effective import value
+from finetune.config.derived.effective import value
 from finetune.errors import DataError
 from finetune.methods import Job
 

@@ -16,13 +16,13 @@ from finetune.data import sft_tokens
 from finetune.data.load import Splits
 from finetune.data.parallel import processes
 from finetune.config.schema import Experiment
-from finetune.config.effective import value as effective_value
+from finetune.config.derived.effective import value as effective_value
 from finetune.errors import ConfigError
 from finetune.methods import Job
 
 
 def _value(experiment: Experiment):
-    """key -> the training argument the run will have (config/effective.py)."""
+    """key -> the training argument the run will have (config/derived/effective.py)."""
     return lambda key: effective_value(experiment, key)
 
 
@@ -30,7 +30,7 @@ def _masking(splits: Splits, experiment: Experiment) -> sft_tokens.Masking:
     value = _value(experiment)
     weighted = experiment.data.weight_column is not None or \
         sft_tokens.uses_token_weights(splits.train, splits.format)
-    # What depends on the rows; the settings alone were checked by config/rules.py.
+    # What depends on the rows; the settings alone were checked by config/rules/.
     problems = []
     if value("assistant_only_loss") and splits.format == "text":
         problems.append("training.assistant_only_loss: needs conversational data "

@@ -1,7 +1,7 @@
 """The frozen teacher of the distillation methods (distill, gkd): distill.teacher loaded
-in the reference model's dtype (config/effective.py model_precision, role teacher): a
+in the reference model's dtype (config/derived/effective.py model_precision, role teacher): a
 model directory or hub id, or a finetune run directory whose final/ model or adapter
-inference/load.py loads as generate and chat do. Its vocabulary must be the student's:
+model/saved.py loads as generate and chat do. Its vocabulary must be the student's:
 checked as it loads."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ def _load(experiment: Experiment, dtype):
     source = experiment.distill.teacher
     trust = experiment.model.trust_remote_code
     if (Path(source) / "experiment.yaml").is_file():  # a finetune run: its final/
-        from finetune.inference.load import load_model, load_tokenizer, locate
+        from finetune.model.saved import load_model, load_tokenizer, locate
 
         run = locate(source)
         if run.head != "lm":

@@ -10,10 +10,10 @@ import torch
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification,
                           BitsAndBytesConfig, PreTrainedModel, PreTrainedTokenizerBase)
 
-from finetune.hardware import Hardware
-from finetune.config import attention
-from finetune.config.effective import attention_implementation, record, setting
-from finetune.config.kernels import NOT_INSTALLED
+from finetune.model.hardware import Hardware
+from finetune.config.derived import attention
+from finetune.config.derived.effective import attention_implementation, record, setting
+from finetune.config.derived.kernels import NOT_INSTALLED
 from finetune.config.schema import Experiment
 from finetune.errors import RunError, first_line
 
@@ -115,7 +115,7 @@ def head_labels(experiment: Experiment) -> dict:
 
 
 def attention_of(experiment: Experiment, hw: Hardware, config) -> str | None:
-    """The attention implementation for this hardware (config/effective.py decides
+    """The attention implementation for this hardware (config/derived/effective.py decides
     auto); finetune's own varlen function is registered with transformers before it is
     named. `auto` does not pick it for a model whose attention it cannot run (logit
     softcapping, attention sinks): transformers' default then. flash-attention set by

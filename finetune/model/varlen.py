@@ -27,8 +27,8 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import flash_attention_mask
 
-from finetune.config.attention import VARLEN
-from finetune.config.kernels import FLASH_CAPABILITY
+from finetune.config.derived.attention import VARLEN
+from finetune.config.derived.kernels import FLASH_CAPABILITY
 
 try:
     from torch.nn.attention.varlen import varlen_attn

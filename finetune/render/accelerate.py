@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from finetune.config.effective import assumed_device, resolve_precision
+from finetune.config.derived.effective import assumed_device, resolve_precision
 from finetune.config.schema import Experiment
 
 MIXED_PRECISION = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}

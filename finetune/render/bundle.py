@@ -17,10 +17,10 @@ from finetune.config.schema import Experiment
 from finetune.config.secrets import redact
 from finetune.errors import RunError
 from finetune.render.accelerate import accelerate_config
-from finetune.config.deepspeed import deepspeed_dict
+from finetune.config.derived.deepspeed import deepspeed_dict
 from finetune.render.scripts import launch_script, script_safe
-from finetune.resume import ResumePlan, plan_resume
-from finetune.rundir import check_entries, check_run_dir, make_run_dir, run_dir_of
+from finetune.rundir.resume import ResumePlan, plan_resume
+from finetune.rundir.paths import check_entries, check_run_dir, make_run_dir, run_dir_of
 
 
 def write_file(path: Path, text: str) -> None:

@@ -11,7 +11,7 @@ import yaml
 
 from finetune.config.schema import Experiment
 from finetune.render.accelerate import accelerate_config
-from finetune.config.deepspeed import deepspeed_config
+from finetune.config.derived.deepspeed import deepspeed_config
 
 REPO = Path(__file__).resolve().parents[2]
 

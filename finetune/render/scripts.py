@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 from finetune import __version__
-from finetune.checkpoints import STOPPED
+from finetune.rundir.checkpoints import STOPPED
 from finetune.config.schema import Experiment
 from finetune.config.script_values import (MAX_SIGNAL_SECONDS, control_problem,
                                            partition_problem, slurm_time, time_seconds)

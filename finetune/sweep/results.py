@@ -49,7 +49,7 @@ def table(state: dict[str, Any]) -> str:
 
 
 def write_csv(sweep_dir: Path, state: dict[str, Any]) -> Path:
-    from finetune.checkpoints import write_atomic
+    from finetune.fileio.atomic import write_atomic
 
     header, body = rows(state)
     text = io.StringIO()
@@ -69,7 +69,7 @@ def plot(sweep_dir: Path, state: dict[str, Any], title: str) -> Path | None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    from finetune.plots import save
+    from finetune.report.plots import save
 
     finished = [(t["number"], t["metric"]) for t in state["trials"]
                 if t["status"] == "finished" and t.get("metric") is not None]

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from finetune.checkpoints import write_atomic
+from finetune.fileio.atomic import write_atomic
 from finetune.errors import EXIT_PREEMPTED, ConfigError, RunError
 from finetune.sweep.spec import Sweep
 
@@ -165,7 +165,7 @@ def metric_of(run_dir: Path, metric: str) -> float | None:
 
 def logged_metric(run_dir: Path, metric: str) -> dict[int, float]:
     """The metric at each evaluation during training (metrics.jsonl), by step."""
-    from finetune.rundir import metrics_records
+    from finetune.rundir.paths import metrics_records
 
     records, _ = metrics_records(run_dir / "metrics.jsonl")
     return {r["step"]: float(r[metric]) for r in records

@@ -1,1 +1,3 @@
-"""Trainer subclasses of our own: weighted losses, classification, PPO."""
+"""Trainer subclasses of our own: weighted losses (weighted.py), classification
+(classify.py), PPO (ppo*.py), sft under sequence parallelism (sequence.py). Imports
+model, compat and errors."""

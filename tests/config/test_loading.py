@@ -198,7 +198,7 @@ def test_override_paths_are_relative_to_the_current_directory(write, tmp_path, m
     ("flash_attention_2", "cuda", True),
 ])
 def test_padding_free_by_default_only_where_it_is_fast(write, attn, device, padding_free):
-    from finetune.config.effective import arguments
+    from finetune.config.derived.effective import arguments
 
     def experiment(*overrides):
         # validate refuses flash_attention_2 where flash_attn is missing (as here, on CPU)

@@ -11,7 +11,7 @@ import pytest
 from config_errors import problems
 from conftest import DATA, TINY_MODEL
 from finetune.config import load_experiment
-from finetune.config.deepspeed import deepspeed_dict
+from finetune.config.derived.deepspeed import deepspeed_dict
 
 TP = ("distributed.strategy=deepspeed", "distributed.num_processes=2",
       "distributed.tensor_parallel=2")
@@ -92,7 +92,7 @@ SP = ("distributed.strategy=deepspeed", "distributed.num_processes=2",
 
 
 def test_a_valid_sequence_parallel_layout(write):
-    from finetune.config.effective import arguments, flattens
+    from finetune.config.derived.effective import arguments, flattens
 
     experiment = load_experiment(sft(write), SP + ("training.max_length=47",))
     assert experiment.distributed.data_parallel == 1
@@ -139,7 +139,7 @@ def test_sequence_parallel_refuses_methods_other_than_sft(write):
 
 
 def test_a_rank_refuses_an_accelerate_file_that_says_another_sequence_parallel(write):
-    from finetune.launch.environment import launch_problems
+    from finetune.run.launched import launch_problems
 
     experiment = load_experiment(sft(write), SP)
     env = {"WORLD_SIZE": "2", "ACCELERATE_USE_PARALLELISM_CONFIG": "true",
@@ -162,7 +162,7 @@ def cp_experiment(extra: str = "") -> str:
 
 
 def test_a_valid_context_parallel_layout(write):
-    from finetune.config.effective import arguments, flattens
+    from finetune.config.derived.effective import arguments, flattens
     from finetune.render.accelerate import accelerate_config
 
     experiment = load_experiment(write("exp.yaml", cp_experiment()))

@@ -93,7 +93,7 @@ def test_distributed_rules(write):
     def found(distributed: str) -> str:
         return "\n".join(problems(write("d.yaml", BASE + f"distributed: {distributed}\n")))
 
-    # strategy none over 2 processes is DDP (launch/environment.parallel_note), not an error.
+    # strategy none over 2 processes is DDP (run/launched.parallel_note), not an error.
     load_experiment(write("n.yaml", BASE + "distributed: {num_processes: 2}\n"))
     assert "3 processes do not divide evenly over 2 machines" in found(
         "{strategy: ddp, num_processes: 3, num_machines: 2}")

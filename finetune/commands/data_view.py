@@ -1,0 +1,211 @@
+"""`finetune data`: what training will see of the data. A few rows as the model gets them
+(the chat template applied, trained tokens between ⟦ and ⟧), the distribution of token
+lengths, and how many rows truncation cuts and the max length drops, computed as each
+method's preparation does (data/sft_tokens.py, methods/reward.py, methods/dpo.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterator
+
+from finetune.config.derived.effective import record, value
+from finetune.config.schema import Experiment
+from finetune.data.load import ORIGIN, load_data
+from finetune.data.prompts import prompt_ids
+from finetune.model.tokenizer import render_chat, require_chat_template
+
+OPEN, CLOSE = "⟦", "⟧"
+
+
+@dataclasses.dataclass
+class Sample:
+    where: str
+    parts: list[tuple[str, list[int], list[bool]]]  # (name, ids, trained?) per sequence
+    dropped: bool = False  # the method's preparation drops it
+
+    @property
+    def length(self) -> int:
+        return max(len(ids) for _, ids, _ in self.parts)
+
+
+def marked(tokenizer, ids: list[int], trained: list[bool]) -> str:
+    """The decoded text, each run of trained tokens between OPEN and CLOSE."""
+    out, start = [], 0
+    for end in range(1, len(ids) + 1):
+        if end == len(ids) or trained[end] != trained[start]:
+            text = tokenizer.decode(ids[start:end])
+            out.append(f"{OPEN}{text}{CLOSE}" if trained[start] else text)
+            start = end
+    return "".join(out)
+
+
+def _sft(rows, tokenizer, experiment: Experiment, splits, split: str) -> Iterator[Sample]:
+    from finetune.data import sft_tokens
+    from finetune.methods.sft import _masking
+
+    masking = dataclasses.replace(_masking(splits, experiment), max_length=None, weighted=False)
+    whole = sft_tokens.tokenize(rows, tokenizer, splits.format, masking, split)
+    limit, keep_end = value(experiment, "max_length"), value(experiment, "truncation_mode") == \
+        "keep_end"
+    for origin, tokens in zip(rows[ORIGIN], whole):
+        ids, trained = tokens["input_ids"], [t != -100 for t in tokens["labels"]]
+        cut = slice(-limit, None) if keep_end else slice(None, limit)
+        dropped = limit is not None and not any(trained[cut])
+        yield Sample(origin, [("", ids, trained)], dropped)
+
+
+def _reward(rows, tokenizer, experiment: Experiment, splits, split: str) -> Iterator[Sample]:
+    from finetune.methods.reward import _tokenized
+
+    limit = value(experiment, "max_length")
+    for origin, pair in zip(rows[ORIGIN], _tokenized(rows, tokenizer, None, split)):
+        parts = [(name, pair[f"{name}_ids"], [True] * len(pair[f"{name}_ids"]))
+                 for name in ("chosen", "rejected")]
+        sample = Sample(origin, parts)
+        sample.dropped = limit is not None and sample.length > limit
+        yield sample
+
+
+def _dpo(rows, tokenizer, experiment: Experiment, splits, split: str) -> Iterator[Sample]:
+    from trl.data_utils import extract_prompt
+
+    limit = value(experiment, "max_length")
+    # dpo drops a pair whose prompt alone fills max_length (keep_start); orpo/cpo/simpo,
+    # without truncation_mode, refuse it while preparing (methods/pairs.py).
+    keep_start = value(experiment, "truncation_mode", default=None) == "keep_start"
+    for row in rows:
+        if "prompt" not in row or row["prompt"] is None:
+            row = {**row, **extract_prompt(row)}
+        where, prompt = row[ORIGIN], row["prompt"]
+        head = prompt_ids(tokenizer, prompt, where)
+        parts = []
+        for name in ("chosen", "rejected"):
+            if isinstance(prompt, list):
+                ids = render_chat(tokenizer, prompt + row[name], f"{where}, `{name}`")
+            else:
+                ids = tokenizer(prompt + row[name])["input_ids"] + [tokenizer.eos_token_id]
+            parts.append((name, ids, [i >= len(head) for i in range(len(ids))]))
+        yield Sample(where, parts, limit is not None and keep_start and len(head) >= limit)
+
+
+def _prompts(rows, tokenizer, experiment: Experiment, splits, split: str) -> Iterator[Sample]:
+    for row in rows:
+        ids = prompt_ids(tokenizer, row["prompt"], row[ORIGIN])
+        yield Sample(row[ORIGIN], [("prompt", ids, [False] * len(ids))])
+
+
+def _classify(rows, tokenizer, experiment: Experiment, splits, split: str) -> Iterator[Sample]:
+    for row in rows:
+        ids = tokenizer(row["text"])["input_ids"]
+        yield Sample(row[ORIGIN], [(f"label {row['label']}", ids, [False] * len(ids))])
+
+
+def _kto(rows, tokenizer, experiment: Experiment, splits, split: str) -> Iterator[Sample]:
+    """An unpaired row as KTOTrainer tokenizes it (EOS after a text completion); dropped
+    where the prompt alone fills max_length, as KTOTrainer drops it."""
+    limit = value(experiment, "max_length")
+    eos = tokenizer.eos_token or ""
+    for row in rows:
+        where, prompt, completion = row[ORIGIN], row["prompt"], row["completion"]
+        head = prompt_ids(tokenizer, prompt, where)
+        if isinstance(prompt, list):
+            ids = render_chat(tokenizer, prompt + completion, f"{where}, `completion`")
+        else:
+            ids = tokenizer(prompt + completion + ("" if completion.endswith(eos) else eos))[
+                "input_ids"]
+        name = "desirable" if row["label"] else "undesirable"
+        yield Sample(where, [(name, ids, [i >= len(head) for i in range(len(ids))])],
+                     limit is not None and len(head) >= limit)
+
+
+def _last_turn(rows, tokenizer, experiment: Experiment, splits, split: str) -> Iterator[Sample]:
+    """gkd's conversations as TRL's GKD collator renders them: the last (assistant) turn
+    trained, the turns before it the prompt, cut from its start where the row is longer
+    than max_length."""
+    for row in rows:
+        where, messages = row[ORIGIN], row["messages"]
+        ids = render_chat(tokenizer, messages, where)
+        head = prompt_ids(tokenizer, messages[:-1], where)
+        yield Sample(where, [("", ids, [i >= len(head) for i in range(len(ids))])])
+
+
+def _distills_data(own) -> bool:
+    """A distillation method (the teacher's section) on the data's own completions."""
+    return "distill" in own.sections and not own.generates
+
+
+def _view(experiment: Experiment):
+    """How a method's rows are shown, from its record: a score head's pairs or labelled
+    texts, a generating method's prompts, unpaired or paired preference rows, or sft's
+    tokens."""
+    own = record(experiment)
+    if own.head == "score":
+        return _classify if own.labels else _reward
+    if own.generates:
+        return _prompts
+    if _distills_data(own):
+        return _last_turn
+    if "unpaired_preference" in own.formats:
+        return _kto
+    return _dpo if own.sequences == 2 else _sft
+
+
+
+
+def _percentile(values: list[int], q: float) -> int:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def _limits(experiment: Experiment) -> tuple[str | None, int | None]:
+    own = record(experiment)
+    if own.max_length is None:
+        return None, None
+    return own.max_length, value(experiment, own.max_length.split(".")[-1]) \
+        if own.max_length.startswith("training.") else experiment.classify.max_length
+
+
+def _summary(samples: list[Sample], experiment: Experiment) -> list[str]:
+    lengths = [s.length for s in samples]
+    lines = [f"  token lengths: min {min(lengths)}, median {_percentile(lengths, 0.5)}, "
+             f"p90 {_percentile(lengths, 0.9)}, p99 {_percentile(lengths, 0.99)}, "
+             f"max {max(lengths)}"]
+    setting, limit = _limits(experiment)
+    if limit is not None:
+        longer = sum(length > limit for length in lengths)
+        dropped = sum(s.dropped for s in samples)
+        what = "dropped, as RewardTrainer drops a longer pair" \
+            if record(experiment).name == "reward" else \
+            f"{longer - dropped} cut, {dropped} dropped by the method's preparation"
+        lines.append(f"  {setting} {limit}: {longer} of {len(samples)} rows longer: {what}")
+    elif setting is not None:
+        lines.append(f"  {setting} null: no row is cut")
+    return lines
+
+
+def report(experiment: Experiment, shown: int) -> list[str]:
+    """The lines `finetune data` prints."""
+    from finetune.model.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(experiment)
+    splits = load_data(experiment)
+    require_chat_template(splits, tokenizer, experiment)
+    lines = [f"method {experiment.method}, data format {splits.format}; trained tokens "
+             f"between {OPEN} and {CLOSE}"] + [f"note: {note}" for note in splits.notes]
+    sample = _view(experiment)
+    own = record(experiment)
+    if own.generates or _distills_data(own):  # the prompts or conversations it prepares
+        from finetune.methods import preparation
+
+        splits = preparation(experiment)(splits, tokenizer, experiment)
+    for split, rows in (("train", splits.train), ("eval", splits.eval)):
+        if rows is None:
+            continue
+        samples = list(sample(rows, tokenizer, experiment, splits, split))
+        lines.append(f"data.{split}: {len(samples)} rows")
+        for s in samples[:shown] if split == "train" else ():
+            lines.append(f"--- {s.where} ({s.length} tokens{', dropped' if s.dropped else ''})")
+            for name, ids, trained in s.parts:
+                lines.append(f"{name + ': ' if name else ''}{marked(tokenizer, ids, trained)}")
+        lines += _summary(samples, experiment)
+    return lines
