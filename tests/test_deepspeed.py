@@ -50,6 +50,9 @@ def ddp_weights(tmp_path_factory):
     pytest.param(v, marks=pytest.mark.exhaustive) if v == "zero2-offload" else v
     for v in VARIANTS if v != "ddp"])
 def test_zero_matches_ddp(variant, ddp_weights, write, tmp_path):
+    """The first case on a fresh machine runs over 60 s: its ranks are the first DeepSpeed
+    processes of the virtual environment, and DeepSpeed compiles its shared-memory
+    communication op for the CPU then (30-80 s, cached in ~/.cache/torch_extensions)."""
     config = write(f"{variant}.yaml", experiment(variant, free_port()))
     result = run_cli("launch", str(config), cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
