@@ -43,7 +43,7 @@ def _train(args: argparse.Namespace) -> int:
 
     launched = time.time()  # before the heavy imports: see data/prepare.py, _wait
 
-    from finetune.errors import EXIT_PREEMPTED, ConfigError, DataError, RunError
+    from finetune.errors import ConfigError, DataError, RunError, exit_code
     from finetune.run.launched import early_launch_problems, experiment_as_launched, rank_of
     from finetune.render.bundle import prepare_run_dir
 
@@ -53,13 +53,9 @@ def _train(args: argparse.Namespace) -> int:
         raise RunError("; ".join(problems))
     experiment, run_dir, plan = prepare_run_dir(experiment, rank=rank_of(os.environ))
 
-    if experiment.peft.type != "qlora":
-        # transformers imports bitsandbytes, which on CPUs with AVX512-BF16 warns at import
-        # that a faster 4-bit CPU kernel is not installed: noise in every run that
-        # quantizes nothing.
-        import logging
+    from finetune.run.noise import hide_known_noise
 
-        logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    hide_known_noise(experiment.peft.type == "qlora")
     from finetune.run.preemption import Preempted  # heavy from here: torch, transformers, trl
     from finetune.run.worker import train
 
@@ -69,9 +65,10 @@ def _train(args: argparse.Namespace) -> int:
         _record_failure(run_dir, exc)
         raise
     except Preempted as stopped:
-        print(f"finetune: {stopped}; exit {EXIT_PREEMPTED}. Run the same command again to "
-              "continue from it.", file=sys.stderr, flush=True)
-        return EXIT_PREEMPTED
+        code = exit_code(stopped.signal_name)
+        print(f"finetune: {stopped}; exit {code}. Run the same command again to continue "
+              "from it.", file=sys.stderr, flush=True)
+        return code
     return 0
 
 

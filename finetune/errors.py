@@ -34,8 +34,15 @@ def first_line(exc: BaseException) -> str:
 # Exit codes beyond the CLI's 2 (a user error). EX_TEMPFAIL, "try again later": training
 # stopped on a signal after sealing a checkpoint, and continues when run again.
 EXIT_PREEMPTED = 75
+# The same after Ctrl-C: 128 + SIGINT, what a shell expects of an interrupted command.
+EXIT_INTERRUPTED = 130
 # The save asked for by a signal did not finish in preemption.save_timeout.
 EXIT_SAVE_TIMEOUT = 76
+
+
+def exit_code(signal_name: str) -> int:
+    """How a run that saved and stopped on `signal_name` exits."""
+    return EXIT_INTERRUPTED if signal_name == "SIGINT" else EXIT_PREEMPTED
 
 # Written by a training process that stopped on one of the errors above, so that
 # `finetune launch`, whose launcher only reports "a child failed", can exit 2 as well.

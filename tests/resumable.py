@@ -5,6 +5,9 @@ process of the run, as a dead node would), and read back weights and losses."""
 from __future__ import annotations
 
 import json
+import os
+import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,7 +20,7 @@ from safetensors.torch import load_file
 
 from conftest import DATA, TINY_MODEL, warm_interpreter, free_port
 from warm import WarmProcess
-from finetune.errors import EXIT_PREEMPTED
+from finetune.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED
 
 DATASETS = {"sft": "sft_train", "reward": "pref_train", "dpo": "pref_train",
             "orpo": "pref_train", "cpo": "pref_train", "simpo": "pref_train",
@@ -48,14 +51,59 @@ def experiment(name: str, method: str, *, processes: int = 1, steps: int = 40,
             + "  activation_checkpointing: false\n" + extra)
 
 
+class Terminal:
+    """`finetune ARGS` typed into a real terminal (a tmux pane): Ctrl-C there goes to the
+    foreground process group, as a person's does. As much of Popen as Run uses."""
+
+    def __init__(self, argv: list[str], cwd: Path, log: Path):
+        self.session = f"finetune-{cwd.name}-{log.stem}"
+        self.status = log.with_suffix(".status")
+        self.args, self.returncode = argv, None
+        # A tmux server started earlier has its own environment: this test's goes in the
+        # script (the offline flags, one thread per process, the tree on PYTHONPATH).
+        script = log.with_suffix(".sh")
+        script.write_text("".join(f"export {k}={shlex.quote(v)}\n" for k, v in os.environ.items()
+                                  if k.isidentifier()) +
+                          f"cd {shlex.quote(str(cwd))}\n{shlex.join(argv)} > "
+                          f"{shlex.quote(str(log))} 2>&1\necho $? > "
+                          f"{shlex.quote(str(self.status))}\nsleep 600\n")
+        subprocess.run(["tmux", "new-session", "-d", "-s", self.session, "bash", str(script)],
+                       check=True)
+        pane = subprocess.run(["tmux", "display-message", "-p", "-t", self.session,
+                               "#{pane_pid}"], capture_output=True, text=True, check=True)
+        self.pid = int(pane.stdout)  # the shell; the command is its child
+
+    def poll(self) -> int | None:
+        if self.returncode is None and self.status.is_file() and self.status.read_text():
+            self.returncode = int(self.status.read_text())
+            subprocess.run(["tmux", "kill-session", "-t", self.session], capture_output=True)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = time.monotonic() + (timeout or 1e9)
+        while self.poll() is None:
+            if time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            time.sleep(0.05)
+        return self.returncode
+
+    def ctrl_c(self) -> None:
+        subprocess.run(["tmux", "send-keys", "-t", self.session, "C-c"], check=True)
+
+
 class Run:
     """One attempt of `finetune train|launch CONFIG`, output kept in files. `train` forks
     from the warm interpreter (conftest.run_cli) unless cold=True; `launch` is always a
-    cold process (its workers are cold either way)."""
+    cold process (its workers are cold either way); terminal=True types it into a real
+    terminal (cold)."""
 
     def __init__(self, command: str, config: Path, cwd: Path, attempt: int,
-                 cold: bool = False):
+                 cold: bool = False, terminal: bool = False):
         self.log = cwd / f"{config.stem}-{attempt}.log"
+        if terminal:
+            self.proc = Terminal([sys.executable, "-m", "finetune", command, str(config)],
+                                 cwd, self.log)
+            return
         warm = None if cold or command != "train" else warm_interpreter()
         if warm is not None:
             self.proc = warm.start([command, str(config)], cwd, self.log, self.log)
@@ -158,4 +206,21 @@ def stopped_by_sigterm(command: str, config: Path, run_dir: Path, cwd: Path,
     wait_for_step(run, run_dir, at_step)
     run.signal(signal.SIGTERM)
     assert run.wait() == EXIT_PREEMPTED, run.text()[-3000:]
+    return run
+
+
+def stopped_by_ctrl_c(command: str, config: Path, run_dir: Path, cwd: Path,
+                      at_step: int) -> Run:
+    """Run `finetune COMMAND` in a real terminal until `at_step` is logged, press Ctrl-C
+    once, and check it saved and exited 130. Without tmux: a cold process sent the SIGINT
+    a terminal would send."""
+    terminal = shutil.which("tmux") is not None
+    run = Run(command, config, cwd, 1, cold=True, terminal=terminal)
+    try:
+        wait_for_step(run, run_dir, at_step)
+        run.proc.ctrl_c() if terminal else run.signal(signal.SIGINT)
+        assert run.wait(300) == EXIT_INTERRUPTED, run.text()[-3000:]
+    finally:
+        if terminal:
+            subprocess.run(["tmux", "kill-session", "-t", run.proc.session], capture_output=True)
     return run

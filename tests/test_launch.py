@@ -17,8 +17,9 @@ import yaml
 from safetensors.torch import load_file
 
 from conftest import DATA, REPO, TINY_MODEL, free_port, run_cli
+from resumable import Terminal
 from finetune.rundir import checkpoints
-from finetune.errors import EXIT_PREEMPTED, EXIT_SAVE_TIMEOUT
+from finetune.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, EXIT_SAVE_TIMEOUT
 
 pytestmark = pytest.mark.slow  # several processes launched for real
 
@@ -161,37 +162,50 @@ def test_unreachable_main_machine_fails_in_bounded_time(write, tmp_path):
         result.stderr
 
 
-def test_usr1_to_finetune_launch_saves_on_every_trainer_and_exits_75(write, tmp_path):
+def test_usr1_or_ctrl_c_to_finetune_launch_saves_on_every_trainer(write, tmp_path):
     """SIGUSR1 sent to `finetune launch` alone (as SLURM does with proctrack/cgroup) gets to
-    each training process; together they save a sealed checkpoint at the same step and
-    the launch exits 75 ("try again"); run again, it continues from there."""
+    the training process, which saves a sealed checkpoint and exits 75 ("try again"); Ctrl-C
+    in the terminal of a 2-process launch reaches each of its training processes once (they
+    run in a session of their own: only the launcher hears the terminal), together they
+    save at the same step, and the launch exits 130. Either way the same command continues
+    (test_resume)."""
     for name, distributed in (("one", "{strategy: none, device: cpu}"),
                               ("two", "{strategy: ddp, num_processes: 2, device: cpu, "
                                       f"main_process_port: {free_port()}}}")):
         config = write(f"{name}.yaml", experiment(distributed).replace(
             "max_steps: 2", "max_steps: 100000").replace("save_strategy: 'no'",
                                                           "save_strategy: 'no', logging_steps: 1"))
-        proc = launch("launch", str(config), cwd=tmp_path)
         run_dir = tmp_path / "runs" / name
+        ranks, sent = (1, "SIGUSR1") if name == "one" else (2, "SIGINT")
+        if sent == "SIGINT" and shutil.which("tmux"):
+            proc = Terminal([sys.executable, "-m", "finetune", "launch", str(config)], tmp_path,
+                            tmp_path / f"{name}.log")
+        else:  # SIGINT is what a terminal's Ctrl-C sends the launcher
+            proc = launch("launch", str(config), cwd=tmp_path)
         metrics = run_dir / "metrics.jsonl"
         deadline = time.monotonic() + 120
         while not (metrics.exists() and metrics.stat().st_size) and time.monotonic() < deadline:
             time.sleep(0.2)
-        proc.send_signal(signal.SIGUSR1)
-        _, err = proc.communicate(timeout=120)
-        assert proc.returncode == EXIT_PREEMPTED, err[-3000:]
-        ranks = 1 if name == "one" else 2
+        if isinstance(proc, Terminal):
+            proc.ctrl_c()
+            code, err = proc.wait(120), (tmp_path / f"{name}.log").read_text()
+        else:
+            proc.send_signal(getattr(signal, sent))
+            _, err = proc.communicate(timeout=120)
+            code = proc.returncode
+        assert code == (EXIT_PREEMPTED if sent == "SIGUSR1" else EXIT_INTERRUPTED), err[-3000:]
         for rank in range(ranks):
-            assert f"rank {rank} received SIGUSR1" in err, err[-3000:]
+            assert err.count(f"rank {rank} received {sent}") == 1, err[-3000:]
         stopped = json.loads((run_dir / checkpoints.STOPPED).read_text())
-        assert stopped["signal"] == "SIGUSR1"
+        assert stopped["signal"] == sent
         saved = checkpoints.scan(run_dir / "checkpoints")
         assert [p.name for p in saved.complete] == [f"checkpoint-{stopped['step']}"]
         manifest = checkpoints.read_manifest(saved.newest)
-        assert manifest["saved_on"] == "SIGUSR1" and manifest["layout"]["processes"] == ranks
+        assert manifest["saved_on"] == sent and manifest["layout"]["processes"] == ranks
         if ranks == 2:
             assert "rng_state_1.pth" in manifest["files"]  # both ranks' files are sealed in
         assert not (run_dir / "final").exists() and not (run_dir / "summary.json").exists()
+        assert "Run the same command again to continue" in err
 
 
 def _slow_start(write, name: str, extra: str = "") -> str:

@@ -9,9 +9,9 @@ launcher is left alone: torch's agent would answer SIGTERM by terminating its wo
 mid-save; it ends by itself when they exit. Only while no trainer exists yet (rendezvous)
 does the launcher get the signal.
 
-A trainer that stopped on SIGTERM/SIGUSR1 after sealing a checkpoint exits 75 and rank 0
+A trainer that stopped on a signal after sealing a checkpoint exits 75 (130 on Ctrl-C) and rank 0
 writes stopped.json; the launcher then reports a failure, so the exit code of this process
-is decided here: 75 when the stop was asked for and stopped.json is new. Likewise 2 when
+is decided here: 75 (130) when the stop was asked for and stopped.json is new. Likewise 2 when
 a trainer stopped on a user error (a bad data row, a failing reward function): each one
 writes failed-<rank>.json, and the launcher would only say that a child failed.
 """
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import psutil
 
-from finetune.errors import EXIT_PREEMPTED, FAILED_MARKER
+from finetune.errors import FAILED_MARKER, exit_code
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 
@@ -71,10 +71,11 @@ def run_forwarding(argv: list[str], stopped_marker: Path, run_dir: Path,
     code = child.wait()
     code = 128 - code if code < 0 else code
     if asked and stopped_marker.is_file() and stopped_marker.stat().st_mtime >= started:
+        stopped = exit_code(asked[0])
         print(f"finetune: the training processes saved a checkpoint and stopped on {asked[0]} "
-              f"({stopped_marker}); exit {EXIT_PREEMPTED}. Run the same command again to "
+              f"({stopped_marker}); exit {stopped}. Run the same command again to "
               "continue.", file=sys.stderr, flush=True)
-        return EXIT_PREEMPTED
+        return stopped
     failed = _failures(run_dir, started) if code else []
     if failed:
         print(f"finetune: a training process stopped on the error above ({failed[0]}); "

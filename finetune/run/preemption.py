@@ -1,9 +1,12 @@
-"""Stop on SIGTERM or SIGUSR1 (or SIGUSR2) with a complete checkpoint, on every rank together.
+"""Stop on SIGTERM, SIGUSR1 (or SIGUSR2) or Ctrl-C (SIGINT) with a complete checkpoint, on
+every rank together.
 
 The handler only records the signal. At the end of each optimizer step the ranks agree
 (one all-reduce of a flag) whether any of them was signalled; if so every rank asks the
 Trainer to save and stop at that same step, the checkpoint is sealed (callbacks.py), and
-the process exits with errors.EXIT_PREEMPTED. A second signal kills at once (the default
+the process exits with errors.EXIT_PREEMPTED (EXIT_INTERRUPTED, 130, after Ctrl-C, as a shell expects of an
+interrupted command; either way the same command continues the run). A second signal
+(a second Ctrl-C too) kills at once (the default
 action is restored after the first), and a save that outlives preemption.save_timeout
 ends the process from a watchdog thread; either way the previous checkpoint stays.
 """
@@ -19,8 +22,10 @@ from transformers import TrainerCallback
 
 from finetune.errors import EXIT_SAVE_TIMEOUT
 
-# USR2 too: some clusters warn with it.
-SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+# USR2 too: some clusters warn with it. SIGINT: Ctrl-C, how a person stops a run. Under
+# `finetune launch` the trainers run in a session of their own: only the launcher gets the
+# terminal's SIGINT, and passes it on to each trainer once (launch/forward.py).
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT)
 
 
 class Preempted(Exception):
