@@ -51,6 +51,15 @@ def test_bad_sweep_keys_exit_2_naming_them(write, tmp_path):
                           "bad3.yaml")
     result = run_cli("sweep", SFT, reserved, cwd=tmp_path)
     assert result.returncode == 2 and "parameters.output.dir: set by the sweep" in result.stderr
+    # the command line setting a swept key: the trials would drop it without a word
+    swept = sweep_file(write, "method: grid\nparameters:\n  training.learning_rate: "
+                              "{values: [1e-3, 1e-4]}\n", "swept.yaml")
+    for given in ("training.learning_rate=5e-4", "training={learning_rate: 5e-4}"):
+        result = run_cli("sweep", SFT, swept, given, "--dry-run", cwd=tmp_path)
+        assert result.returncode == 2, result.stdout + result.stderr
+        key = given.partition("=")[0]
+        assert f"error: {key}: set on the command line and swept (" in result.stderr
+        assert "swept.yaml: parameters.training.learning_rate)" in result.stderr
 
 
 @pytest.mark.slow

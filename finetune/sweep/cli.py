@@ -81,6 +81,13 @@ def command(args: argparse.Namespace) -> int:
     if sweep.prune is not None and ("/" in sweep.metric or not sweep.metric.startswith("eval_")):
         raise ConfigError([f"{args.sweep}: prune: needs an evaluation metric logged during "
                            f"training (eval_...), not {sweep.metric!r}"])
+    clashes = [f"{key}: set on the command line and swept ({args.sweep}: parameters.{swept}); "
+               "each trial would take the sweep's value and drop the command line's: remove "
+               "one of them" for key in (o.partition("=")[0].strip() for o in args.overrides)
+               for swept in sweep.parameters
+               if key == swept or swept.startswith(key + ".") or key.startswith(swept + ".")]
+    if clashes:
+        raise ConfigError(clashes)
     experiment = load_experiment(args.config, args.overrides)
     plan = _checked(args.config, args.sweep, args.overrides, sweep)
     total = len(plan) if plan is not None else sweep.trials
