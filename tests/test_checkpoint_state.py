@@ -7,13 +7,14 @@ that wrote nothing gets rank 0's parts, marked as not its own."""
 from __future__ import annotations
 
 import json
+import time
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from finetune.rundir import checkpoint_state, checkpoints
-from finetune.run.callbacks import ResumeState
+from finetune.run.callbacks import ResumeState, TrainingTime
 from finetune.errors import RunError
 
 GRPO = {"layout": {"world_size": 1}, "step": 5, "global_step": 5,
@@ -83,7 +84,7 @@ def _args(tmp_path, rank):
 
 
 def test_resume_state_saves_every_part_and_restores_each_rank(tmp_path):
-    saver = ResumeState(None)
+    saver = ResumeState(None, TrainingTime(time.time() - 5))  # 5 s into the first attempt
     for rank in (0, 1):
         saver.trainer = _Trainer(rank + 1)
         saver.on_save(_args(tmp_path, rank), SimpleNamespace(global_step=6), None)
@@ -91,11 +92,13 @@ def test_resume_state_saves_every_part_and_restores_each_rank(tmp_path):
     assert sorted(p.name for p in checkpoint.iterdir()) == ["finetune_state-0.pt",
                                                              "finetune_state-1.pt"]
     for rank, own in ((1, True), (2, False)):  # rank 2 of a larger run: rank 0's, not own
-        resumed = ResumeState(checkpoint)
+        resumed = ResumeState(checkpoint, TrainingTime(time.time()))
         resumed.trainer = _Trainer(0)
         resumed.on_train_begin(_args(tmp_path, rank), None, None)
         expected = rank + 1 if own else 1
         assert resumed.trainer.restored == ({"value": expected}, own)
+        # the run's time goes on from the checkpoint's (a larger run: rank 0's)
+        assert resumed.elapsed.earlier >= 5 and resumed.elapsed.seconds() >= 5
         # The loss window is reopened from this rank's own record only.
         window = float(resumed.trainer._tr_loss), resumed.trainer._globalstep_last_logged
         assert window == ((2.0, 2) if own else (0.0, 0))

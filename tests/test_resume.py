@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 import subprocess
 import time
@@ -18,7 +19,7 @@ import pytest
 from conftest import DATA, TINY_MODEL, run_cli
 from finetune.rundir import checkpoints
 from resumable import (Run, assert_continues, assert_identical, experiment, final_weights,
-                       losses, stopped_by_sigterm, wait_for_step)
+                       losses, stopped_by_ctrl_c, stopped_by_sigterm, wait_for_step)
 from teachers import tiny_teacher
 
 pytestmark = pytest.mark.slow  # every test trains, stops and resumes runs
@@ -27,7 +28,9 @@ STEPS = 40
 
 
 # One chain per path a resume restores differently: sft x1 (the Trainer's RNG and state,
-# finetune's loss window; a cold process, not the warm fork), sft x2 (two ranks); dpo x1
+# finetune's loss window; cold processes, not the warm fork, and stopped by Ctrl-C in a
+# real terminal instead of SIGTERM: the other chains' SIGTERM, a person's way), sft x2
+# (two ranks); dpo x1
 # (a reference model); kto x1 (a trainer that samples its rows in order, and a reference
 # model); distill x1 (finetune's EpochOrder sampler, sampled generations from a restored
 # RNG); gkd x1 (Python's restored `random` picks student or data batches). Exhaustive:
@@ -41,9 +44,10 @@ STEPS = 40
     pytest.param("kto", 2, marks=pytest.mark.exhaustive), ("distill", 1), ("gkd", 1)])
 def test_sigterm_and_sigkill_then_resume_is_bitwise_identical(method, processes, write,
                                                               tmp_path):
-    """Four runs per chain: uninterrupted, stopped by SIGTERM, killed by SIGKILL, finished.
+    """Four runs per chain: uninterrupted, stopped by SIGTERM (sft x1: Ctrl-C in a
+    terminal), killed by SIGKILL, finished.
     Two ranks skip the SIGTERM run: that both save on a signal and resume bitwise is the
-    SLURM chain's (test_slurm) and test_launch's USR1 test's; the kill of both ranks, then
+    SLURM chain's (test_slurm) and test_launch's USR1/Ctrl-C test's; the kill of both ranks, then
     the resume from the checkpoint they sealed together, is this chain's. Over 60 s for
     sft x1 (four cold interpreters, on purpose) and x2 (three `finetune launch`es, three
     cold interpreters each)."""
@@ -68,12 +72,17 @@ def test_sigterm_and_sigkill_then_resume_is_bitwise_identical(method, processes,
     term_at = saved_at = None
     if processes == 1:
         term_at = rng.randint(2, 14)
-        first = stopped_by_sigterm(command, config, run_dir, tmp_path, term_at, cold)
+        if cold:
+            first, name = stopped_by_ctrl_c(command, config, run_dir, tmp_path, term_at), "SIGINT"
+            assert "Run the same command again to continue" in first.text()
+        else:
+            first = stopped_by_sigterm(command, config, run_dir, tmp_path, term_at)
+            name = "SIGTERM"
         stopped = json.loads((run_dir / checkpoints.STOPPED).read_text())
         saved_at = stopped["step"]
-        assert stopped["signal"] == "SIGTERM" and saved_at >= term_at
+        assert stopped["signal"] == name and saved_at >= term_at
         assert checkpoints.problem(run_dir / "checkpoints" / f"checkpoint-{saved_at}") is None
-        assert "received SIGTERM" in first.text()
+        assert f"received {name}" in first.text()
 
     kill_at = rng.randint(saved_at + 1, saved_at + 12) if saved_at else rng.randint(5, 16)
     second = Run(command, config, tmp_path, 2, cold)
@@ -87,10 +96,18 @@ def test_sigterm_and_sigkill_then_resume_is_bitwise_identical(method, processes,
     third = Run(command, config, tmp_path, 3, cold)
     assert third.wait() == 0, third.text()[-3000:]
     assert f"resuming from {sealed}" in third.text()
-    print(f"{method} x{processes}: SIGTERM at step {term_at} (saved {saved_at}), SIGKILL at "
+    print(f"{method} x{processes}: a stop at step {term_at} (saved {saved_at}), SIGKILL at "
           f"step {kill_at}, resumed from {sealed.name}, seed {seed}")
     assert_identical(run_dir, tmp_path / "runs" / "ref",
                      f"{method} x{processes}, kill seed {seed}")
+    # The run's time counts every attempt up to the checkpoint each resumed from.
+    done = re.search(r"finetune: done in ([\d.]+) s \(([\d.]+) s in this attempt\)", third.text())
+    assert done and float(done.group(1)) > float(done.group(2)), third.text()[-2000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert abs(summary["seconds"] - float(done.group(1))) < 0.1
+    # checkpoints/ holds checkpoints: no library's draft model card (TRL writes one there)
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()
+                  if not p.name.startswith("checkpoint-")) == []
     assert [s for s, *_ in losses(run_dir)] == [1, *range(3, STEPS + 1, 3)]
 
 

@@ -159,3 +159,36 @@ def test_validate_refuses_what_training_refuses_with_the_same_words(write, tmp_p
     # Training counts rows, validate lines; here (no blank lines) they are the same.
     assert str(validated.value).replace(f"{path} line ", f"{path} row ") == \
         str(trained.value).replace(f"{path} line ", f"{path} row ")
+
+
+def test_data_too_small_is_said_at_validate_and_at_the_start(write, tmp_path):
+    """3 rows against a global batch of 8 for 50 steps (133 passes), and 1 eval row: three
+    warnings with their numbers, at validate (from the rows it counted) and when the run
+    starts (from the rows it loaded); neither stops anything. Enough rows: none."""
+    small = jsonl(tmp_path, "small.jsonl", [CHAT] * 3)
+    one = jsonl(tmp_path, "one.jsonl", [CHAT])
+    extra = (f"  eval: {one}\ntraining: {{max_steps: 50, per_device_train_batch_size: 4, "
+             "gradient_accumulation_steps: 2}\n")
+    exp = config(write, "sft", small, extra)
+    expected = ["data.train: 3 row(s), fewer than one global batch (8: per device x "
+                "accumulation x processes): every step repeats rows",
+                "data.train: training.max_steps 50 x global batch 8 goes over its 3 row(s) "
+                "about 133 times (more than 10)",
+                "data.eval: 1 row(s): its metrics say little about the model"]
+    validated = run_cli("validate", exp, cwd=tmp_path)
+    assert validated.returncode == 0, validated.stderr
+    for text in expected:
+        assert f"warning: {text}" in validated.stdout, validated.stdout
+    started = run_cli("train", exp, "training.max_steps=1", "model.init=random",
+                      "evaluation.before_training=false", cwd=tmp_path)
+    assert started.returncode == 0, started.stderr[-3000:]
+    assert f"finetune: warning: {expected[0]}" in started.stdout
+    assert f"finetune: warning: {expected[2]}" in started.stdout
+    assert "goes over its" not in started.stdout  # 1 step: under one pass
+    # eval_fraction: the held-out rows are counted as training will hold them out
+    enough = jsonl(tmp_path, "enough.jsonl", [CHAT] * 40)
+    fine = config(write, "sft", enough, "  eval_fraction: 0.1\ntraining: {max_steps: 20, "
+                                        "per_device_train_batch_size: 4}\n")
+    validated = run_cli("validate", fine, cwd=tmp_path)
+    assert validated.returncode == 0 and "warning" not in validated.stdout, validated.stdout
+    assert check_data(load_experiment(fine))[-1].startswith("data.train[0]: ")

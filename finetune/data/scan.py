@@ -31,6 +31,7 @@ from finetune.data import formats
 from finetune.data.files import (MAX_DEPTH, checked_builder, is_document, list_data_files,
                                  not_an_object, parse_json, value_problem)
 from finetune.data.rows import FORMATS, WEIGHT, check_row, preference_problem
+from finetune.data.sizes import counted_rows, size_warnings
 from finetune.errors import DataError, one_line
 
 ORIGIN = "__origin__"  # data/load.py's; a prompt row may not have a column of that name
@@ -256,8 +257,10 @@ def _local_files(experiment: Experiment) -> dict[str, list[Path]]:
 
 def check_data(experiment: Experiment) -> list[str]:
     """Read and check every row of the experiment's local data sources; the lines that
-    say what was read (rows per source, the format, hub sources not read)."""
+    say what was read (rows per source, the format, hub sources not read), and a warning
+    line for data too small to train or evaluate well (data/sizes.py)."""
     files = _local_files(experiment)
+    counts: dict[str, int] = {}
     total = sum(f.stat().st_size for paths in files.values() for f in paths)
     lines, fmt = [], None if experiment.data.format == "auto" else experiment.data.format
     progress = Progress(total)
@@ -281,6 +284,10 @@ def check_data(experiment: Experiment) -> list[str]:
                     fmt, rows = check.fmt, rows + check.rows
                 read_as = "" if check.fmt == check.trained else f", read as {check.trained}"
                 lines.append(f"{where}: {source.path}: {rows} rows, format {check.fmt}{read_as}")
+                counts[where] = rows
     finally:
         progress.bar.close()
-    return lines
+    train, evaluation = counted_rows(experiment, counts)
+    if experiment.data.streaming:
+        train = None  # read as training goes: its passes are the stream's
+    return lines + [f"warning: {w}" for w in size_warnings(experiment, train, evaluation)]

@@ -15,6 +15,7 @@ from typing import Any
 
 from finetune import __version__, compat
 from finetune.config.derived.effective import record, setting
+from finetune.data.sizes import size_warnings
 
 # What environment.json records and `finetune env` (machine.py) prints: one list.
 PACKAGES = ("torch", "transformers", "accelerate", "peft", "trl", "datasets", "deepspeed",
@@ -95,6 +96,9 @@ def start_summary(job, trainable: int, total: int) -> str:
         lines += [f"  {'mix' if i == 0 else '':<10} {line}"
                   for i, line in enumerate(describe_mix(job.data.mix))]
     lines += [f"             {note}" for note in job.notes]
+    train = None if exp.data.streaming else len(job.data.train)
+    lines += [f"finetune: warning: {w}" for w in size_warnings(exp, train, len(
+        job.data.eval) if job.data.eval is not None else None)]
     return "\n".join(lines)
 
 
@@ -123,9 +127,11 @@ def _speed(job) -> str:
     return ", ".join(parts)
 
 
-def end_summary(run_dir: Path, seconds: float, before: dict, after: dict,
+def end_summary(run_dir: Path, seconds: float, attempt: float, before: dict, after: dict,
                 final_dir: Path | None) -> str:
-    lines = [f"finetune: done in {seconds:.1f} s"]
+    """`seconds` over every attempt of the run, `attempt` this one's."""
+    resumed = f" ({attempt:.1f} s in this attempt)" if seconds - attempt > 0.05 else ""
+    lines = [f"finetune: done in {seconds:.1f} s{resumed}"]
     if final_dir is not None:
         lines.append(f"  model      {final_dir}")
     for key in sorted(after):

@@ -97,20 +97,42 @@ class LossWindow:
             compat.set_loss_window(self.trainer, saved["sum"], int(saved["since"]))
 
 
+class TrainingTime:
+    """A run's wall time over its attempts: this attempt's since it started, plus what the
+    checkpoint it resumed from had counted. Time a killed attempt spent after its last
+    checkpoint is not counted, as its steps are not: the time the run's steps took."""
+
+    state_part = "elapsed"
+
+    def __init__(self, started: float):
+        self.started, self.earlier = started, 0.0
+
+    def seconds(self) -> float:
+        return self.earlier + time.time() - self.started
+
+    def state_to_save(self) -> dict[str, float]:
+        return {"seconds": self.seconds()}
+
+    def restore_state(self, saved: dict[str, Any] | None, own: bool) -> None:
+        self.earlier = float(saved["seconds"]) if saved else 0.0  # rank 0's when not own
+
+
 class ResumeState(TrainerCallback):
     """Each checkpoint keeps this rank's finetune state (checkpoint_state.py): the open
-    logging window, and the trainer's own part where it has one (GRPO's generation
+    logging window, the run's time so far (TrainingTime), and the trainer's own part where
+    it has one (GRPO's generation
     window, PPO's rollout: a trainer with a `state_part` name, state_to_save() and
     restore_state(saved, own)). Written when the Trainer saves, before SealCheckpoints
     seals the checkpoint; restored as training begins (the Trainer has then loaded the
     checkpoint's weights, optimizer and state, and taken no step)."""
 
-    def __init__(self, resume_from: Path | None):
+    def __init__(self, resume_from: Path | None, elapsed: TrainingTime):
         self.resume_from = resume_from
+        self.elapsed = elapsed
         self.trainer = None  # set once the trainer exists
 
     def _parts(self) -> list:
-        parts = [LossWindow(self.trainer)]
+        parts = [LossWindow(self.trainer), self.elapsed]
         if hasattr(self.trainer, "state_part"):
             parts.append(self.trainer)
         return parts
@@ -167,6 +189,10 @@ class SealCheckpoints(TrainerCallback):
             if self.stop.stopping:
                 extra["saved_on"] = self.stop.received or "a signal on another rank"
             checkpoints.write_manifest(checkpoint, state.global_step, extra)
+            # TRL writes its draft model card into checkpoints/ before every save ("a
+            # fine-tuned version of [None]"): not a fact of this run (finetune push writes
+            # the run's own card).
+            (Path(args.output_dir) / "README.md").unlink(missing_ok=True)
             if self.stop.stopping:
                 write_atomic(self.run_dir / checkpoints.STOPPED, json.dumps(
                     {"step": state.global_step, "checkpoint": str(checkpoint),

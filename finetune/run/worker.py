@@ -22,7 +22,8 @@ from finetune.model.hardware import checkpointing_decision, resolve_hardware
 from finetune.model.load import count_parameters
 from finetune.model.peft import embed_base
 from finetune.run.callbacks import (EndAtLastStep, MetricsFile, NothingLeftToTrain, ResumeState,
-                                SealCheckpoints, read_metrics, truncate_metrics)
+                                   SealCheckpoints, TrainingTime, read_metrics,
+                                   truncate_metrics)
 from finetune.config.derived import attention
 from finetune.config.derived.effective import attention_choice
 from finetune.config.schema import Experiment
@@ -181,7 +182,8 @@ def train(experiment: Experiment, run_dir: Path, plan: ResumePlan,
     seal = SealCheckpoints(run_dir, {"fingerprint": fingerprint(experiment),
                                      "layout": layout(experiment)},
                            experiment.training.get("save_total_limit"), stop)
-    resume_state = ResumeState(plan.checkpoint)
+    elapsed = TrainingTime(started)
+    resume_state = ResumeState(plan.checkpoint, elapsed)
     job = Job(experiment=experiment, run_dir=run_dir, hardware=hw, tokenizer=tokenizer,
               model=model, data=data, args=args,
               callbacks=[metrics, stop, resume_state, seal, EndAtLastStep()],
@@ -229,7 +231,7 @@ def train(experiment: Experiment, run_dir: Path, plan: ResumePlan,
                             run_dir / "init-model" if random_adapter else None) \
         if experiment.output.save_final else None
     summary = {"name": experiment.name, "method": experiment.method,
-               "seconds": round(time.time() - started, 2), "global_step": trainer.state.global_step,
+               "seconds": round(elapsed.seconds(), 2), "global_step": trainer.state.global_step,
                "before": before or logged_before(read_metrics(run_dir / "metrics.jsonl")),
                "after": after,
                "train": next((r for r in reversed(trainer.state.log_history)
@@ -238,7 +240,8 @@ def train(experiment: Experiment, run_dir: Path, plan: ResumePlan,
     if main:
         _write_results(run_dir, summary, f"{experiment.name} ({experiment.method})"
                        if experiment.output.plot else None)
-        print(end_summary(run_dir, summary["seconds"], summary["before"], after, final_dir),
+        print(end_summary(run_dir, summary["seconds"], time.time() - started,
+                          summary["before"], after, final_dir),
               flush=True)
         tracking.finish(summary)
     _leave_process_group()

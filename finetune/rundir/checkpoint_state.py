@@ -6,6 +6,7 @@ resumed run also needs to continue bitwise is kept per rank in this record (the
 checkpoint manifest seals it with every other file):
 
   loss_window  the Trainer's open logging window (callbacks.LossWindow), every method
+  elapsed      the run's wall time so far, over its attempts (callbacks.TrainingTime)
   grpo         GRPO's generation window: buffer, micro-step, open metrics (methods/online.py)
   rloo         RLOO's generation window, as grpo's (methods/online.py)
   ppo          PPO's rollout buffer, KL coefficient, statistics window (trainers/ppo.py)
