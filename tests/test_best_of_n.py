@@ -148,6 +148,8 @@ def test_ties_are_skipped_and_counted_and_the_runs_own_rewards_serve(runs, tmp_p
     assert out.read_text() == ""
     assert "0 preference row(s) from 5 prompt(s)" in result.stderr
     assert "5 prompt(s) skipped: their 2 samples all scored the same" in result.stderr
+    assert "warning: only 0 of 5 prompt(s) gave a pair: a preference run on these 0 row(s) " \
+           "learns from 0% of the prompts" in result.stderr
     # A grpo-like run: its experiment's rewards: section scores when --reward is not given.
     grpo = tmp_path / "grpo-run"
     shutil.copytree(sft, grpo)

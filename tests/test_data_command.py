@@ -25,12 +25,20 @@ def test_data_marks_trained_tokens_and_counts_cut_and_dropped_rows(write, tmp_pa
     data = rows(tmp_path / "chat.jsonl", [chat(i) for i in range(1, 11)])
     config = write("sft.yaml", f"method: sft\nmodel: {{name_or_path: {TINY_MODEL}}}\n"
                                f"data: {{train: {data}}}\ntraining: {{max_length: 20}}\n")
-    result = run_cli("data", str(config), "-n", "2", cwd=tmp_path)
+    # Conversations train on the assistant's turns by default, and say so.
+    default = run_cli("data", str(config), "-n", "2", cwd=tmp_path)
+    assert default.returncode == 0, default.stderr[-2000:]
+    assert "<|bos|><|user|> word <|end|><|assistant|>⟦ answer 1<|eos|>⟧" in default.stdout
+    assert "note: trained tokens: the assistant turns only (training.assistant_only_loss, " \
+           "the default for conversations; false trains every turn)" in default.stdout
+    result = run_cli("data", str(config), "-n", "2", "training.assistant_only_loss=false",
+                     cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
     out = result.stdout
     assert "data.train: 10 rows" in out and out.count(f"--- {data} row ") == 2
-    # assistant_only_loss false: the whole conversation is trained, as TRL does.
+    # assistant_only_loss false: the whole conversation is trained, as TRL's default does.
     assert "⟦<|bos|><|user|> word <|end|><|assistant|> answer 1<|eos|>⟧" in out
+    assert "note: trained tokens: every turn, the user's too" in out
     # Only row 1 fits in 20 tokens; the others are cut, and none is dropped, as every
     # token is trained.
     line = next(l for l in out.splitlines() if "training.max_length 20" in l)

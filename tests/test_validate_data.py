@@ -185,6 +185,9 @@ def test_data_too_small_is_said_at_validate_and_at_the_start(write, tmp_path):
     assert f"finetune: warning: {expected[0]}" in started.stdout
     assert f"finetune: warning: {expected[2]}" in started.stdout
     assert "goes over its" not in started.stdout  # 1 step: under one pass
+    # (and chat rows train on the assistant's turns, by default, and the start says so)
+    assert "trained tokens: the assistant turns only (training.assistant_only_loss, the " \
+           "default for conversations" in started.stdout
     # eval_fraction: the held-out rows are counted as training will hold them out
     enough = jsonl(tmp_path, "enough.jsonl", [CHAT] * 40)
     fine = config(write, "sft", enough, "  eval_fraction: 0.1\ntraining: {max_steps: 20, "

@@ -193,6 +193,11 @@ def report(experiment: Experiment, shown: int) -> list[str]:
     lines = [f"method {experiment.method}, data format {splits.format}; trained tokens "
              f"between {OPEN} and {CLOSE}"] + [f"note: {note}" for note in splits.notes]
     sample = _view(experiment)
+    if sample is _sft:
+        from finetune.methods.sft import trained_tokens
+
+        said = trained_tokens(experiment, splits.format)
+        lines += [f"note: {said}"] if said else []
     own = record(experiment)
     if own.generates or _distills_data(own):  # the prompts or conversations it prepares
         from finetune.methods import preparation

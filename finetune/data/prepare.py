@@ -53,7 +53,8 @@ from finetune.config.schema import Experiment
 from finetune.errors import FAILED_MARKER, DataError, RunError, first_line, one_line
 from finetune.data.files import content_digest
 
-VERSION = 3  # bump when what is stored changes
+# Bump when what is stored changes (4: sft conversations train assistant turns by default).
+VERSION = 4
 META = "meta.json"  # written last: its presence marks a complete entry
 # Training settings that change what preparation produces.
 SETTINGS = ("max_length", "truncation_mode", "assistant_only_loss", "completion_only_loss",

@@ -61,8 +61,10 @@ def _conversation(tokenizer, messages: list[dict[str, Any]], weight: float, mask
         if ids[:len(start)] != start or ids[:len(end)] != end:
             raise DataError(f"{label}: the chat template does not render this conversation "
                             "turn by turn (a prefix renders differently), so assistant turns "
-                            "cannot be located for assistant_only_loss or per-turn weights; "
-                            "use a template that does")
+                            "cannot be located for assistant_only_loss (on by default for "
+                            "conversations) or per-turn weights; use a template that does "
+                            "(tokenizer.chat_template), or set training.assistant_only_loss: "
+                            "false to train on every turn")
         turn = weight * (1.0 if message.get("weight") is None else float(message["weight"]))
         span = range(len(start), len(end))
         for position in span:

@@ -141,4 +141,10 @@ def best_of_n(run_dir: str, prompts: list[Prompt], out: TextIO, sources: RewardS
           f"of {run.directory}, scored by {sources.describe()}"
           + (f"; {ties} prompt(s) skipped: their {n} samples all scored the same" if ties
              else ""), file=sys.stderr)
+    if ties:  # what a dpo or reward run on this file then learns from
+        print(f"finetune: warning: only {len(prompts) - ties} of {len(prompts)} prompt(s) gave a "
+              f"pair: a preference run on these {written} row(s) learns from "
+              f"{100 * (len(prompts) - ties) / max(len(prompts), 1):.0f}% of the prompts; more "
+              "samples (--best-of), a higher temperature or another reward separate more",
+              file=sys.stderr)
     return written, ties

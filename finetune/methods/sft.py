@@ -26,13 +26,34 @@ def _value(experiment: Experiment):
     return lambda key: effective_value(experiment, key)
 
 
+def assistant_only(experiment: Experiment, fmt: str) -> bool:
+    """training.assistant_only_loss as the experiment gives it; unset, true for
+    conversations (messages): a chat model learns the assistant's turns, not the user's.
+    TRL's own default (false) trains on every turn, the loss-mask mistake most reported in
+    the field; text rows train on everything."""
+    given = experiment.training.get("assistant_only_loss")
+    return bool(given) if given is not None else fmt == "messages"
+
+
+def trained_tokens(experiment: Experiment, fmt: str) -> str | None:
+    """What the start summary and `finetune data` say a conversation trains on."""
+    if fmt != "messages":
+        return None
+    given = experiment.training.get("assistant_only_loss")
+    if assistant_only(experiment, fmt):
+        return ("trained tokens: the assistant turns only (training.assistant_only_loss"
+                + (", the default for conversations; false trains every turn)" if given is None
+                   else ")"))
+    return "trained tokens: every turn, the user's too (training.assistant_only_loss: false)"
+
+
 def _masking(splits: Splits, experiment: Experiment) -> sft_tokens.Masking:
     value = _value(experiment)
     weighted = experiment.data.weight_column is not None or \
         sft_tokens.uses_token_weights(splits.train, splits.format)
     # What depends on the rows; the settings alone were checked by config/rules/.
     problems = []
-    if value("assistant_only_loss") and splits.format == "text":
+    if experiment.training.get("assistant_only_loss") and splits.format == "text":
         problems.append("training.assistant_only_loss: needs conversational data "
                         "(messages, or prompt/completion as message lists); this data is text")
     packed = [name for name in ("packing", "padding_free") if value(name)]
@@ -46,7 +67,7 @@ def _masking(splits: Splits, experiment: Experiment) -> sft_tokens.Masking:
     if problems:
         raise ConfigError(problems)
     return sft_tokens.Masking(
-        assistant_only=bool(value("assistant_only_loss")),
+        assistant_only=assistant_only(experiment, splits.format),
         completion_only=value("completion_only_loss") is not False,
         max_length=value("max_length"), keep_end=value("truncation_mode") == "keep_end",
         weighted=weighted)
@@ -82,6 +103,9 @@ def _streamed(splits: Splits, tokenizer, experiment: Experiment,
 def prepare(splits: Splits, tokenizer, experiment: Experiment) -> Splits:
     """Tokenized (and packed, with training.packing) train and eval rows."""
     masking = _masking(splits, experiment)
+    said = trained_tokens(experiment, splits.format)
+    if said and said not in splits.notes:  # kept with the prepared data, said at each start
+        splits.notes.append(said)
     if experiment.data.streaming:
         return _streamed(splits, tokenizer, experiment, masking)
     out = splits.tokenized(
