@@ -44,6 +44,7 @@ def exit_code(signal_name: str) -> int:
     """How a run that saved and stopped on `signal_name` exits."""
     return EXIT_INTERRUPTED if signal_name == "SIGINT" else EXIT_PREEMPTED
 
+
 # Written by a training process that stopped on one of the errors above, so that
 # `finetune launch`, whose launcher only reports "a child failed", can exit 2 as well.
 FAILED_MARKER = "failed.json"

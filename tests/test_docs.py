@@ -75,7 +75,8 @@ def as_typed(argv: list[str]) -> list[str]:
     return typed
 
 
-@pytest.mark.parametrize("where,argv", COMMANDS, ids=[f"{w}:{' '.join(a)[:40]}" for w, a in COMMANDS])
+@pytest.mark.parametrize("where,argv", COMMANDS,
+                         ids=[f"{w}:{' '.join(a)[:40]}" for w, a in COMMANDS])
 def test_every_command_parses_and_names_files_that_exist(where, argv):
     argv = as_typed(argv)
     parser = build_parser()

@@ -28,7 +28,8 @@ TOP = import_graph.graph(top_level=True)  # those that run when the module is im
 TORCH_SIDE = ("data", "model", "methods", "trainers", "run", "inference")
 TORCH_SIDE_MODULES = ("finetune.commands.data_view", "finetune.commands.eval_saved")
 NOT_TORCH_SIDE = ("finetune.data.files", "finetune.data.rows", "finetune.data.formats",
-                  "finetune.data.scan", "finetune.data.sizes", "finetune.inference.cli", "finetune.run.launched")
+                  "finetune.data.scan", "finetune.data.sizes", "finetune.inference.cli",
+                  "finetune.run.launched")
 # What `finetune validate/render/estimate/plot/push/eval --help/launch --dry-run` and a
 # launcher run: importing any of these must not load the torch side.
 TORCH_FREE = ("config", "render", "launch", "rundir", "report", "hub", "estimate", "fileio",

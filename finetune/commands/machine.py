@@ -6,7 +6,8 @@ command for what is missing or broken. `--json` gives the same facts, for bug re
 Torch-free at import: the CLI builds every parser at start. `facts()` gathers the
 torch-free facts first, imports torch only when it is installed, and reports a torch that
 fails to import instead of raising. The decisions are the run's own functions
-(launch/probe.py, config/derived/effective.py, config/derived/attention.py, hardware.py), not copies."""
+(launch/probe.py, config/derived/effective.py and attention.py, model/hardware.py), not
+copies."""
 
 from __future__ import annotations
 

@@ -8,7 +8,8 @@ from typing import Mapping
 
 import torch
 
-from finetune.config.derived.effective import checkpointing_setting, model_precision, resolve_precision
+from finetune.config.derived.effective import (checkpointing_setting, model_precision,
+                                               resolve_precision)
 from finetune.config.derived.kernels import Kernels, installed
 from finetune.config.schema import Experiment
 from finetune.errors import ConfigError, RunError, first_line

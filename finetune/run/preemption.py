@@ -4,11 +4,11 @@ every rank together.
 The handler only records the signal. At the end of each optimizer step the ranks agree
 (one all-reduce of a flag) whether any of them was signalled; if so every rank asks the
 Trainer to save and stop at that same step, the checkpoint is sealed (callbacks.py), and
-the process exits with errors.EXIT_PREEMPTED (EXIT_INTERRUPTED, 130, after Ctrl-C, as a shell expects of an
-interrupted command; either way the same command continues the run). A second signal
-(a second Ctrl-C too) kills at once (the default
-action is restored after the first), and a save that outlives preemption.save_timeout
-ends the process from a watchdog thread; either way the previous checkpoint stays.
+the process exits with errors.EXIT_PREEMPTED (EXIT_INTERRUPTED, 130, after Ctrl-C, as a
+shell expects of an interrupted command; either way the same command continues the run).
+A second signal (a second Ctrl-C too) kills at once (the default action is restored after
+the first), and a save that outlives preemption.save_timeout ends the process from a
+watchdog thread; either way the previous checkpoint stays.
 """
 
 from __future__ import annotations

@@ -33,7 +33,8 @@ INTEGRATIONS = {
     "flyte": ("flytekit", "pip install flytekit"),
     "dagshub": ("dagshub", "pip install dagshub"),
 }
-# Trackers finetune keeps to one run per experiment and gives the summary (finetune/report/trackers.py).
+# Trackers finetune keeps to one run per experiment and gives the summary
+# (finetune/report/trackers.py).
 TRACKED = ("tensorboard", "mlflow", "wandb")
 # Uploads are finetune's, of the final model (finetune/hub/upload.py): these steer the Trainer's
 # own pushes of checkpoints, which never happen.
