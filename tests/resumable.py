@@ -144,10 +144,14 @@ class Run:
 
 
 def logged(run_dir: Path) -> list[dict]:
+    """The records of metrics.jsonl; read while the run appends, a last line without its
+    newline is still being written (seen on a loaded machine): not a record yet."""
     path = run_dir / "metrics.jsonl"
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    text = path.read_text()
+    whole = text if text.endswith("\n") else text[:text.rfind("\n") + 1]
+    return [json.loads(line) for line in whole.splitlines() if line.strip()]
 
 
 def losses(run_dir: Path) -> list[tuple]:
