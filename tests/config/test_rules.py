@@ -335,6 +335,31 @@ def test_mistyped_bare_model_name_online(capsys, tmp_path, monkeypatch):
     assert validate(capsys, path)[0] == 0
 
 
+def test_paths_written_from_the_current_directory_or_mistyped_are_named_with_the_fix(
+        capsys, tmp_path, monkeypatch):
+    """An experiment in configs/ naming `models/tiny` (a directory of the current directory,
+    not of configs/), and a data file one letter from the file beside it: each error says
+    how to write it."""
+    monkeypatch.chdir(tmp_path)
+    shutil.copytree(TINY_MODEL, tmp_path / "models" / "tiny")
+    (tmp_path / "configs" / "data").mkdir(parents=True)
+    data = tmp_path / "configs" / "data" / "sft_train.jsonl"
+    shutil.copy(DATA / "sft_train.jsonl", data)
+    path = tmp_path / "configs" / "exp.yaml"
+    path.write_text(f"method: sft\nmodel: {{name_or_path: models/tiny, init: random}}\n"
+                    f"data: {{train: {data}}}\n")
+    message = refused(capsys, path)
+    assert ("model.name_or_path: 'models/tiny' is not a directory next to the YAML file "
+            f"({path.parent}): paths in an experiment are relative to the file that names "
+            "them, and this one is relative to the current directory; write ../models/tiny "
+            "(or the absolute path)") in message
+    path.write_text(f"method: sft\nmodel: {{name_or_path: ../models/tiny, init: random}}\n"
+                    f"data: {{train: {data.with_name('sft_trian.jsonl')}}}\n")
+    message = refused(capsys, path)
+    assert (f"no such file or directory: {data.with_name('sft_trian.jsonl')}; did you mean "
+            f"{data}?") in message
+
+
 def test_model_with_custom_code_needs_trust(capsys, write, tmp_path):
     model = tmp_path / "custom"
     shutil.copytree(TINY_MODEL, model)

@@ -8,6 +8,7 @@ hand-written DeepSpeed file against the experiment (deepspeed_file.py). Each rul
 
 from __future__ import annotations
 
+import difflib
 import re
 import typing
 from pathlib import Path
@@ -34,6 +35,18 @@ def is_local(path: str) -> bool:
     return path.startswith(("/", "./", "../", "~")) or paths.exists(path)
 
 
+def _did_you_mean(path: str) -> str:
+    """'; did you mean NAME?' for a missing file one letter or two from a file beside it."""
+    parent = Path(path).parent
+    try:
+        names = [p.name for p in parent.iterdir() if paths.is_file(p)] if paths.is_dir(parent) \
+            else []
+    except OSError:
+        return ""
+    close = difflib.get_close_matches(Path(path).name, names, n=1, cutoff=0.8)
+    return f"; did you mean {parent / close[0]}?" if close else ""
+
+
 def _paths(exp: Experiment) -> Iterator[Problem]:
     for loc, path in inputs.values(exp, "data"):
         source = getattr(exp.data, loc[1])[loc[2]]  # loc: ("data", split, i, "path")
@@ -46,7 +59,7 @@ def _paths(exp: Experiment) -> Iterator[Problem]:
                        "only for hub datasets; a local source names its files in path "
                        "(a file, or a directory of them)")
             if not paths.exists(path):
-                yield loc, f"no such file or directory: {path}"
+                yield loc, f"no such file or directory: {path}{_did_you_mean(path)}"
             elif not (paths.is_file(path) or paths.is_dir(path)):
                 # A FIFO, socket or device: reading it would block or never end.
                 yield loc, f"not a regular file or directory: {path}"

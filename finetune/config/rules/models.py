@@ -73,10 +73,19 @@ def offline(loc: tuple, hub_id: str, kind: str = "model") -> Iterator[Problem]:
 
 
 def near_miss(name: str, base: Path) -> str | None:
-    """A bare name (the quickstart's style) that is not a directory next to the YAML file
-    but is one letter or two from one that holds a model: almost surely a typo, which
-    the hub would answer with a network error at train time."""
-    if "/" in name or paths.problem(name) or paths.exists(base / name):
+    """A relative model path that is not a directory next to the YAML file, where the
+    hub would answer with a network error at train time: one written relative to the
+    current directory instead (a model directory is there), or a bare name (the
+    quickstart's style) one letter or two from a model directory next to the file."""
+    if paths.problem(name) or Path(name).is_absolute() or paths.exists(base / name):
+        return None
+    here = Path.cwd() / name
+    if paths.is_file(here / "config.json"):
+        return (f"{name!r} is not a directory next to the YAML file ({base}): paths in an "
+                "experiment are relative to the file that names them, and this one is "
+                f"relative to the current directory; write {os.path.relpath(here, base)} "
+                "(or the absolute path)")
+    if "/" in name:
         return None
     try:
         models = [p.name for p in base.iterdir() if paths.is_file(p / "config.json")]
