@@ -136,6 +136,12 @@ def _resolve(value: Any, loc: Loc, base: Path) -> Any:
     kind = mark_at(Experiment, loc).kind
     if kind == "template" and ("{{" in value or "{%" in value):
         return value
+    if kind == "data" and value.lower().endswith(rules.DATA_SUFFIXES) and \
+            not Path(value).is_absolute() and not value.startswith("~") and \
+            not paths.problem(value):
+        # A data file by its suffix, never a hub dataset id: missing, it is named where it
+        # was looked for (next to the YAML file), with the file beside it it may mean.
+        return str(paths.resolve(base / value))
     if kind == "code":
         if ".py:" not in value:
             return value  # an importable module

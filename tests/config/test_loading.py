@@ -136,7 +136,9 @@ def test_missing_files_and_required_fields(write):
     path = write("exp.yaml", "method: sft\nmodel:\n  name_or_path: ./nope\n"
                              "data:\n  train: missing.jsonl\n")
     found = problems(path)
-    assert any("data.train[0].path: no such file: missing.jsonl" in p for p in found)
+    # named where it was looked for: next to the YAML file
+    assert any(f"data.train[0].path: no such file or directory: {path.parent / 'missing.jsonl'}"
+               in p for p in found), found
     assert any("model.name_or_path: no such model directory" in p for p in found)
     path = write("exp2.yaml", "method: sft\ndata:\n  train: x\n")
     assert problems(path) == [f"{path}: model: required, but missing"]

@@ -358,6 +358,11 @@ def test_paths_written_from_the_current_directory_or_mistyped_are_named_with_the
     message = refused(capsys, path)
     assert (f"no such file or directory: {data.with_name('sft_trian.jsonl')}; did you mean "
             f"{data}?") in message
+    # written relative to the YAML file, as the quickstart writes its data
+    path.write_text("method: sft\nmodel: {name_or_path: ../models/tiny, init: random}\n"
+                    "data: {train: data/sft_trian.jsonl}\n")
+    assert (f"no such file or directory: {data.with_name('sft_trian.jsonl')}; did you mean "
+            f"{data}?") in refused(capsys, path)
 
 
 def test_model_with_custom_code_needs_trust(capsys, write, tmp_path):
