@@ -15,11 +15,9 @@ MAX_PASSES = 10
 
 def global_batch(experiment: Experiment) -> int:
     """Rows per optimizer step: per device x accumulation x data-parallel processes."""
-    dist = experiment.distributed
-    shared = dist.tensor_parallel * dist.sequence_parallel * dist.context_parallel
     return (value(experiment, "per_device_train_batch_size")
             * value(experiment, "gradient_accumulation_steps")
-            * max(dist.world_size // shared, 1))
+            * experiment.distributed.data_parallel)
 
 
 def size_warnings(experiment: Experiment, train_rows: int | None,
