@@ -122,9 +122,35 @@ def pytest_unconfigure(config):
 @pytest.fixture
 def online(monkeypatch):
     """As a user with network: offline, a hub id missing from the local caches is refused
-    (config/rules/models.py), and the example configs name hub models and data."""
+    (config/rules/models.py), and the example configs name hub models and data. Online,
+    validate asks the hub about a model it has not cached: here a stand-in hub
+    (tests/stand_in_hub.py) that has every model asked for; set hub.models to limit it."""
     for flag in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
         monkeypatch.delenv(flag, raising=False)
+    import huggingface_hub.constants
+
+    from finetune.config.rules.models import _ask_hub
+
+    # huggingface_hub read HF_HUB_OFFLINE when this process imported it; a CLI process
+    # started now reads the variable, an in-process validate reads this copy of it.
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    hub = _stand_in_hub()
+    hub.models, hub.asked = None, []
+    _ask_hub.cache_clear()  # a process asks once per model; each test is a new user
+    # one address for the worker's whole session: a warm interpreter is kept per environment
+    monkeypatch.setenv("HF_ENDPOINT", hub.url)
+    return hub
+
+
+_HUB = []
+
+
+def _stand_in_hub():
+    from stand_in_hub import StandInHub
+
+    if not _HUB:
+        _HUB.append(StandInHub())
+    return _HUB[0]
 
 
 @pytest.fixture

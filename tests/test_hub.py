@@ -43,9 +43,9 @@ output: {{hub_model_id: me/shared-lora}}
 
 
 @pytest.fixture
-def hub_env(monkeypatch, tmp_path):
-    """Online (hub ids are not looked up in a cache), no token of the machine's own."""
-    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HF_TOKEN", "HF_TOKEN_PATH"):
+def hub_env(monkeypatch, tmp_path, online):
+    """Online (a stand-in hub that has every model), no token of the machine's own."""
+    for name in ("HF_TOKEN", "HF_TOKEN_PATH"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import sys
 from importlib.util import find_spec
 
@@ -319,10 +320,9 @@ def test_mistyped_bare_model_name_offline(capsys, tmp_path):
     assert result.stderr.startswith("error: ")
 
 
-def test_mistyped_bare_model_name_online(capsys, tmp_path, monkeypatch):
+def test_mistyped_bare_model_name_online(capsys, tmp_path, online):
     """Without HF_HUB_OFFLINE the hub would be asked for `tiny-lama` at train time; a
     near miss of a model directory next to the file is refused at validate."""
-    monkeypatch.delenv("HF_HUB_OFFLINE")
     shutil.copytree(TINY_MODEL, tmp_path / "tiny-llama")
     path = tmp_path / "exp.yaml"
     path.write_text(BASE.replace(str(TINY_MODEL), "tiny-lama"))
@@ -377,6 +377,39 @@ def test_model_with_custom_code_needs_trust(capsys, write, tmp_path):
     assert validate(capsys, path, "model.trust_remote_code=true")[0] == 0
 
 
+def test_hub_models_not_cached_are_asked_for_once_online(capsys, write, tmp_path, online,
+                                                        monkeypatch):
+    """Online, a model id neither local nor cached is looked up on the hub once, with a
+    short timeout and no retries, before anything is loaded: a name the hub does not have
+    (a mistyped bare name, most often) or a hub that cannot be reached is refused by
+    validate in one line, where training would spend ~30-60 s in retries first."""
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    online.models = {"someorg/real-model"}
+    path = write("exp.yaml", BASE.replace(str(TINY_MODEL), "tiny-lama"))
+    message = refused(capsys, path)
+    assert f"model.name_or_path: 'tiny-lama' is neither a model on the hub ({online.url} " \
+           "has none by that name; a private one needs `hf auth login` or HF_TOKEN) nor a " \
+           "local directory (paths in an experiment are relative to the YAML file" in message
+    assert online.asked == ["/api/models/tiny-lama"]  # once: no retries
+    assert validate(capsys, path, "model.name_or_path=someorg/real-model")[0] == 0
+    assert validate(capsys, path, "model.name_or_path=someorg/real-model",
+                    "model.revision=v2")[0] == 0
+    assert "/api/models/someorg/real-model/revision/v2" in online.asked[-1]
+    # a cached model is not asked for (transformers falls back on the cache)
+    (tmp_path / "hf" / "hub" / "models--tiny-lama").mkdir(parents=True)
+    asked = len(online.asked)
+    assert validate(capsys, path)[0] == 0 and len(online.asked) == asked
+    # a hub that cannot be reached: refused, saying so, from the CLI in one line
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{closed.getsockname()[1]}")
+        result = run_cli("validate", str(path), "model.name_or_path=someorg/other",
+                         cwd=tmp_path, timeout=60)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert "model.name_or_path: 'someorg/other' is not in the local cache" in result.stderr
+    assert "could not be reached (ConnectError" in result.stderr
+
+
 def test_unknown_pad_token(capsys, write):
     path = write("exp.yaml", BASE)
     message = refused(capsys, path, "tokenizer.pad_token=<pad>")
@@ -399,6 +432,4 @@ def test_hub_ids_must_be_cached_offline(capsys, write, tmp_path, monkeypatch):
     (tmp_path / "hf" / "datasets" / "someorg___no-such-data").mkdir(parents=True)
     assert validate(capsys, path, "model.name_or_path=someorg/no-such-model",
                     "data.train=someorg/no-such-data")[0] == 0
-    monkeypatch.delenv("HF_HUB_OFFLINE")
-    monkeypatch.delenv("HF_DATASETS_OFFLINE")
-    assert validate(capsys, path, "model.name_or_path=other/model", "data.train=other/d")[0] == 0
+    # online: test_hub_models_not_cached_are_asked_for_once_online

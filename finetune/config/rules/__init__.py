@@ -84,7 +84,8 @@ def _paths(exp: Experiment) -> Iterator[Problem]:
         elif not HUB_ID.fullmatch(value):
             yield loc, f"neither a local directory nor a hub id: {value!r}"
         else:
-            yield from models.offline(loc, value)
+            revision = exp.model.revision if loc[0] == "model" else None
+            yield from models.on_hub(loc, value, revision)
     tokenizer = exp.tokenizer.name_or_path or exp.model.name_or_path
     if exp.tokenizer.pad_token and not paths.problem(tokenizer) and paths.is_dir(tokenizer):
         yield from models.pad_token(("tokenizer", "pad_token"), tokenizer, exp.tokenizer.pad_token)
@@ -369,7 +370,7 @@ def _teacher(exp: Experiment, loc: tuple, teacher: str) -> Iterator[Problem]:
         if not HUB_ID.fullmatch(teacher):
             yield loc, f"neither a local directory nor a hub id: {teacher!r}"
         else:
-            yield from models.offline(loc, teacher)
+            yield from models.on_hub(loc, teacher)
     elif not paths.is_dir(teacher):
         yield loc, f"no such model directory: {teacher}"
     elif paths.is_file(Path(teacher) / "experiment.yaml"):  # a finetune run directory

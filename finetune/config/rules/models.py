@@ -1,9 +1,11 @@
 """What validate can tell about a model without loading it: a local directory that ships
-its own modelling code, and a hub id that cannot be fetched because the hub is off."""
+its own modelling code, and a hub id that cannot be fetched: the hub is off, does not
+answer, or has no such model."""
 
 from __future__ import annotations
 
 import difflib
+import functools
 import json
 import os
 from pathlib import Path
@@ -13,6 +15,9 @@ from finetune.config import paths
 
 Problem = tuple[tuple, str]
 _TRUE = ("1", "on", "yes", "true")
+# One question to the hub, no retries: validate exists to fail fast, and transformers'
+# own retries (~30-60 s here) would come before the first error line.
+HUB_TIMEOUT_S = 5.0
 
 
 def remote_code(loc: tuple, directory: str, trusted: bool) -> Iterator[Problem]:
@@ -70,6 +75,61 @@ def offline(loc: tuple, hub_id: str, kind: str = "model") -> Iterator[Problem]:
     yield loc, (f"{hub_id!r} is not a local {'directory' if kind == 'model' else 'path'}, "
                 f"and cannot be fetched from the hub offline ({' and '.join(flags)} set; it is "
                 f"not in {where}){hint}")
+
+
+def hub_endpoint() -> str:
+    """The hub huggingface_hub talks to, by its documented variable."""
+    return (os.environ.get("HF_ENDPOINT") or "https://huggingface.co").rstrip("/")
+
+
+def on_hub(loc: tuple, hub_id: str, revision: str | None = None) -> Iterator[Problem]:
+    """A model id that is not a local directory: offline, it must be cached (offline());
+    online and not cached, the hub is asked once whether it has it. A bare name the hub
+    does not know is most often a directory written wrong, and said so."""
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in _TRUE:
+        yield from offline(loc, hub_id)
+        return
+    if paths.is_dir(hub_cache() / ("models--" + hub_id.replace("/", "--"))):
+        return  # transformers falls back on the cache when the hub does not answer
+    answer = _ask_hub(hub_endpoint(), hub_id, revision)
+    if answer is None:
+        return
+    local = " nor a local directory (paths in an experiment are relative to the YAML " \
+            "file that names them)"
+    if answer == "not found":
+        yield loc, (f"{hub_id!r} is neither a model on the hub ({hub_endpoint()} has none "
+                    "by that name; a private one needs `hf auth login` or HF_TOKEN)" + local)
+    elif answer == "no revision":
+        yield loc, f"{hub_id!r} has no revision {revision!r} on the hub ({hub_endpoint()})"
+    else:
+        yield loc, (f"{hub_id!r} is not in the local cache ({hub_cache()}){local}, and the "
+                    f"hub ({hub_endpoint()}) {answer}: connect, or name a local directory")
+
+
+@functools.lru_cache(maxsize=64)
+def _ask_hub(endpoint: str, hub_id: str, revision: str | None) -> str | None:
+    """None where the hub has the model (or answered something training will report
+    itself); else 'not found', 'no revision', or what went wrong reaching it. Asked once
+    a process: launches load an experiment twice where the device is probed."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError,
+                                        RepositoryNotFoundError, RevisionNotFoundError)
+
+    try:
+        HfApi(endpoint=endpoint).model_info(hub_id, revision=revision, timeout=HUB_TIMEOUT_S)
+    except GatedRepoError:
+        return None  # it exists; training says how to get access
+    except RepositoryNotFoundError:  # also 401 for a private model without a token
+        return "not found"
+    except RevisionNotFoundError:
+        return "no revision"
+    except HfHubHTTPError:
+        return None  # rate limits, 5xx: training asks again and says what the hub says
+    except Exception as exc:  # the transport errors of whichever httpx huggingface_hub uses
+        if "timeout" in type(exc).__name__.lower():
+            return f"did not answer within {HUB_TIMEOUT_S:g} s"
+        return f"could not be reached ({type(exc).__name__}: {exc})"
+    return None
 
 
 def near_miss(name: str, base: Path) -> str | None:
