@@ -102,3 +102,33 @@ def test_resume_state_saves_every_part_and_restores_each_rank(tmp_path):
         # The loss window is reopened from this rank's own record only.
         window = float(resumed.trainer._tr_loss), resumed.trainer._globalstep_last_logged
         assert window == ((2.0, 2) if own else (0.0, 0))
+
+
+def test_a_resume_hides_only_the_missing_keys_that_are_tied(caplog):
+    """transformers' Trainer names the output layer tied to the embeddings as a missing key
+    on every resume (a checkpoint stores a shared tensor once); run/noise.py drops that
+    line, and only where every key named shares a tensor: a truly missing weight is said."""
+    import logging
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from conftest import TINY_MODEL
+    from finetune.model.load import tied_parameters
+    from finetune.run.noise import hide_tied_keys_on_resume
+
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(TINY_MODEL))
+    tied = tied_parameters(model)
+    assert tied == {"model.embed_tokens.weight", "lm_head.weight"}
+    logger = logging.getLogger("transformers.trainer")
+    before = list(logger.filters)
+    hide_tied_keys_on_resume(tied)
+    try:
+        prefix = "There were missing keys in the checkpoint model loaded: "
+        with caplog.at_level(logging.WARNING, logger="transformers.trainer"):
+            logger.warning(f"{prefix}{['lm_head.weight']}.")
+            logger.warning(f"{prefix}{['lm_head.weight', 'model.norm.weight']}.")
+            logger.warning(f"{prefix}{['base_model.model.lm_head.weight']}.")
+        assert [r.getMessage() for r in caplog.records] == \
+            [f"{prefix}{['lm_head.weight', 'model.norm.weight']}."]
+    finally:
+        logger.filters[:] = before

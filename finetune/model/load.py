@@ -223,6 +223,15 @@ def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
     return trainable, total
 
 
+def tied_parameters(model: torch.nn.Module) -> set[str]:
+    """The names of parameters that share another parameter's tensor (an output layer
+    tied to the input embeddings): a checkpoint stores each shared tensor once."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return {name for group in names.values() if len(group) > 1 for name in group}
+
+
 def load_full_weights(model: torch.nn.Module, directory: Path) -> None:
     """Load a whole model saved with save_pretrained (model.safetensors, or its shards)
     into `model`, in place. A ValueError when the weights do not fit it; a

@@ -3,6 +3,7 @@ libraries load; each filter names the message it hides and says why. Torch-free.
 
 from __future__ import annotations
 
+import ast
 import logging
 
 
@@ -28,3 +29,34 @@ def hide_known_noise(quantized: bool) -> None:
     # start summary already says which device the run uses, and finetune's device checks
     # refuse a CUDA run that finds no GPU.
     logging.getLogger("DeepSpeed").addFilter(_Without("Setting accelerator to CPU"))
+
+
+class _TiedKeysOnResume(logging.Filter):
+    """transformers' Trainer says "There were missing keys in the checkpoint model loaded:
+    ['lm_head.weight']" on every resume of a model whose output layer shares the input
+    embeddings' weight: the checkpoint stores a shared weight once, and loading the other
+    fills both. Dropped only where every key it names is one of `tied` (checked to share
+    its tensor); any other missing key is still said."""
+
+    PREFIX = "There were missing keys in the checkpoint model loaded: "
+
+    def __init__(self, tied: set[str]):
+        super().__init__()
+        self.tied = tied
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if not message.startswith(self.PREFIX):
+            return True
+        try:
+            keys = ast.literal_eval(message[len(self.PREFIX):].rstrip("."))
+        except (ValueError, SyntaxError):
+            return True
+        return not (isinstance(keys, list) and keys and all(
+            any(key == t or key.endswith("." + t) for t in self.tied) for key in keys))
+
+
+def hide_tied_keys_on_resume(tied: set[str]) -> None:
+    """tied: the parameter names that share another's tensor (run/worker.py finds them)."""
+    if tied:
+        logging.getLogger("transformers.trainer").addFilter(_TiedKeysOnResume(tied))

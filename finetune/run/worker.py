@@ -19,7 +19,7 @@ from finetune.hub import upload
 from finetune.report import trackers
 from finetune.run.build import method_trainer, starting_model, tokenizer_and_data, without_redacted
 from finetune.model.hardware import checkpointing_decision, resolve_hardware
-from finetune.model.load import count_parameters
+from finetune.model.load import count_parameters, tied_parameters
 from finetune.model.peft import embed_base
 from finetune.run.callbacks import (EndAtLastStep, MetricsFile, NothingLeftToTrain, ResumeState,
                                    SealCheckpoints, TrainingTime, read_metrics,
@@ -33,6 +33,7 @@ from finetune.rundir.fingerprint import fingerprint, layout
 from finetune.run.launched import apply_cpu_threads, parallel_note, rank_of
 from finetune.methods import Job
 from finetune.run.preemption import Preempted, StopOnSignal
+from finetune.run.noise import hide_tied_keys_on_resume
 from finetune.report.plots import write_loss_plot
 from finetune.report.summary import (attention_name, end_summary, environment, logged_before,
                              start_summary, write_json)
@@ -194,6 +195,8 @@ def train(experiment: Experiment, run_dir: Path, plan: ResumePlan,
                                  checkpointing_note, threads) if n] + data.notes)
     trainer = method_trainer(job)
     resume_state.trainer = trainer
+    if plan.checkpoint is not None:
+        hide_tied_keys_on_resume(tied_parameters(trainer.model))
     main = trainer.is_world_process_zero()
     if main:
         write_json(run_dir / "environment.json",
