@@ -21,13 +21,14 @@ TOP = import_graph.graph(top_level=True)  # those that run when the module is im
 
 # Packages that import torch, transformers, trl or peft, and the modules of theirs that do
 # not (data/files.py: it reads and hashes files, and the fingerprint uses it; data/scan.py,
-# with the row checks of data/rows.py and data/formats.py, is validate's data pass, and
+# with the row checks of data/rows.py, data/formats.py and data/peer_rows.py, is validate's data pass, and
 # data/sizes.py its warnings;
 # inference/cli.py: the CLI builds its parsers at every start; run/launched.py: `finetune
 # train` checks its launch before torch is loaded).
 TORCH_SIDE = ("data", "model", "methods", "trainers", "run", "inference")
 TORCH_SIDE_MODULES = ("finetune.commands.data_view", "finetune.commands.eval_saved")
 NOT_TORCH_SIDE = ("finetune.data.files", "finetune.data.rows", "finetune.data.formats",
+                  "finetune.data.peer_rows",
                   "finetune.data.scan", "finetune.data.sizes", "finetune.inference.cli",
                   "finetune.run.launched")
 # What `finetune validate/render/estimate/plot/push/eval --help/launch --dry-run` and a

@@ -138,6 +138,15 @@ BAD = {
     "deep tools": ("sft", [CHAT, {**CHAT, "tools": [{"a": json.loads("[" * 70 + "]" * 70)}]}],
                    ""),
     "empty": ("sft", [], ""),
+    "image part": ("sft", [CHAT, {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "a"}, {"type": "image", "image": "cat.png"}]}, ASSISTANT]}], ""),
+    "single answer no prompt": ("dpo", [{"chosen": ASSISTANT, "rejected": ASSISTANT}], ""),
+    "single answer speaker": ("dpo", [{"conversations": [{"from": "human", "value": "q"}],
+                                       "chosen": {"from": "bot", "value": "a"},
+                                       "rejected": {"from": "gpt", "value": "b"}}], ""),
+    "kto last turn": ("kto", [{**CHAT, "label": True}, {"messages": [ASSISTANT, USER],
+                                                         "label": False}], ""),
+    "kto label": ("kto", [{**CHAT, "label": True}, {**CHAT, "label": "yes"}], ""),
 }
 
 

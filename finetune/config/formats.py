@@ -14,6 +14,9 @@ SOURCES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "alpaca": (("instruction", "output"), ("prompt_completion", "prompt")),
     # conversations of {from, value} turns; optional system and tools columns.
     "sharegpt": (("conversations",), ("messages",)),
+    # kto rows as LLaMA-Factory writes them: a conversation whose last turn, an assistant's,
+    # is labelled desirable (true) or not (false).
+    "labelled_messages": (("messages", "label"), ("unpaired_preference",)),
 }
 
 # sharegpt's usual speaker names (`from`), over which data.roles applies.

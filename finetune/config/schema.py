@@ -138,8 +138,10 @@ class DataSection(Section):
         "prompt, a completion and a boolean label (true: desirable), and kto reads "
         "preference pairs as two such rows each. Converted while reading: "
         "alpaca (instruction, optional input and system, output: prompt/completion messages "
-        "for sft, a prompt for grpo and ppo) and sharegpt (conversations of from/value turns: "
-        "messages, for sft); 'auto' detects them too where no other format's columns are there.")
+        "for sft, a prompt for grpo and ppo), sharegpt (conversations of from/value turns: "
+        "messages, for sft) and labelled_messages (messages and a boolean label: unpaired "
+        "rows for kto, the last assistant turn as the completion); 'auto' detects them too "
+        "where no other format's columns are there.")
     roles: dict[str, str] = Field(
         default_factory=dict, description="sharegpt: speaker names (`from`) and the role each "
         "becomes (system, user, assistant or tool), over the usual ones: "

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from finetune.config.formats import SHAREGPT_ROLES, SOURCES, accepted
 from finetune.config.methods import method as method_record
+from finetune.data import peer_rows
 from finetune.data.rows import FORMATS, _shared_turns, check_row
 from finetune.errors import DataError
 
@@ -60,7 +61,8 @@ def _sharegpt_problem(row: dict[str, Any], roles: dict[str, str]) -> str | None:
     return _text(row, "system", optional=True)
 
 
-PROBLEMS = {"alpaca": _alpaca_problem, "sharegpt": _sharegpt_problem}
+PROBLEMS = {"alpaca": _alpaca_problem, "sharegpt": _sharegpt_problem,
+            "labelled_messages": peer_rows.labelled_messages_problem}
 
 
 def speaker_roles(overrides: dict[str, str]) -> dict[str, str]:
@@ -91,6 +93,8 @@ def _converted_row(row: dict[str, Any], fmt: str, target: str,
         if target == "prompt":
             return {"prompt": prompt}
         return {"prompt": prompt, "completion": [{"role": "assistant", "content": row["output"]}]}
+    if fmt == "labelled_messages":
+        return peer_rows.labelled_messages_row(row)
     system = [{"role": "system", "content": row["system"]}] if row.get("system") else []
     return {"messages": system + [{"role": roles[t["from"]], "content": t["value"]}
                                   for t in row["conversations"]]}
@@ -125,7 +129,10 @@ def converted(label: str, ds: Dataset, fmt: str, target: str, roles: dict[str, s
     what = {"prompt_completion": "prompt/completion messages (instruction and input as the "
                                  "user turn, output as the assistant's)",
             "prompt": "prompts (instruction and input as the user turn; other columns kept)",
-            "messages": "messages (`from` names mapped to roles)"}[target]
+            "messages": "messages (`from` names mapped to roles)",
+            "unpaired_preference": "unpaired rows (the turns before the last as the prompt, "
+                                   "the last, an assistant turn, as the completion; `label` "
+                                   "as given)"}[target]
     return out, f"{label}: {fmt} rows read as {what}"
 
 

@@ -18,7 +18,7 @@ import pyarrow as pa
 from datasets import (Dataset, Features, LargeList, List, Value, concatenate_datasets,
                       load_dataset)
 
-from finetune.data import formats, mix, scratch
+from finetune.data import formats, mix, peer_rows, scratch
 from finetune.data.files import checked_builder, diagnose_json, list_data_files
 from finetune.data.rows import FORMATS, WEIGHT, check_row, preference_problem
 from finetune.config.formats import SOURCES, target as source_target
@@ -223,6 +223,8 @@ def _read_part(label: str, ds: Dataset, fmt: str | None, experiment: Experiment,
     roles = formats.speaker_roles(experiment.data.roles)
     failure = _failure(label, ds, fmt, forced, experiment, roles)
     trained = fmt
+    ds, note = peer_rows.text_parts(label, ds, failure)
+    notes.extend([note] if note else [])
     if fmt in SOURCES:
         trained = source_target(fmt, method_record(experiment.method).formats)
         missing = [c for c in SOURCES[fmt][0] if c not in ds.column_names]
@@ -232,6 +234,8 @@ def _read_part(label: str, ds: Dataset, fmt: str | None, experiment: Experiment,
         ds, note = formats.converted(label, ds, fmt, trained, roles, failure)
         notes.append(note)
     elif fmt == "preference":
+        ds, note = peer_rows.single_answers(label, ds, roles, failure)
+        notes.extend([note] if note else [])
         ds, note = formats.text_prompts(label, ds, failure)
         notes.extend([note] if note else [])
     return _validated(label, ds, trained, experiment, failure), fmt

@@ -25,7 +25,7 @@ WEIGHT = "weight"  # the per-sample weight column, whatever data.weight_column n
 MAX_WEIGHT = 1e6
 
 
-def _check_messages(value: Any, field: str) -> str | None:
+def check_messages(value: Any, field: str) -> str | None:
     if not isinstance(value, list):
         return f"`{field}` must be a list of messages, got {type(value).__name__}"
     if not value:
@@ -72,7 +72,7 @@ def _check_text_or_messages(value: Any, field: str) -> str | None:
     if isinstance(value, str):
         return None if value.strip() else f"`{field}` is empty"
     if isinstance(value, list):
-        return _check_messages(value, field)
+        return check_messages(value, field)
     return f"`{field}` must be text or a list of messages, got {type(value).__name__}"
 
 
@@ -124,7 +124,7 @@ def check_row(row: dict[str, Any], fmt: str, labels: list[str] | None = None) ->
     if fmt in ("messages", "prompt_completion") and _check_tools(row.get("tools")):
         return _check_tools(row.get("tools"))
     if fmt == "messages":
-        problem = _check_messages(row["messages"], "messages")
+        problem = check_messages(row["messages"], "messages")
         if problem is None and not any(m["role"] == "assistant" for m in row["messages"]):
             problem = "no assistant message to learn from"
         return problem or _check_turn_weights(row["messages"])

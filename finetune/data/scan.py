@@ -4,7 +4,7 @@ so a bad row is reported (file, line, field) before anything heavy loads, and a 
 larger than memory streams through.
 
 The checks are those training runs: data/files.py's (the bytes, the JSON, the values),
-data/formats.py's (format detection, alpaca/sharegpt and text-prompt conversion) and
+data/formats.py's and data/peer_rows.py's (format detection, the conversions) and
 data/rows.py's (the format's row check, weights, labels, a file's prompts). This module
 reads rows and hands them to those checks in training's order; it checks nothing itself.
 
@@ -27,7 +27,7 @@ from finetune.config.formats import SOURCES, target as source_target
 from finetune.config.methods import method as method_record
 from finetune.config.rules import is_local
 from finetune.config.schema import DataSource, Experiment
-from finetune.data import formats
+from finetune.data import formats, peer_rows
 from finetune.data.files import (MAX_DEPTH, checked_builder, is_document, list_data_files,
                                  not_an_object, parse_json, value_problem)
 from finetune.data.rows import FORMATS, WEIGHT, check_row, preference_problem
@@ -202,14 +202,19 @@ class FileCheck:
             self._first(raw)
         self.rows += 1
         raw = row = self._renamed(raw)
+        row, _, problem = peer_rows.text_parts_row(row)
+        if problem:
+            raise self._fail(where, problem, raw)
         if self.fmt in SOURCES:
             problem = formats.PROBLEMS[self.fmt](row, self.roles)
             if problem:
                 raise self._fail(where, problem, raw)
             row = formats.convert_row(row, self.fmt, self.trained, self.roles)
-        elif self.trained == "preference" and isinstance(row.get("prompt"), str) and \
-                isinstance(row.get("chosen"), list):
-            row, problem = formats.text_prompt_row(row)
+        elif self.trained == "preference":
+            row, _, problem = peer_rows.single_answers_row(row, self.roles)
+            if problem is None and isinstance(row.get("prompt"), str) and \
+                    isinstance(row.get("chosen"), list):
+                row, problem = formats.text_prompt_row(row)
             if problem:
                 raise self._fail(where, problem, raw)
         if self.trained != "prompt":

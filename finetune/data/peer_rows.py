@@ -1,0 +1,215 @@
+"""Rows as other tools write them, read as their authors mean them: OpenAI's content parts
+(`content: [{type: text, text}]`), LLaMA-Factory's preference rows whose `chosen` and
+`rejected` are one message each, and its kto rows (a conversation and a boolean label).
+Each function takes one row and gives it in a format the methods train on, or the
+problem ("FILE row N: problem" once the caller names the row); data/load.py applies them
+to a file's dataset and data/scan.py to validate's rows, so both judge a row alike.
+
+Plain Python on dicts, without `datasets` at import (validate's data pass uses them)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+from finetune.data.rows import check_messages
+from finetune.errors import DataError
+
+if TYPE_CHECKING:
+    from datasets import Dataset
+
+# (row number from 1, problem) -> the error's text (data/formats.py Failure)
+Failure = Callable[[int, str], str]
+
+# The columns whose messages may give their content as parts.
+MESSAGE_FIELDS = ("messages", "prompt", "completion", "chosen", "rejected")
+# Part types kept as they are: text only, until vision-language models read image parts.
+KEPT_PARTS = ("text",)
+
+
+def _joined_parts(parts: list, where: str) -> tuple[str | None, str | None]:
+    """Content parts as one text, joined with "\\n" as vLLM joins them; or the problem."""
+    texts = []
+    for j, part in enumerate(parts):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind is None:
+            return None, f"`{where}[{j}]` must be a content part {{type, ...}}"
+        if kind not in KEPT_PARTS:
+            return None, f"`{where}[{j}]` is a {kind!r} part: this model and data format " \
+                         "take text only (text parts)"
+        if not isinstance(part.get("text"), str):
+            return None, f"`{where}[{j}]` is a text part without `text`"
+        texts.append(part["text"])
+    return "\n".join(texts), None
+
+
+def _message_text(message: Any, where: str) -> tuple[Any, bool, str | None]:
+    """A message with list content as text: (message, changed, problem)."""
+    if not isinstance(message, dict) or not isinstance(message.get("content"), list):
+        return message, False, None
+    text, problem = _joined_parts(message["content"], f"{where}.content")
+    return ({**message, "content": text} if problem is None else message), True, problem
+
+
+def text_parts_row(row: dict[str, Any]) -> tuple[dict[str, Any], int, str | None]:
+    """The row with every message's content parts joined as text; how many messages had
+    parts; the problem (a part that is not text)."""
+    out, changed = dict(row), 0
+    for field in MESSAGE_FIELDS:
+        value, problem = row.get(field), None
+        if isinstance(value, dict):  # one message (LLaMA-Factory's chosen/rejected)
+            out[field], was, problem = _message_text(value, field)
+            changed += was
+        elif isinstance(value, list):
+            messages = []
+            for i, message in enumerate(value):
+                message, was, problem = _message_text(message, f"{field}[{i}]")
+                changed += was
+                if problem:
+                    break
+                messages.append(message)
+            out[field] = messages if problem is None else value
+        else:
+            continue
+        if problem:
+            return row, 0, problem
+    return out, changed, None
+
+
+def _one_message(value: Any, field: str, roles: dict[str, str]) -> tuple[Any, str | None]:
+    """A single {role, content} or {from, value} message as OpenAI's {role, content}."""
+    if isinstance(value, dict) and value.get("from") is not None:
+        if value["from"] not in roles:
+            return None, f"`{field}.from` is {value['from']!r}, not a known speaker: map it " \
+                         "to a role with data.roles"
+        value = {"role": roles[value["from"]], "content": value.get("value")}
+    if not isinstance(value, dict) or value.get("role") is None or \
+            not isinstance(value.get("content"), str):
+        return None, f"`{field}` must be one message ({{role, content}} or {{from, value}})"
+    return {"role": value["role"], "content": value["content"]}, None
+
+
+def _prompt_turns(row: dict[str, Any], roles: dict[str, str]) -> tuple[Any, str | None]:
+    """The prompt of a row whose answers are single messages: `prompt` as given, else
+    sharegpt's `conversations` (with its `system`), else `messages`."""
+    if row.get("prompt") is not None:
+        return row["prompt"], None
+    if row.get("conversations") is not None:
+        turns = row["conversations"]
+        if not isinstance(turns, list) or not turns:
+            return None, "`conversations` must be a non-empty list of {from, value} turns"
+        prompt = [{"role": "system", "content": row["system"]}] if row.get("system") else []
+        for i, turn in enumerate(turns):
+            message, problem = _one_message(turn, f"conversations[{i}]", roles)
+            if problem:
+                return None, problem
+            prompt.append(message)
+        return prompt, None
+    if row.get("messages") is not None:
+        return row["messages"], None
+    return None, "`chosen` and `rejected` are single messages, and the row gives no prompt " \
+                 "before them (`prompt`, `conversations` or `messages`)"
+
+
+# The columns a row with single-message answers may give its prompt in, consumed by it.
+PROMPT_SOURCES = ("conversations", "system", "messages")
+
+
+def single_answers_row(row: dict[str, Any],
+                       roles: dict[str, str]) -> tuple[dict[str, Any], bool, str | None]:
+    """A preference row whose `chosen` and `rejected` are one message each (LLaMA-Factory's
+    dpo rows) as message lists after its prompt: (row, converted, problem)."""
+    chosen, rejected = row.get("chosen"), row.get("rejected")
+    if not isinstance(chosen, dict) and not isinstance(rejected, dict):
+        return row, False, None
+    if not isinstance(chosen, dict) or not isinstance(rejected, dict):
+        return row, False, "`chosen` and `rejected` must both be one message or both lists"
+    answers = {}
+    for field, value in (("chosen", chosen), ("rejected", rejected)):
+        answers[field], problem = _one_message(value, field, roles)
+        if problem:
+            return row, False, problem
+    prompt, problem = _prompt_turns(row, roles)
+    if problem:
+        return row, False, problem
+    kept = {k: v for k, v in row.items() if k not in PROMPT_SOURCES}
+    return {**kept, "prompt": prompt, "chosen": [answers["chosen"]],
+            "rejected": [answers["rejected"]]}, True, None
+
+
+def labelled_messages_problem(row: dict[str, Any], roles: dict[str, str]) -> str | None:
+    """Why a kto row given as a conversation and a label (LLaMA-Factory's) is not one."""
+    messages = row.get("messages")
+    if messages is None:
+        return "missing `messages`"
+    problem = check_messages(messages, "messages")
+    if problem:
+        return problem
+    if messages[-1]["role"] != "assistant":
+        return f"the last turn of `messages` is {messages[-1]['role']!r}: kto takes the " \
+               "last turn, an assistant's, as the completion to label"
+    if len(messages) < 2:
+        return "`messages` has no turn before its last assistant turn to prompt it"
+    return None
+
+
+def labelled_messages_row(row: dict[str, Any]) -> dict[str, Any]:
+    """A checked kto conversation as an unpaired row: the turns before the last as the
+    prompt, the last (an assistant turn) as the completion; the label as given."""
+    messages = row["messages"]
+    return {"prompt": messages[:-1], "completion": messages[-1:], "label": row.get("label")}
+
+
+def _plain_text(feature) -> bool:
+    """A column whose messages' content is text in every row (so no row has parts)."""
+    from datasets import LargeList, List, Value
+
+    if isinstance(feature, Value):
+        return True
+    inner = feature.feature if isinstance(feature, (List, LargeList)) else feature
+    return isinstance(inner, dict) and \
+        inner.get("content") in (Value("string"), Value("large_string"))
+
+
+def text_parts(label: str, ds: Dataset, failure: Failure) -> tuple[Dataset, str | None]:
+    """A file's rows with their messages' content parts joined as text, and a note."""
+    fields = [f for f in MESSAGE_FIELDS
+              if f in ds.column_names and not _plain_text(ds.features[f])]
+    if not fields:
+        return ds, None
+    joined = 0
+    for number, row in enumerate(ds.select_columns(fields), 1):
+        _, changed, problem = text_parts_row(row)
+        if problem:
+            raise DataError(failure(number, problem))
+        joined += changed
+    if not joined:
+        return ds, None
+    out = ds.map(lambda row: text_parts_row({f: row[f] for f in fields})[0],
+                 desc="content parts as text")
+    return out, f"{label}: {joined} message(s) gave their content as parts " \
+                "([{type: text, text}]): read as their texts joined by newlines"
+
+
+def single_answers(label: str, ds: Dataset, roles: dict[str, str],
+                   failure: Failure) -> tuple[Dataset, str | None]:
+    """Preference rows whose `chosen` and `rejected` are one message each, as message lists
+    after the prompt the row gives (single_answers_row), and a note."""
+    from datasets import LargeList, List
+
+    if all(isinstance(ds.features.get(f), (List, LargeList)) for f in ("chosen", "rejected")):
+        return ds, None
+    converted = 0
+    for number, row in enumerate(ds, 1):
+        _, was, problem = single_answers_row(row, roles)
+        if problem:
+            raise DataError(failure(number, problem))
+        converted += was
+    if not converted:
+        return ds, None
+    consumed = [c for c in PROMPT_SOURCES if c in ds.column_names]
+    given = "/".join(f"`{c}`" for c in ("prompt",) + PROMPT_SOURCES[:1] + PROMPT_SOURCES[2:]
+                     if c in ds.column_names)
+    out = ds.map(lambda row: single_answers_row(row, roles)[0], remove_columns=consumed,
+                 desc="single-message answers")
+    return out, f"{label}: `chosen`/`rejected` given as one message each ({converted} " \
+                f"row(s)): read as one-message answers after the prompt ({given})"
