@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from conftest import TINY_MODEL, run_cli
 from finetune.config import load_experiment
 from finetune.data.load import load_data
@@ -87,3 +89,121 @@ def test_kto_conversations_with_a_label_are_unpaired_rows(write, tmp_path):
     assert (row["completion"], row["label"]) == ([turn("assistant", "a b")], True)
     assert splits.train[1]["label"] is False
     assert "labelled_messages rows read as unpaired rows" in splits.notes[0]
+
+
+# LLaMA-Factory's glaive_toolcall rows: bare function schemas as JSON text, a call as JSON
+# text (one, or a list), the tool's answer as an observation. The two rows give `ingredients`
+# different types: each row's arguments are its own.
+RECIPES = {"name": "search_recipes", "description": "Find recipes", "parameters": {
+    "type": "object", "properties": {"ingredients": {"type": "array"}}, "required": ["ingredients"]}}
+CLOCK = {"name": "clock", "description": "The time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "string"}}}}
+GLAIVE = [
+    {"conversations": [
+        {"from": "human", "value": "A recipe with chicken?"},
+        {"from": "function_call", "value": json.dumps(
+            {"name": "search_recipes", "arguments": {"ingredients": ["chicken"]}})},
+        {"from": "observation", "value": json.dumps({"recipes": ["Chicken soup"]})},
+        {"from": "gpt", "value": "I found Chicken soup."}],
+     "tools": json.dumps([RECIPES])},
+    {"conversations": [
+        {"from": "human", "value": "Time in UTC and a rice recipe?"},
+        {"from": "function_call", "value": json.dumps([
+            {"name": "clock", "arguments": {"zone": "UTC"}},
+            {"name": "search_recipes", "arguments": {"ingredients": "rice"}}])},
+        {"from": "observation", "value": "12:00"},
+        {"from": "observation", "value": "Rice pudding"},
+        {"from": "gpt", "value": "Noon; rice pudding."}],
+     "tools": json.dumps([CLOCK, RECIPES])},
+]
+
+
+def call(name, arguments):
+    return {"type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+# The same conversations as OpenAI messages, as a user would write them by hand.
+GLAIVE_AS_OPENAI = [
+    ([turn("user", "A recipe with chicken?"),
+      {"role": "assistant", "tool_calls": [call("search_recipes", {"ingredients": ["chicken"]})]},
+      {"role": "tool", "content": json.dumps({"recipes": ["Chicken soup"]}),
+       "name": "search_recipes"},
+      turn("assistant", "I found Chicken soup.")], [RECIPES]),
+    ([turn("user", "Time in UTC and a rice recipe?"),
+      {"role": "assistant", "tool_calls": [call("clock", {"zone": "UTC"}),
+                                           call("search_recipes", {"ingredients": "rice"})]},
+      {"role": "tool", "content": "12:00", "name": "clock"},
+      {"role": "tool", "content": "Rice pudding", "name": "search_recipes"},
+      turn("assistant", "Noon; rice pudding.")], [CLOCK, RECIPES]),
+]
+
+
+def tool_tokenizer(write, path, template):
+    from finetune.model.tokenizer import load_tokenizer
+
+    exp = load_experiment(experiment(write, "sft", path, f"tokenizer:\n  chat_template: "
+                                                          f"{json.dumps(template)}\n"))
+    return exp, load_tokenizer(exp)
+
+
+def test_sharegpt_tool_calls_render_and_train_as_openai_tool_calls(write, tmp_path):
+    from test_formats import TOOL_TEMPLATE
+    from finetune.data import sft_tokens
+
+    path = jsonl(tmp_path, "glaive.jsonl", GLAIVE)
+    exp, tokenizer = tool_tokenizer(write, path, TOOL_TEMPLATE)
+    splits = load_data(exp)
+    assert "in 2 row(s) function_call turns as assistant tool calls" in splits.notes[0]
+    tokens = sft_tokens.tokenize(splits.train, tokenizer, "messages",
+                                 sft_tokens.Masking(assistant_only=True), "train")
+    for (messages, tools), row in zip(GLAIVE_AS_OPENAI, tokens):
+        # Independently: the template's own assistant mask on the OpenAI form.
+        expected = tokenizer.apply_chat_template(
+            messages, tools=[{"type": "function", "function": t} for t in tools],
+            tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        assert row["input_ids"] == expected["input_ids"]
+        trained = [t for t, m in zip(expected["input_ids"], expected["assistant_masks"]) if m]
+        assert [t for t in row["labels"] if t != -100] == trained
+    text = tokenizer.decode(tokens[1]["input_ids"])
+    assert 'call clock {"zone": "UTC"}call search_recipes {"ingredients": "rice"}' in text
+    assert '"name": "clock"' in text  # the tools, wrapped as {type: function, function}
+    trained_text = tokenizer.decode([t for t in tokens[1]["labels"] if t != -100])
+    assert "call clock" in trained_text and "Rice pudding" not in trained_text
+
+
+@pytest.mark.parametrize("dropped,problem", [
+    ("'<|user|>result: ' + message['content'] + '<|end|>'",
+     "the chat template leaves out `messages[2]` (a tool result)"),
+    ("'<|system|>tools: ' + (tools | tojson) + '<|end|>'",
+     "the chat template renders no `tools` (the row's function schemas would be lost)")])
+def test_a_template_that_drops_tool_parts_is_refused_naming_the_row(write, tmp_path, dropped,
+                                                                     problem):
+    from test_formats import TOOL_TEMPLATE
+    from finetune.data import sft_tokens
+    from finetune.errors import DataError
+
+    mute = TOOL_TEMPLATE.replace(dropped, "''")
+    assert mute != TOOL_TEMPLATE
+    path = jsonl(tmp_path, "glaive.jsonl", GLAIVE)
+    exp, tokenizer = tool_tokenizer(write, path, mute)
+    splits = load_data(exp)
+    try:
+        sft_tokens.tokenize(splits.train, tokenizer, "messages", sft_tokens.Masking(), "train")
+    except DataError as exc:
+        assert str(exc).startswith(f"{path} row 1: {problem}"), str(exc)
+    else:
+        raise AssertionError("a template that drops tool results was accepted")
+
+
+def test_finetune_data_shows_sharegpt_tool_calls_trained_and_results_not(write, tmp_path):
+    from test_formats import TOOL_TEMPLATE
+
+    path = jsonl(tmp_path, "glaive.jsonl", GLAIVE)
+    config = experiment(write, "sft", path, f"tokenizer:\n  chat_template: "
+                                            f"{json.dumps(TOOL_TEMPLATE)}\n")
+    result = run_cli("data", str(config), "-n", "1", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "function_call turns as assistant tool calls" in result.stdout
+    assert '<|assistant|>⟦ call search_recipes {"ingredients": ["chicken"]}<|eos|>⟧<|user|> ' \
+           'result: {"recipes": ["Chicken soup"]}<|end|><|assistant|>⟦ I found Chicken soup.' \
+           in result.stdout

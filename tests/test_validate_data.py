@@ -146,6 +146,13 @@ BAD = {
                                        "rejected": {"from": "gpt", "value": "b"}}], ""),
     "kto last turn": ("kto", [{**CHAT, "label": True}, {"messages": [ASSISTANT, USER],
                                                          "label": False}], ""),
+    "tools not json": ("sft", [{**SHAREGPT, "tools": "[]"}, {**SHAREGPT, "tools": "[{name"}], ""),
+    "function_call not json": ("sft", [{"conversations": [
+        {"from": "human", "value": "q"}, {"from": "function_call", "value": "f(x)"},
+        {"from": "observation", "value": "1"}, {"from": "gpt", "value": "a"}]}], ""),
+    "function_call no name": ("sft", [{"conversations": [
+        {"from": "human", "value": "q"}, {"from": "function_call", "value": '{"arguments": {}}'},
+        {"from": "gpt", "value": "a"}]}], ""),
     "kto label": ("kto", [{**CHAT, "label": True}, {**CHAT, "label": "yes"}], ""),
 }
 

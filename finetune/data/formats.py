@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 from finetune.config.formats import SHAREGPT_ROLES, SOURCES, accepted
 from finetune.config.methods import method as method_record
 from finetune.data import peer_rows
-from finetune.data.rows import FORMATS, _shared_turns, check_row
+from finetune.data.rows import FORMATS, _shared_turns, check_row, parsed_tools
 from finetune.errors import DataError
 
 if TYPE_CHECKING:
@@ -58,7 +58,7 @@ def _sharegpt_problem(row: dict[str, Any], roles: dict[str, str]) -> str | None:
                    "map it to a role with data.roles"
         if not isinstance(turn["value"], str):
             return f"`conversations[{i}].value` must be text, got {type(turn['value']).__name__}"
-    return _text(row, "system", optional=True)
+    return peer_rows.tool_turns_problem(turns, roles) or _text(row, "system", optional=True)
 
 
 PROBLEMS = {"alpaca": _alpaca_problem, "sharegpt": _sharegpt_problem,
@@ -86,8 +86,8 @@ def _alpaca_prompt(row: dict[str, Any]) -> list[dict[str, str]]:
     return system + [{"role": "user", "content": user}]
 
 
-def _converted_row(row: dict[str, Any], fmt: str, target: str,
-                   roles: dict[str, str]) -> dict[str, Any]:
+def _converted_row(row: dict[str, Any], fmt: str, target: str, roles: dict[str, str],
+                   tool_fields: bool = False) -> dict[str, Any]:
     if fmt == "alpaca":
         prompt = _alpaca_prompt(row)
         if target == "prompt":
@@ -95,9 +95,7 @@ def _converted_row(row: dict[str, Any], fmt: str, target: str,
         return {"prompt": prompt, "completion": [{"role": "assistant", "content": row["output"]}]}
     if fmt == "labelled_messages":
         return peer_rows.labelled_messages_row(row)
-    system = [{"role": "system", "content": row["system"]}] if row.get("system") else []
-    return {"messages": system + [{"role": roles[t["from"]], "content": t["value"]}
-                                  for t in row["conversations"]]}
+    return {"messages": peer_rows.sharegpt_messages(row, roles, tool_fields)}
 
 
 def _used_columns(fmt: str, target: str, columns: Iterable[str]) -> list[str]:
@@ -118,14 +116,21 @@ def convert_row(row: dict[str, Any], fmt: str, target: str,
 def converted(label: str, ds: Dataset, fmt: str, target: str, roles: dict[str, str],
               failure: Failure) -> tuple[Dataset, str]:
     """Rows of source format fmt as rows of format target, and a note saying so."""
-    check = PROBLEMS[fmt]
+    check, calls = PROBLEMS[fmt], 0
     for number, row in enumerate(ds, 1):
         problem = check(row, roles)
         if problem:
             raise DataError(failure(number, problem))
+        calls += fmt == "sharegpt" and peer_rows.has_calls(row, roles)
     used = _used_columns(fmt, target, ds.column_names)
-    out = ds.map(lambda row: _converted_row(row, fmt, target, roles), remove_columns=used,
-                 desc=f"converting {fmt} rows")
+    features = None
+    if calls:  # tool calls in some rows: every row's messages typed alike
+        from datasets import Features
+
+        features = Features({**{k: v for k, v in ds.features.items() if k not in used},
+                             "messages": peer_rows.messages_feature()})
+    out = ds.map(lambda row: _converted_row(row, fmt, target, roles, bool(calls)),
+                 remove_columns=used, features=features, desc=f"converting {fmt} rows")
     what = {"prompt_completion": "prompt/completion messages (instruction and input as the "
                                  "user turn, output as the assistant's)",
             "prompt": "prompts (instruction and input as the user turn; other columns kept)",
@@ -133,6 +138,9 @@ def converted(label: str, ds: Dataset, fmt: str, target: str, roles: dict[str, s
             "unpaired_preference": "unpaired rows (the turns before the last as the prompt, "
                                    "the last, an assistant turn, as the completion; `label` "
                                    "as given)"}[target]
+    if calls:
+        what += f"; in {calls} row(s) function_call turns as assistant tool calls and " \
+                "observation turns as tool results (`tools` to the chat template)"
     return out, f"{label}: {fmt} rows read as {what}"
 
 
@@ -279,6 +287,21 @@ def _without_nulls(value: Any) -> Any:
     return value
 
 
+def _call(call: dict[str, Any]) -> dict[str, Any]:
+    """A tool call as templates take it: `arguments` given as JSON text (OpenAI's API
+    form, and how sharegpt's function_call turns are kept) as the object it encodes."""
+    function = call.get("function")
+    arguments = function.get("arguments") if isinstance(function, dict) else None
+    if isinstance(arguments, str):
+        try:
+            decoded = json.loads(arguments)
+        except json.JSONDecodeError:
+            return call
+        if isinstance(decoded, dict):
+            return {**call, "function": {**function, "arguments": decoded}}
+    return call
+
+
 def chat_message(message: dict[str, Any]) -> dict[str, Any]:
     """A message as the chat template gets it: role, content, and the tool fields it has
     (tool_calls, tool_call_id, name); not finetune's own `weight`."""
@@ -286,17 +309,19 @@ def chat_message(message: dict[str, Any]) -> dict[str, Any]:
     for key in ("tool_calls", "tool_call_id", "name"):
         if message.get(key) is not None:
             out[key] = _without_nulls(message[key])
+    if "tool_calls" in out:
+        out["tool_calls"] = [_call(c) for c in out["tool_calls"]]
     return out
 
 
 def row_tools(row: dict[str, Any], where: str) -> list[dict[str, Any]] | None:
-    """The row's `tools` (function schemas, a list or JSON text, as TRL takes them)."""
-    tools = row.get("tools")
-    if isinstance(tools, str):
-        try:
-            tools = json.loads(tools)
-        except json.JSONDecodeError as exc:
-            raise DataError(f"{where}: `tools` is text that is not JSON ({exc})") from None
-        if not isinstance(tools, list):
-            raise DataError(f"{where}: `tools` must be a list of function schemas")
-    return _without_nulls(tools) or None
+    """The row's `tools` as the chat template takes them (transformers' apply_chat_template:
+    {type: function, function: schema}); a bare function schema (LLaMA-Factory's form,
+    {name, description, parameters}) is wrapped so."""
+    tools, problem = parsed_tools(row.get("tools"))
+    if problem:
+        raise DataError(f"{where}: {problem}")
+    tools = _without_nulls(tools) or None
+    return None if tools is None else [
+        tool if "function" in tool or "type" in tool else {"type": "function", "function": tool}
+        for tool in tools]

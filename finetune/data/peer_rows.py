@@ -1,6 +1,7 @@
 """Rows as other tools write them, read as their authors mean them: OpenAI's content parts
-(`content: [{type: text, text}]`), LLaMA-Factory's preference rows whose `chosen` and
-`rejected` are one message each, and its kto rows (a conversation and a boolean label).
+(`content: [{type: text, text}]`), LLaMA-Factory's sharegpt tool-call turns
+(function_call, observation), its preference rows whose `chosen` and `rejected` are one
+message each, and its kto rows (a conversation and a boolean label).
 Each function takes one row and gives it in a format the methods train on, or the
 problem ("FILE row N: problem" once the caller names the row); data/load.py applies them
 to a file's dataset and data/scan.py to validate's rows, so both judge a row alike.
@@ -9,6 +10,7 @@ Plain Python on dicts, without `datasets` at import (validate's data pass uses t
 
 from __future__ import annotations
 
+import json
 from typing import TYPE_CHECKING, Any, Callable
 
 from finetune.data.rows import check_messages
@@ -73,6 +75,90 @@ def text_parts_row(row: dict[str, Any]) -> tuple[dict[str, Any], int, str | None
         if problem:
             return row, 0, problem
     return out, changed, None
+
+
+# LLaMA-Factory's sharegpt speaker of an assistant's tool call(s): `value` is the call,
+# {name, arguments}, or a list of them, as JSON text.
+CALL_SPEAKER = "function_call"
+
+
+def _calls(value: str) -> tuple[list[dict[str, Any]] | None, str | None]:
+    """A function_call turn's value as OpenAI tool calls, `arguments` kept as JSON text
+    (Arrow gives a file one schema: each call's own argument types would not fit it);
+    data/formats.py chat_message gives the template the object."""
+    try:
+        decoded = json.loads(value)
+    except json.JSONDecodeError as exc:
+        return None, f"is not JSON ({exc.msg}); a function_call turn is a call " \
+                     "{name, arguments} or a list of them"
+    calls = []
+    for call in decoded if isinstance(decoded, list) else [decoded]:
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str) or \
+                not call["name"]:
+            return None, "must be a call {name, arguments} or a list of them: a call " \
+                         "without `name`"
+        arguments = call.get("arguments", {})
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError:
+                pass
+        if not isinstance(arguments, dict):
+            return None, f"has call {call['name']!r} whose `arguments` is not an object"
+        calls.append({"type": "function", "function": {
+            "name": call["name"], "arguments": json.dumps(arguments, ensure_ascii=False)}})
+    return (calls, None) if calls else (None, "is an empty list of calls")
+
+
+def _is_call(turn: dict[str, Any], roles: dict[str, str]) -> bool:
+    return turn.get("from") == CALL_SPEAKER and roles.get(CALL_SPEAKER) == "assistant"
+
+
+def tool_turns_problem(turns: list[dict[str, Any]], roles: dict[str, str]) -> str | None:
+    """Why a sharegpt conversation's function_call turns are not tool calls, or None."""
+    for i, turn in enumerate(turns):
+        if _is_call(turn, roles):
+            problem = _calls(turn["value"])[1]
+            if problem:
+                return f"`conversations[{i}].value` (a function_call turn) {problem}"
+    return None
+
+
+def has_calls(row: dict[str, Any], roles: dict[str, str]) -> bool:
+    return any(_is_call(t, roles) for t in row["conversations"])
+
+
+TOOL_FIELDS = ("role", "content", "tool_calls", "name")
+
+
+def messages_feature():
+    """The `messages` of sharegpt rows with tool calls, typed for every row alike."""
+    from datasets import List, Value
+
+    text = Value("string")
+    call = {"type": text, "function": {"name": text, "arguments": text}}
+    return List({"role": text, "content": text, "tool_calls": List(call), "name": text})
+
+
+def sharegpt_messages(row: dict[str, Any], roles: dict[str, str],
+                      tool_fields: bool = False) -> list[dict[str, Any]]:
+    """A checked sharegpt conversation as messages: a function_call turn as an assistant
+    message with `tool_calls`, an observation (a tool turn) with the `name` of the call
+    it answers (the calls of the turn before, in order). tool_fields: every message with
+    every key of messages_feature."""
+    system = [{"role": "system", "content": row["system"]}] if row.get("system") else []
+    messages, pending = [], []
+    for turn in row["conversations"]:
+        message = {"role": roles[turn["from"]], "content": turn["value"]}
+        if _is_call(turn, roles):
+            calls = _calls(turn["value"])[0]
+            message = {"role": "assistant", "content": None, "tool_calls": calls}
+            pending = [c["function"]["name"] for c in calls]
+        elif message["role"] == "tool" and pending:
+            message["name"] = pending.pop(0)
+        messages.append(message)
+    messages = system + messages
+    return [{k: m.get(k) for k in TOOL_FIELDS} for m in messages] if tool_fields else messages
 
 
 def _one_message(value: Any, field: str, roles: dict[str, str]) -> tuple[Any, str | None]:

@@ -3,6 +3,7 @@ reads the files and reports)."""
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
@@ -59,13 +60,25 @@ def _check_tool_calls(calls: Any, where: str, role: str) -> str | None:
     return None
 
 
-def _check_tools(value: Any) -> str | None:
-    """The function schemas a row offers its conversation (a list, or one as JSON text)."""
-    if value is None or isinstance(value, str):
-        return None  # JSON text is parsed (and reported) where it is rendered
+def parsed_tools(value: Any) -> tuple[list[dict[str, Any]] | None, str | None]:
+    """The function schemas a row offers its conversation (a list, or the list as JSON
+    text; empty text is none), or the problem."""
+    if isinstance(value, str):
+        if not value.strip():
+            return None, None
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            return None, f"`tools` is text that is not JSON ({exc})"
+    if value is None:
+        return None, None
     if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
-        return f"`tools` must be a list of function schemas, got {type(value).__name__}"
-    return None
+        return None, f"`tools` must be a list of function schemas, got {type(value).__name__}"
+    return value, None
+
+
+def _check_tools(value: Any) -> str | None:
+    return parsed_tools(value)[1]
 
 
 def _check_text_or_messages(value: Any, field: str) -> str | None:

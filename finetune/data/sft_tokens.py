@@ -46,9 +46,39 @@ def _render(tokenizer, messages: list[dict[str, Any]], generation_prompt: bool,
 Tokens = tuple[list[int], list[bool], list[float]]  # ids, trained?, weight of each
 
 
+def _altered(message: dict[str, Any]) -> dict[str, Any]:
+    """A tool call (its function renamed) or a tool result (its content extended) changed,
+    so that a template that renders it renders it differently."""
+    if message.get("tool_calls"):
+        return {**message, "tool_calls": [
+            {**c, "function": {**c["function"], "name": c["function"]["name"] + "_"}}
+            for c in message["tool_calls"]]}
+    return {**message, "content": f"{message.get('content') or ''}_"}
+
+
+def _check_tool_parts(tokenizer, messages: list[dict[str, Any]], ids: list[int], label: str,
+                      tools: list[dict[str, Any]] | None) -> None:
+    """A template that ignores `tools`, a tool call or a tool result renders the row without
+    it and raises nothing: the row would train as if it had none. Each part is changed in
+    turn; a rendering the change leaves alike lost it."""
+    fix = "use a chat template that renders tools, tool calls and tool results " \
+          "(tokenizer.chat_template)"
+    if tools and _render(tokenizer, messages, False, label) == ids:
+        raise DataError(f"{label}: the chat template renders no `tools` (the row's function "
+                        f"schemas would be lost); {fix}")
+    for i, message in enumerate(messages):
+        if message.get("tool_calls") or message["role"] == "tool":
+            changed = messages[:i] + [_altered(message)] + messages[i + 1:]
+            if _render(tokenizer, changed, False, label, tools) == ids:
+                what = "tool call" if message.get("tool_calls") else "tool result"
+                raise DataError(f"{label}: the chat template leaves out `messages[{i}]` (a "
+                                f"{what}): the row would train without it; {fix}")
+
+
 def _conversation(tokenizer, messages: list[dict[str, Any]], weight: float, masking: Masking,
                   label: str, tools: list[dict[str, Any]] | None = None) -> Tokens:
     ids = _render(tokenizer, messages, False, label, tools)
+    _check_tool_parts(tokenizer, messages, ids, label, tools)
     needs_turns = masking.assistant_only or any(m.get("weight") is not None for m in messages)
     trained, weights = [not masking.assistant_only] * len(ids), [weight] * len(ids)
     if not needs_turns:
