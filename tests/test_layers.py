@@ -28,7 +28,7 @@ TOP = import_graph.graph(top_level=True)  # those that run when the module is im
 TORCH_SIDE = ("data", "model", "methods", "trainers", "run", "inference")
 TORCH_SIDE_MODULES = ("finetune.commands.data_view", "finetune.commands.eval_saved")
 NOT_TORCH_SIDE = ("finetune.data.files", "finetune.data.rows", "finetune.data.formats",
-                  "finetune.data.peer_rows",
+                  "finetune.data.peer_rows", "finetune.data.plain_text",
                   "finetune.data.scan", "finetune.data.sizes", "finetune.inference.cli",
                   "finetune.run.launched")
 # What `finetune validate/render/estimate/plot/push/eval --help/launch --dry-run` and a

@@ -88,8 +88,9 @@ class PeftSection(Section):
 class DataSource(Section):
     SHORTHAND: ClassVar[str] = "path"  # a bare string stands for {path: ...}
     path: Annotated[str, Input("data")] = Field(
-        description="A local .json/.jsonl/.csv/.parquet file (relative to the YAML file), a "
-        "directory of them, or a hub dataset id.")
+        description="A local .json/.jsonl/.csv/.parquet file, or a .txt of plain text (`text` "
+        "rows; see docs/data.md), relative to the YAML file; a directory of them, or a hub "
+        "dataset id.")
     split: str = Field("train", description="Split to read from a hub dataset.")
     subset: str | None = Field(None, description="Hub dataset configuration name.")
     revision: str | None = Field(None, description="Hub dataset revision.")

@@ -17,7 +17,9 @@ from typing import Any, Iterator
 from finetune.config.rules import DATA_SUFFIXES
 from finetune.errors import DataError, one_line
 
-BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+PLAIN_TEXT = ".txt"
+BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet",
+            ".txt": "text"}  # plain text: data/plain_text.py cuts it into documents
 BLOCK = 16 * 2**20  # read in blocks: data files can be larger than memory
 # Longest first: the UTF-32 LE mark starts with the UTF-16 LE one.
 BOMS = ((codecs.BOM_UTF32_LE, "UTF-32"), (codecs.BOM_UTF32_BE, "UTF-32"),
@@ -45,7 +47,8 @@ def not_regular(path: Path) -> str | None:
 
 def list_data_files(path: Path) -> list[Path]:
     """The data files a source path names: itself, or a directory's files with a data
-    suffix (not its subdirectories), sorted. Every one a regular file."""
+    suffix (not its subdirectories), sorted; .txt files only in a directory of nothing else.
+    Every one a regular file."""
     try:
         problem = not_regular(path)
         if problem:
@@ -55,6 +58,10 @@ def list_data_files(path: Path) -> list[Path]:
                 raise DataError(f"{path}: unsupported file type; use {', '.join(DATA_SUFFIXES)}")
             return [path]
         files = sorted(p for p in path.iterdir() if p.suffix.lower() in DATA_SUFFIXES)
+        if any(f.suffix.lower() != PLAIN_TEXT for f in files):
+            # A README.txt beside the data files is not data: .txt files are read from a
+            # directory of plain text only.
+            files = [f for f in files if f.suffix.lower() != PLAIN_TEXT]
         for file in files:
             problem = not_regular(file)
             if problem or file.is_dir():
@@ -227,7 +234,7 @@ def check_file(path: Path, builder: str) -> str | None:
     Cheap: one streaming UTF-8 pass; JSON rows are parsed only where NaN/Inf appears."""
     if path.stat().st_size == 0:
         return f"{path}: the file is empty"
-    if builder not in ("json", "csv"):
+    if builder not in ("json", "csv", "text"):
         return None
     problem = _utf8_problem(path)
     if problem or builder != "json":

@@ -18,7 +18,7 @@ import pyarrow as pa
 from datasets import (Dataset, Features, LargeList, List, Value, concatenate_datasets,
                       load_dataset)
 
-from finetune.data import formats, mix, peer_rows, scratch
+from finetune.data import formats, mix, peer_rows, plain_text, scratch
 from finetune.data.files import checked_builder, diagnose_json, list_data_files
 from finetune.data.rows import FORMATS, WEIGHT, check_row, preference_problem
 from finetune.config.formats import SOURCES, target as source_target
@@ -74,8 +74,13 @@ def _root_cause(exc: BaseException) -> str:
     return one_line(text) or type(exc).__name__
 
 
-def _read_file(path: Path) -> Dataset:
+def _read_file(path: Path, notes: list[str]) -> Dataset:
     builder = checked_builder(path)
+    if builder == "text":  # cut into documents as validate cuts it (data/plain_text.py)
+        layout = plain_text.layout(path)
+        notes.append(layout.note(path))
+        return Dataset.from_dict({"text": [text for _, text in
+                                           plain_text.documents(path, layout.blocks)]})
     try:
         # datasets keys its own cache of a local file by path and mtime only: an edit that
         # keeps the mtime (cp -p, touch -r) would read the old rows. finetune caches the
@@ -99,10 +104,11 @@ def _renamed(ds: Dataset, original: str, target: str) -> Dataset:
     return ds.rename_column(original, target)
 
 
-def _read_source(source: DataSource, where: str) -> list[tuple[str, Dataset]]:
+def _read_source(source: DataSource, where: str,
+                 notes: list[str]) -> list[tuple[str, Dataset]]:
     """(label, dataset) per file, so row numbers stay per file."""
     if is_local(source.path):
-        parts = [(str(f), _read_file(f)) for f in list_data_files(Path(source.path))]
+        parts = [(str(f), _read_file(f, notes)) for f in list_data_files(Path(source.path))]
     else:
         # datasets' shared cache: a hub dataset's arrow is keyed by its revision and, read
         # without force_redownload, prepared once under datasets' lock and never deleted.
@@ -261,7 +267,7 @@ def _load_split(sources: list[DataSource], split: str, experiment: Experiment,
     parts = []
     for i, source in enumerate(sources):
         files = []
-        for label, ds in _read_source(source, f"data.{split}[{i}]"):
+        for label, ds in _read_source(source, f"data.{split}[{i}]", notes):
             ds, fmt = _read_part(label, ds, fmt, experiment, notes)
             files.append((label, ds))
         parts.append((source.path, _joined(files, f"data.{split}[{i}]")))

@@ -27,7 +27,7 @@ from finetune.config.formats import SOURCES, target as source_target
 from finetune.config.methods import method as method_record
 from finetune.config.rules import is_local
 from finetune.config.schema import DataSource, Experiment
-from finetune.data import formats, peer_rows
+from finetune.data import formats, peer_rows, plain_text
 from finetune.data.files import (MAX_DEPTH, checked_builder, is_document, list_data_files,
                                  not_an_object, parse_json, value_problem)
 from finetune.data.rows import FORMATS, WEIGHT, check_row, preference_problem
@@ -133,7 +133,10 @@ def _table_rows(path: Path, builder: str) -> Iterator[tuple[str, Any]]:
 def file_rows(path: Path, progress: Progress) -> Iterator[tuple[str, dict[str, Any]]]:
     """(where, row) of every row of a local data file, after training's file checks."""
     builder = checked_builder(path)
-    if builder != "json":
+    if builder == "text":
+        for number, text in plain_text.documents(path, plain_text.layout(path).blocks):
+            yield f"{path} line {number}", {"text": text}
+    elif builder != "json":
         yield from _table_rows(path, builder)
     elif is_document(path):
         yield from _json_document(path)

@@ -26,7 +26,7 @@ from finetune.config.secrets import CREDENTIALS, is_secret
 
 Problem = tuple[tuple, str]
 
-DATA_SUFFIXES = (".json", ".jsonl", ".csv", ".parquet")
+DATA_SUFFIXES = (".json", ".jsonl", ".csv", ".parquet", ".txt")
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 FUNCTION_RE = re.compile(r"^(?:[A-Za-z_][\w.]*|.+\.py):[A-Za-z_]\w*$")
 
