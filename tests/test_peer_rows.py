@@ -207,3 +207,15 @@ def test_finetune_data_shows_sharegpt_tool_calls_trained_and_results_not(write, 
     assert '<|assistant|>⟦ call search_recipes {"ingredients": ["chicken"]}<|eos|>⟧<|user|> ' \
            'result: {"recipes": ["Chicken soup"]}<|end|><|assistant|>⟦ I found Chicken soup.' \
            in result.stdout
+
+
+def test_alpaca_input_under_a_hand_mapping_is_joined_as_alpaca_does(write, tmp_path):
+    rows = [{"instruction": "Sort the words.", "input": "b a", "output": "a b"},
+            {"instruction": "Say hi.", "input": "", "output": "hi"}]
+    path = jsonl(tmp_path, "alpaca.jsonl", rows)
+    source = f"\n    - path: {path}\n      columns: {{prompt: instruction, completion: output}}"
+    splits = load_data(load_experiment(experiment(write, "sft", source)))
+    assert splits.format == "prompt_completion"
+    assert splits.train["prompt"] == ["Sort the words.\n\nb a", "Say hi."]
+    assert splits.notes == [f"{path}: columns maps `prompt` from alpaca's `instruction`: the "
+                            "`input` of 1 row(s) joined to it after a blank line, as alpaca does"]

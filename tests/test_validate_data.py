@@ -153,6 +153,9 @@ BAD = {
     "function_call no name": ("sft", [{"conversations": [
         {"from": "human", "value": "q"}, {"from": "function_call", "value": '{"arguments": {}}'},
         {"from": "gpt", "value": "a"}]}], ""),
+    "mapped alpaca input": ("sft", [{"instruction": "a", "input": "x", "output": "b"},
+                                    {"instruction": "a", "input": 3, "output": "b"}],
+                            "columns: {prompt: instruction, completion: output}"),
     "kto label": ("kto", [{**CHAT, "label": True}, {**CHAT, "label": "yes"}], ""),
 }
 

@@ -221,7 +221,7 @@ def _failure(label: str, raw: Dataset, fmt: str, forced: bool, experiment: Exper
 
 
 def _read_part(label: str, ds: Dataset, fmt: str | None, experiment: Experiment,
-               notes: list[str]) -> tuple[Dataset, str]:
+               notes: list[str], columns: dict[str, str]) -> tuple[Dataset, str]:
     """One file's rows in format fmt (None: detected), converted to the format the method
     trains on and validated; and fmt."""
     forced = experiment.data.format != "auto"
@@ -229,8 +229,10 @@ def _read_part(label: str, ds: Dataset, fmt: str | None, experiment: Experiment,
     roles = formats.speaker_roles(experiment.data.roles)
     failure = _failure(label, ds, fmt, forced, experiment, roles)
     trained = fmt
-    ds, note = peer_rows.text_parts(label, ds, failure)
-    notes.extend([note] if note else [])
+    for convert in (lambda ds: peer_rows.alpaca_input(label, ds, columns, failure),
+                    lambda ds: peer_rows.text_parts(label, ds, failure)):
+        ds, note = convert(ds)
+        notes.extend([note] if note else [])
     if fmt in SOURCES:
         trained = source_target(fmt, method_record(experiment.method).formats)
         missing = [c for c in SOURCES[fmt][0] if c not in ds.column_names]
@@ -268,7 +270,7 @@ def _load_split(sources: list[DataSource], split: str, experiment: Experiment,
     for i, source in enumerate(sources):
         files = []
         for label, ds in _read_source(source, f"data.{split}[{i}]", notes):
-            ds, fmt = _read_part(label, ds, fmt, experiment, notes)
+            ds, fmt = _read_part(label, ds, fmt, experiment, notes, source.columns)
             files.append((label, ds))
         parts.append((source.path, _joined(files, f"data.{split}[{i}]")))
     parts, described = mix.mixed(parts, sources, mix.seed_of(experiment), split)

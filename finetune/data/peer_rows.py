@@ -161,6 +161,31 @@ def sharegpt_messages(row: dict[str, Any], roles: dict[str, str],
     return [{k: m.get(k) for k in TOOL_FIELDS} for m in messages] if tool_fields else messages
 
 
+def _joins_input(columns: dict[str, str]) -> bool:
+    """Does a hand column mapping read alpaca's `instruction` as the prompt, leaving its
+    `input` unmapped (data.<split>[i].columns)?"""
+    return columns.get("prompt") == "instruction" and "input" not in columns and \
+        "input" not in columns.values()
+
+
+def alpaca_input_row(row: dict[str, Any],
+                     columns: dict[str, str]) -> tuple[dict[str, Any], bool, str | None]:
+    """A row whose mapped prompt is alpaca's instruction, its non-empty `input` joined after
+    a blank line as alpaca does (data/formats.py reads unmapped alpaca rows so): (row,
+    joined, problem)."""
+    value = row.get("input")
+    if not _joins_input(columns) or value is None or (isinstance(value, str)
+                                                       and not value.strip()):
+        return row, False, None
+    if not isinstance(value, str):
+        return row, False, f"`input` must be text, got {type(value).__name__}"
+    if not isinstance(row.get("prompt"), str):
+        return row, False, "`input` is not empty and the prompt (columns: {prompt: " \
+                           "instruction}) is not text to join it to: map `input` too"
+    kept = {k: v for k, v in row.items() if k != "input"}
+    return {**kept, "prompt": f"{row['prompt']}\n\n{value}"}, True, None
+
+
 def _one_message(value: Any, field: str, roles: dict[str, str]) -> tuple[Any, str | None]:
     """A single {role, content} or {from, value} message as OpenAI's {role, content}."""
     if isinstance(value, dict) and value.get("from") is not None:
@@ -299,3 +324,23 @@ def single_answers(label: str, ds: Dataset, roles: dict[str, str],
                  desc="single-message answers")
     return out, f"{label}: `chosen`/`rejected` given as one message each ({converted} " \
                 f"row(s)): read as one-message answers after the prompt ({given})"
+
+
+def alpaca_input(label: str, ds: Dataset, columns: dict[str, str],
+                 failure: Failure) -> tuple[Dataset, str | None]:
+    """Rows whose prompt is alpaca's instruction by a hand mapping, with `input` joined to
+    it (alpaca_input_row), and a note."""
+    if "input" not in ds.column_names or not _joins_input(columns):
+        return ds, None
+    joined = 0
+    for number, row in enumerate(ds.select_columns(["prompt", "input"]), 1):
+        _, was, problem = alpaca_input_row(row, columns)
+        if problem:
+            raise DataError(failure(number, problem))
+        joined += was
+    if not joined:
+        return ds, None
+    out = ds.map(lambda row: {"prompt": alpaca_input_row(row, columns)[0]["prompt"]},
+                 remove_columns=["input"], desc="alpaca inputs")
+    return out, f"{label}: columns maps `prompt` from alpaca's `instruction`: the `input` of " \
+                f"{joined} row(s) joined to it after a blank line, as alpaca does"

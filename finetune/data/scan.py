@@ -154,6 +154,7 @@ class FileCheck:
                  source: DataSource, where: str):
         self.label, self.fmt, self.experiment, self.where = label, fmt, experiment, where
         self.columns = [(t, o) for t, o in source.columns.items() if t != o]
+        self.mapping = source.columns
         self.roles = formats.speaker_roles(experiment.data.roles)
         self.labels = experiment.classify.labels if experiment.classify else None
         self.shared_prompt = record(experiment).shared_prompt
@@ -205,7 +206,9 @@ class FileCheck:
             self._first(raw)
         self.rows += 1
         raw = row = self._renamed(raw)
-        row, _, problem = peer_rows.text_parts_row(row)
+        row, _, problem = peer_rows.alpaca_input_row(row, self.mapping)
+        if problem is None:
+            row, _, problem = peer_rows.text_parts_row(row)
         if problem:
             raise self._fail(where, problem, raw)
         if self.fmt in SOURCES:
