@@ -53,8 +53,9 @@ from finetune.config.schema import Experiment
 from finetune.errors import FAILED_MARKER, DataError, RunError, first_line, one_line
 from finetune.data.files import content_digest
 
-# Bump when what is stored changes (4: sft conversations train assistant turns by default).
-VERSION = 4
+# Bump when what is stored changes (4: sft conversations train assistant turns by default;
+# 5: bare tool schemas wrapped and JSON-text tool-call arguments decoded for the template).
+VERSION = 5
 META = "meta.json"  # written last: its presence marks a complete entry
 # Training settings that change what preparation produces.
 SETTINGS = ("max_length", "truncation_mode", "assistant_only_loss", "completion_only_loss",
