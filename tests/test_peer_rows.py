@@ -49,8 +49,8 @@ def test_an_image_part_is_refused_at_validate_naming_the_row(write, tmp_path):
     path = jsonl(tmp_path, "img.jsonl", rows)
     result = run_cli("validate", str(experiment(write, "sft", path)), cwd=tmp_path)
     assert result.returncode == 2, result.stdout
-    assert f"{path} line 2: `messages[0].content[1]` is a 'image_url' part: this model and " \
-           "data format take text only" in result.stderr
+    assert f"{path} line 2: `messages[0].content[1]` is a part of type 'image_url': this " \
+           "model and data format take text parts only" in result.stderr
 
 
 # LLaMA-Factory's dpo_en_demo row: a sharegpt prompt, each answer one {from, value} message.

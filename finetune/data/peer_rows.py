@@ -36,8 +36,8 @@ def _joined_parts(parts: list, where: str) -> tuple[str | None, str | None]:
         if kind is None:
             return None, f"`{where}[{j}]` must be a content part {{type, ...}}"
         if kind not in KEPT_PARTS:
-            return None, f"`{where}[{j}]` is a {kind!r} part: this model and data format " \
-                         "take text only (text parts)"
+            return None, f"`{where}[{j}]` is a part of type {kind!r}: this model and data " \
+                         "format take text parts only"
         if not isinstance(part.get("text"), str):
             return None, f"`{where}[{j}]` is a text part without `text`"
         texts.append(part["text"])
