@@ -16,14 +16,11 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 from finetune.config.formats import SHAREGPT_ROLES, SOURCES, accepted
 from finetune.config.methods import method as method_record
 from finetune.data import peer_rows
-from finetune.data.rows import FORMATS, _shared_turns, check_row, parsed_tools
+from finetune.data.rows import FORMATS, Failure, _shared_turns, check_row, parsed_tools
 from finetune.errors import DataError
 
 if TYPE_CHECKING:
     from datasets import Dataset
-
-# (row number from 1, problem) -> the error's text
-Failure = Callable[[int, str], str]
 
 
 def _text(row: dict[str, Any], field: str, optional: bool = False) -> str | None:

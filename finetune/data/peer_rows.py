@@ -11,16 +11,13 @@ Plain Python on dicts, without `datasets` at import (validate's data pass uses t
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
-from finetune.data.rows import check_messages
+from finetune.data.rows import Failure, check_messages
 from finetune.errors import DataError
 
 if TYPE_CHECKING:
     from datasets import Dataset
-
-# (row number from 1, problem) -> the error's text (data/formats.py Failure)
-Failure = Callable[[int, str], str]
 
 # The columns whose messages may give their content as parts.
 MESSAGE_FIELDS = ("messages", "prompt", "completion", "chosen", "rejected")

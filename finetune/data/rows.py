@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any
+from typing import Any, Callable
 
 from finetune.config.formats import ROLES
 
+# (row number from 1, problem) -> the error's text: how a file's reader names a bad row
+Failure = Callable[[int, str], str]
 # format -> (required columns, optional columns)
 FORMATS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "messages": (("messages",), ("tools",)),
