@@ -42,6 +42,7 @@ def test_text_content_parts_are_joined_by_newlines(write, tmp_path):
     assert f"{path}: 4 message(s) gave their content as parts" in splits.notes[0]
 
 
+@pytest.mark.slow  # a CLI process
 def test_an_image_part_is_refused_at_validate_naming_the_row(write, tmp_path):
     image = {"type": "image_url", "image_url": {"url": "http://x/cat.png"}}
     rows = [{"messages": [turn("user", parts("hi")), turn("assistant", "yo")]},
@@ -175,7 +176,8 @@ def test_sharegpt_tool_calls_render_and_train_as_openai_tool_calls(write, tmp_pa
     ("'<|user|>result: ' + message['content'] + '<|end|>'",
      "the chat template leaves out `messages[2]` (a tool result)"),
     ("'<|system|>tools: ' + (tools | tojson) + '<|end|>'",
-     "the chat template renders no `tools` (the row's function schemas would be lost)")])
+     "the chat template renders no `tools` (the row's function schemas would be lost)")],
+    ids=["tool results", "tools"])
 def test_a_template_that_drops_tool_parts_is_refused_naming_the_row(write, tmp_path, dropped,
                                                                      problem):
     from test_formats import TOOL_TEMPLATE
@@ -195,6 +197,7 @@ def test_a_template_that_drops_tool_parts_is_refused_naming_the_row(write, tmp_p
         raise AssertionError("a template that drops tool results was accepted")
 
 
+@pytest.mark.slow  # a CLI process
 def test_finetune_data_shows_sharegpt_tool_calls_trained_and_results_not(write, tmp_path):
     from test_formats import TOOL_TEMPLATE
 

@@ -4,6 +4,8 @@ per line; blank lines skipped and counted in the note; validate reads it as trai
 
 from __future__ import annotations
 
+import pytest
+
 from conftest import TINY_MODEL, run_cli
 from finetune.config import load_experiment
 from finetune.data.load import load_data
@@ -24,16 +26,24 @@ def test_a_file_with_blank_lines_between_text_is_one_document_per_block(write, t
                             "blank-line-separated block; 6 blank line(s) skipped"]
 
 
-def test_a_file_without_them_is_one_document_per_line_at_validate_as_at_training(
-        write, tmp_path):
+def lines_file(tmp_path):
     path = tmp_path / "lines.txt"
     path.write_text("\ufeffone line\r\nanother line\r\nthird\r\n\r\n")
-    config = experiment(write, path)
-    splits = load_data(load_experiment(config))
+    return path
+
+
+def test_a_file_without_them_is_one_document_per_line(write, tmp_path):
+    path = lines_file(tmp_path)
+    splits = load_data(load_experiment(experiment(write, path)))
     assert splits.train["text"] == ["one line", "another line", "third"]
     assert "3 document(s), one per line (no blank line between two lines of text); 1 blank " \
            "line(s) skipped" in splits.notes[0]
-    result = run_cli("validate", str(config), cwd=tmp_path)
+
+
+@pytest.mark.slow  # a CLI process
+def test_validate_reads_a_text_file_as_training_does(write, tmp_path):
+    path = lines_file(tmp_path)
+    result = run_cli("validate", str(experiment(write, path)), cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert f"data.train[0]: {path}: 3 rows, format text" in result.stdout
 
