@@ -229,10 +229,10 @@ def _read_part(label: str, ds: Dataset, fmt: str | None, experiment: Experiment,
     roles = formats.speaker_roles(experiment.data.roles)
     failure = _failure(label, ds, fmt, forced, experiment, roles)
     trained = fmt
-    for convert in (lambda ds: peer_rows.alpaca_input(label, ds, columns, failure),
-                    lambda ds: peer_rows.text_parts(label, ds, failure)):
-        ds, note = convert(ds)
-        notes.extend([note] if note else [])
+    ds, note = peer_rows.alpaca_input(label, ds, columns, failure)
+    notes.extend([note] if note else [])
+    ds, note = peer_rows.text_parts(label, ds, failure)
+    notes.extend([note] if note else [])
     if fmt in SOURCES:
         trained = source_target(fmt, method_record(experiment.method).formats)
         missing = [c for c in SOURCES[fmt][0] if c not in ds.column_names]
