@@ -201,6 +201,10 @@ VALUES = {
     "training.warmup_ratio=2": "training.warmup_ratio",
     "training.logging_steps=0": "training.logging_steps",
     "training.save_steps=2.5": "training.save_steps: must be a whole number",
+    # steps that take floats (a fraction of the run when below 1): never int(infinity)
+    "training.save_steps=.inf": "training.save_steps: must be a finite number, got inf",
+    "training.logging_steps=-.inf": "training.logging_steps: must be a finite number",
+    "training.eval_steps=.nan": "training.eval_steps: must be a finite number",
     "training.trust_remote_code=true": "finetune sets it from `model.trust_remote_code`",
     "method=[sft]": "method",
 }

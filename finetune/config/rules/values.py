@@ -52,6 +52,11 @@ def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def _whole(value: Any) -> bool:
+    """A whole number; never int(value), which raises on infinity and NaN."""
+    return isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+
+
 def _ranges(training: dict[str, Any]) -> Iterator[Problem]:
     for key, value in training.items():
         if not _number(value):
@@ -75,7 +80,8 @@ def _ranges(training: dict[str, Any]) -> Iterator[Problem]:
             yield loc, f"must be between 0 and 1, got {value}"
     for key in POSITIVE:
         value = training.get(key)
-        if _number(value) and value > 1 and value != int(value):
+        # (a non-finite value is reported above, once)
+        if _number(value) and math.isfinite(value) and value > 1 and not _whole(value):
             yield ("training", key), f"must be a whole number when above 1, got {value}"
 
 
@@ -113,7 +119,7 @@ def _generation_batches(exp: Experiment) -> Iterator[Problem]:
             "generation_batch_size", "steps_per_generation", "num_generations",
             "per_device_eval_batch_size", "num_generations_eval")
     got = {key: value(key) for key in keys}
-    if not all(v is None or (_number(v) and v == int(v) and v >= 1) for v in got.values()):
+    if not all(v is None or (_number(v) and _whole(v) and v >= 1) for v in got.values()):
         return  # types and ranges are reported on their own
     world = exp.distributed.world_size
     step = got["per_device_train_batch_size"] * world
