@@ -8,6 +8,7 @@ check `training:` against the TRL class, then the cross-field rules. Imports no 
 from __future__ import annotations
 
 import difflib
+import os
 import re
 import typing
 from pathlib import Path
@@ -168,15 +169,23 @@ def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
 
 def _load_file(path: Path, origins: _Origins, problems: list[str],
                chain: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """`chain`: the files that extend this one, as written (a symlink named as such)."""
     where = f"{chain[-1]}: extends: " if chain else ""
     bad = paths.problem(str(path))
     if bad:
         raise ConfigError([f"{where}{str(path)!r}: {bad}"])
-    path = paths.resolve(path.expanduser())
-    if path in chain:
-        cycle = " -> ".join(str(p) for p in chain + (path,))
-        raise ConfigError([f"{path}: extends: cycle: {cycle}"])
+    written = Path(os.path.abspath(path.expanduser()))
+    path = paths.resolve(written)
+    if path in [paths.resolve(p) for p in chain]:
+        # named as written, a symlink followed by its target: a.yaml -> b.yaml -> a.yaml
+        loop = " -> ".join(str(p) if paths.resolve(p) == p else f"{p} -> {paths.resolve(p)}"
+                           for p in chain + (written,))
+        raise ConfigError([f"{where}loop: {loop}"])
     if not paths.is_file(path):
+        links = paths.link_loop(written)
+        if links:
+            raise ConfigError([f"{where}{written}: a symlink loop: "
+                               f"{' -> '.join(map(str, links))}"])
         raise ConfigError([f"{where}{path}: no such experiment file"])
     origins.files_read += 1
     if origins.files_read > MAX_FILES:
@@ -201,7 +210,7 @@ def _load_file(path: Path, origins: _Origins, problems: list[str],
     merged: dict[str, Any] = {}
     for parent in parents:
         merged = _merge(merged, _load_file(path.parent / parent, origins, problems,
-                                           chain + (path,)))
+                                           chain + (written,)))
     origins.where.update(own)
     return _merge(merged, data)
 

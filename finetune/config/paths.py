@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+MAX_LINKS = 40  # symlinks followed before the kernel answers ELOOP (Linux)
 NAME_MAX = 255  # bytes in one path component (ext4, xfs, btrfs, APFS)
 PATH_MAX = 4096
 
@@ -56,3 +57,19 @@ def resolve(path: Path) -> Path:
         return path.resolve()
     except (OSError, RuntimeError):
         return Path(os.path.abspath(path))
+
+
+def link_loop(path: str | Path) -> list[Path] | None:
+    """The symlinks from `path` that lead back to one of them ([a, b, a]; [a, a] for a
+    link to itself), or None: the kernel only says ELOOP, which pathlib reads as missing."""
+    seen: list[Path] = []
+    current = Path(os.path.abspath(path))
+    while current not in seen:
+        if len(seen) > MAX_LINKS or not current.is_symlink():
+            return seen + [current] if len(seen) > MAX_LINKS else None
+        seen.append(current)
+        try:
+            current = Path(os.path.abspath(current.parent / os.readlink(current)))
+        except OSError:
+            return None
+    return seen + [current]

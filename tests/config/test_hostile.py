@@ -73,9 +73,20 @@ def test_nul_byte_in_file(capsys, tmp_path):
     assert "NUL byte" in refused(capsys, path)
 
 
-def test_extends_symlink_loop(capsys, write, tmp_path):
-    (tmp_path / "loop.yaml").symlink_to(tmp_path / "loop.yaml")
-    assert "loop.yaml" in refused(capsys, write("exp.yaml", "extends: loop.yaml\n" + BASE))
+def test_extends_symlink_loops(capsys, write, tmp_path):
+    """A link to itself, links to each other (ELOOP: pathlib says missing), and a file
+    extended through a link to itself: each named as written, the links shown."""
+    self_link, a, b = (tmp_path / name for name in ("self.yaml", "a.yaml", "b.yaml"))
+    self_link.symlink_to(self_link)
+    exp = write("exp.yaml", "extends: self.yaml\n" + BASE)
+    assert refused(capsys, exp) == \
+        f"error: {exp}: extends: {self_link}: a symlink loop: {self_link} -> {self_link}"
+    a.symlink_to(b)
+    b.symlink_to(a)
+    assert refused(capsys, a) == f"error: {a}: a symlink loop: {a} -> {b} -> {a}"
+    a.unlink()
+    a.write_text("extends: b.yaml\n" + BASE)
+    assert refused(capsys, a) == f"error: {a}: extends: loop: {a} -> {b} -> {a}"
 
 
 OVERRIDES = {
