@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 
 class ConfigError(Exception):
     """One or more problems in an experiment, each naming its YAML path."""
@@ -54,3 +56,25 @@ def one_line(text: str) -> str:
     """Foreign text (a reader's error, a name from the data) in one error line: line
     breaks and other control characters escaped, so none can start a line of its own."""
     return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)
+
+
+# How much of what the user wrote an error line echoes: a key, a value (paths included).
+KEY_CHARS, VALUE_CHARS = 80, 200
+
+
+def clip(text: str, limit: int = KEY_CHARS) -> str:
+    """A key or value the user wrote, shortened to about `limit` characters in an error
+    line: a 10 kB key is named by its start and its length, not echoed whole."""
+    if len(text) <= limit:
+        return text
+    head = text[:max(limit - 24, 8)]
+    # Never cut inside a URL's user:password@ (the credential scrub needs the `@`).
+    opened = re.search(r"://[^\s/@]*$", head)
+    if opened and "@" in text[len(head):]:
+        head = head[:opened.start() + 3]
+    return f"{head}... ({len(text):,} characters)"
+
+
+def shown(value: object, limit: int = VALUE_CHARS) -> str:
+    """A value as an error line echoes it: its repr, clipped."""
+    return clip(repr(value), limit)

@@ -23,7 +23,7 @@ from finetune.config.inputs import Input, declared, mark_at
 from finetune.config.methods import METHODS
 from finetune.config.schema import Experiment
 from finetune.config.secrets import REDACTED, is_secret, scrub
-from finetune.errors import ConfigError
+from finetune.errors import ConfigError, clip, shown
 
 Loc = tuple  # a path into the experiment: ("training", "learning_rate") or ("data", "train", 0)
 # The settings that name a model directory or hub id: a near miss beside the file is named.
@@ -43,6 +43,8 @@ def dotted(loc: Loc) -> str:
     for part in loc:
         if isinstance(part, str) and not part.isprintable():
             part = repr(part)  # a key with a newline must not break the one-line error
+        if isinstance(part, str):
+            part = clip(part)  # a 10 kB key is named, not echoed
         out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
     return out
 
@@ -173,7 +175,7 @@ def _load_file(path: Path, origins: _Origins, problems: list[str],
     where = f"{chain[-1]}: extends: " if chain else ""
     bad = paths.problem(str(path))
     if bad:
-        raise ConfigError([f"{where}{str(path)!r}: {bad}"])
+        raise ConfigError([f"{where}{shown(str(path))}: {bad}"])
     written = Path(os.path.abspath(path.expanduser()))
     path = paths.resolve(written)
     if path in [paths.resolve(p) for p in chain]:
@@ -223,7 +225,7 @@ def _named(override: str) -> str:
         key = re.split(r"[^\w.]", override, maxsplit=1)[0]
     if any(is_secret(word) for word in re.split(r"[^\w]+", key if equals else override)):
         override = f"{key}={REDACTED}" if equals else f"{key}...{REDACTED}"
-    return override if len(override) <= 80 else f"{override[:60]}... ({len(override):,} characters)"
+    return clip(override)
 
 
 def apply_override(data: dict[str, Any], override: str, origins: _Origins) -> None:
@@ -290,10 +292,10 @@ def _describe(error: dict[str, Any]) -> str:
     if kind == "value_error":  # our own validators: their message, without pydantic's prefix
         message = str(error["ctx"]["error"])
     secret = any(isinstance(part, str) and is_secret(part) for part in loc)
-    shown = repr(error.get("input"))
+    got = shown(error.get("input"))
     if "input" in error and kind not in ("model_type", "dict_type") and not secret and \
-            shown not in message:
-        message += f" (got {shown if len(shown) <= 60 else shown[:50] + '...'})"
+            got not in message:
+        message += f" (got {got})"
     return message
 
 

@@ -20,6 +20,7 @@ from finetune.config.method_sections import (ClassifySection, DistillSection, DP
                                              KTOSection, PPOSection, RewardsSection)
 from finetune.config.script_values import (MAX_LENGTH, MAX_MACHINES, MAX_PROCESSES,
                                     MAX_PROCESSES_PER_MACHINE, host_problem)
+from finetune.errors import clip, shown
 from finetune.config.section import (Section, by_method, check_no_control, check_repo_id,
                                      check_revision, for_methods)
 
@@ -194,8 +195,8 @@ class DataSection(Section):
     def _roles(cls, value: dict[str, str]) -> dict[str, str]:
         wrong = {k: v for k, v in value.items() if v not in source_formats.ROLES}
         if wrong:
-            raise ValueError(f"{', '.join(f'{k}: {v!r}' for k, v in wrong.items())}: a role "
-                             f"is one of {', '.join(source_formats.ROLES)}")
+            named = ", ".join(f"{clip(k)}: {shown(v)}" for k, v in wrong.items())
+            raise ValueError(f"{named}: a role is one of {', '.join(source_formats.ROLES)}")
         return value
 
 

@@ -1,5 +1,6 @@
 """What a value must look like to be written into a generated script (launch.sh,
-job.sbatch) or the files they read. Imports nothing of finetune, so the schema can use it.
+job.sbatch) or the files they read. Imports nothing of finetune but errors, so the schema
+can use it.
 
 A line break (or any control character) in a value would end a comment or `#SBATCH` line
 and start a command of its own, so none is allowed anywhere; host names, partitions and
@@ -10,6 +11,8 @@ from __future__ import annotations
 
 import ipaddress
 import re
+
+from finetune.errors import shown
 
 # SLURM's limit on --signal's time before the end of the job.
 MAX_SIGNAL_SECONDS = 65535
@@ -76,17 +79,17 @@ def time_seconds(value: str) -> int:
             parts = {k: int(v) for k, v in match.groupdict().items()}
             break
     else:
-        raise ValueError(f"{value!r} is not a SLURM time limit: use MM, MM:SS, HH:MM:SS, "
+        raise ValueError(f"{shown(value)} is not a SLURM time limit: use MM, MM:SS, HH:MM:SS, "
                          "D-HH, D-HH:MM or D-HH:MM:SS")
     days, hours = parts.get("d", 0), parts.get("h", 0)
     minutes, secs = parts.get("m", 0), parts.get("s", 0)
     if secs > 59 or (minutes > 59 and ("h" in parts or "d" in parts)) or \
             (hours > 23 and "d" in parts):
-        raise ValueError(f"{value!r}: seconds and minutes go up to 59, and hours up to 23 "
+        raise ValueError(f"{shown(value)}: seconds and minutes go up to 59, and hours up to 23 "
                          "after a day count")
     total = ((days * 24 + hours) * 60 + minutes) * 60 + secs
     if total == 0:
-        raise ValueError(f"{value!r}: a time limit of 0 means no limit to SLURM; give one")
+        raise ValueError(f"{shown(value)}: a time limit of 0 means no limit to SLURM; give one")
     return total
 
 

@@ -23,6 +23,7 @@ from typing import Any
 
 from finetune.config.methods import METHODS, method as method_record
 from finetune.config.secrets import is_secret
+from finetune.errors import shown
 
 MANIFEST = Path(__file__).with_name("trl_fields.json")
 
@@ -188,13 +189,13 @@ def _check_value(value: Any, spec: dict[str, Any], secret: bool = False) -> tupl
         ok = False
     if not ok:
         wanted = " or ".join(t for t in spec["types"])
-        shown = "" if secret else f" {value!r}"
-        return value, f"expected {wanted}, got {type(value).__name__}{shown}"
+        echoed = "" if secret else f" {shown(value)}"
+        return value, f"expected {wanted}, got {type(value).__name__}{echoed}"
     choices = spec.get("choices")
     if choices and isinstance(value, str) and value not in choices:
         close = difflib.get_close_matches(value, [str(c) for c in choices], n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
-        return value, f"{value!r} is not one of {', '.join(map(str, choices))}{hint}"
+        return value, f"{shown(value)} is not one of {', '.join(map(str, choices))}{hint}"
     return value, None
 
 

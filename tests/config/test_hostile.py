@@ -157,6 +157,15 @@ def test_keys_and_values_with_newlines_stay_one_line(capsys, write):
     assert "'a\\nb': unknown key" in message and "training.'x\\ny'" in message
 
 
+def test_long_keys_and_values_are_named_by_their_start_and_length(capsys, write):
+    long = "k" * 10_000
+    path = write("exp.yaml", BASE + f"? {long}\n: 1\nevaluaton: {{}}\ntraining:\n"
+                 f"  ? {long}\n  : 1\n  optim: {long}\n  max_steps: {long}\n")
+    message = refused(capsys, path, f"model.{long}=1", f"model.attn_implementation={long}")
+    assert "k" * 200 not in message and message.count("(10,00") == 6, message
+    assert "evaluaton: unknown key, did you mean evaluation?" in message
+
+
 def _chain(tmp_path, levels: int, fan: int) -> None:
     """b0.yaml extends b1.yaml `fan` times, and so on: read naively, fan**levels files."""
     for level in range(levels):

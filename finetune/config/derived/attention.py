@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 
 from finetune.config.derived.kernels import NOT_INSTALLED, Kernels
+from finetune.errors import shown
 
 # finetune's own attention function (model/varlen.py), registered with transformers'
 # AttentionInterface before a model is built: PyTorch's flash varlen kernel, no install.
@@ -28,7 +29,7 @@ def check_name(name: str) -> str | None:
     """None if transformers (or finetune) can run `name`, else the problem."""
     if name in NAMES or HUB_KERNEL.fullmatch(name):
         return None
-    return (f"{name!r} is not an attention implementation: use one of {', '.join(NAMES)}, "
+    return (f"{shown(name)} is not an attention implementation: use one of {', '.join(NAMES)}, "
             "or a hub kernel id (org/repo[@revision][:function], needs `pip install kernels`)")
 
 

@@ -23,6 +23,7 @@ from finetune.config.derived.effective import record, value
 from finetune.config.methods import names_where, sections, spoken
 from finetune.config.schema import Experiment, PeftSection
 from finetune.config.secrets import CREDENTIALS, is_secret
+from finetune.errors import shown
 
 Problem = tuple[tuple, str]
 
@@ -67,7 +68,7 @@ def _paths(exp: Experiment) -> Iterator[Problem]:
             yield loc, f"no such file: {path} (relative paths are relative to " \
                        "the YAML file that names them)"
         elif not HUB_ID.fullmatch(path):
-            yield loc, f"neither a local file nor a hub dataset id: {path!r}"
+            yield loc, f"neither a local file nor a hub dataset id: {shown(path)}"
         else:
             yield from models.offline(loc, path, "dataset")
     for loc, value in inputs.values(exp, "model"):  # distill.teacher: _distill
@@ -82,7 +83,7 @@ def _paths(exp: Experiment) -> Iterator[Problem]:
             elif loc[0] == "model":
                 yield from models.remote_code(loc, value, exp.model.trust_remote_code)
         elif not HUB_ID.fullmatch(value):
-            yield loc, f"neither a local directory nor a hub id: {value!r}"
+            yield loc, f"neither a local directory nor a hub id: {shown(value)}"
         else:
             revision = exp.model.revision if loc[0] == "model" else None
             yield from models.on_hub(loc, value, revision)
@@ -92,7 +93,7 @@ def _paths(exp: Experiment) -> Iterator[Problem]:
     template = exp.tokenizer.chat_template
     if template and "{{" not in template and "{%" not in template and \
             not paths.is_file(template):
-        yield ("tokenizer", "chat_template"), f"neither a Jinja template nor a file: {template!r}"
+        yield ("tokenizer", "chat_template"), f"neither a Jinja template nor a file: {shown(template)}"
 
 
 def changed(section: BaseModel) -> set[str]:
@@ -189,7 +190,7 @@ def _tokenization(exp: Experiment) -> Iterator[Problem]:
     if record(exp).tokenizes:  # finetune truncates (data/sft_tokens.py): its two modes
         mode = setting("truncation_mode") or "keep_start"
         if mode not in ("keep_start", "keep_end"):
-            yield ("training", "truncation_mode"), f"{mode!r} is not keep_start or keep_end"
+            yield ("training", "truncation_mode"), f"{shown(mode)} is not keep_start or keep_end"
     if setting("packing") and "max_length" in exp.training and exp.training["max_length"] is None:
         yield ("training", "packing"), "needs training.max_length (the packed length)"
     if setting("completion_only_loss") and \
@@ -233,7 +234,7 @@ def _rewards(exp: Experiment) -> Iterator[Problem]:
                             "rewards.functions"
     for i, name in enumerate(spec.functions):
         if not FUNCTION_RE.fullmatch(name):
-            yield ("rewards", "functions", i), f"{name!r}: write 'module:function' or " \
+            yield ("rewards", "functions", i), f"{shown(name)}: write 'module:function' or " \
                                                 "'file.py:function'"
         elif ".py:" in name and not paths.is_file(name.rpartition(":")[0]):
             yield ("rewards", "functions", i), f"no such file: {name.rpartition(':')[0]}"
@@ -368,7 +369,7 @@ def _teacher(exp: Experiment, loc: tuple, teacher: str) -> Iterator[Problem]:
         yield loc, bad
     elif not is_local(teacher):
         if not HUB_ID.fullmatch(teacher):
-            yield loc, f"neither a local directory nor a hub id: {teacher!r}"
+            yield loc, f"neither a local directory nor a hub id: {shown(teacher)}"
         else:
             yield from models.on_hub(loc, teacher)
     elif not paths.is_dir(teacher):

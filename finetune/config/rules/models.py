@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Iterator
 
 from finetune.config import paths
+from finetune.errors import shown
 
 Problem = tuple[tuple, str]
 _TRUE = ("1", "on", "yes", "true")
@@ -72,7 +73,7 @@ def offline(loc: tuple, hub_id: str, kind: str = "model") -> Iterator[Problem]:
     where = " or ".join(str(path.parent) for path in cached)
     hint = "; for a directory next to the YAML file, check the spelling" if "/" not in hub_id \
         else ""
-    yield loc, (f"{hub_id!r} is not a local {'directory' if kind == 'model' else 'path'}, "
+    yield loc, (f"{shown(hub_id)} is not a local {'directory' if kind == 'model' else 'path'}, "
                 f"and cannot be fetched from the hub offline ({' and '.join(flags)} set; it is "
                 f"not in {where}){hint}")
 
@@ -141,7 +142,7 @@ def near_miss(name: str, base: Path) -> str | None:
         return None
     here = Path.cwd() / name
     if paths.is_file(here / "config.json"):
-        return (f"{name!r} is not a directory next to the YAML file ({base}): paths in an "
+        return (f"{shown(name)} is not a directory next to the YAML file ({base}): paths in an "
                 "experiment are relative to the file that names them, and this one is "
                 f"relative to the current directory; write {os.path.relpath(here, base)} "
                 "(or the absolute path)")
@@ -154,7 +155,7 @@ def near_miss(name: str, base: Path) -> str | None:
     close = difflib.get_close_matches(name, models, n=1, cutoff=0.8)
     if not close:
         return None
-    return (f"{name!r} is not a local directory (none next to {base}); did you mean "
+    return (f"{shown(name)} is not a local directory (none next to {base}); did you mean "
             f"{close[0]}?")
 
 
@@ -174,5 +175,5 @@ def pad_token(loc: tuple, directory: str, token: str) -> Iterator[Problem]:
     if token not in known:
         special = sorted(added["content"] for added in spec.get("added_tokens") or []
                          if added.get("special"))[:8]
-        yield loc, (f"{token!r} is not a token of the tokenizer in {directory}"
+        yield loc, (f"{shown(token)} is not a token of the tokenizer in {directory}"
                     + (f" (its special tokens: {', '.join(special)})" if special else ""))
