@@ -62,6 +62,20 @@ def test_bad_sweep_keys_exit_2_naming_them(write, tmp_path):
         assert "swept.yaml: parameters.training.learning_rate)" in result.stderr
 
 
+def test_a_grid_too_large_to_run_is_refused_before_it_is_built(write, tmp_path):
+    """10**12 combinations: counted, never built (that would never finish)."""
+    values = "{values: [" + ", ".join(str(i) for i in range(100)) + "]}"
+    grid = sweep_file(write, "method: grid\nparameters:\n" + "".join(
+        f"  training.{key}: {values}\n" for key in ("seed", "data_seed", "warmup_steps",
+                                                   "logging_steps", "save_steps", "max_steps")))
+    result = run_cli("sweep", SFT, grid, "--dry-run", cwd=tmp_path, timeout=120)
+    assert result.returncode == 2 and result.stdout == "", result.stdout + result.stderr
+    assert result.stderr == f"error: {grid}: parameters: a grid of 1,000,000,000,000 " \
+        "trials (the product of the number of values of each parameter), more than the " \
+        "10,000 a sweep runs: use method random with trials: N (at most 10,000), which " \
+        "draws from the same values, or give fewer values\n"
+
+
 @pytest.mark.slow
 def test_random_is_reproducible_from_its_seed(write, tmp_path):
     text = ("method: random\ntrials: 5\nseed: {seed}\nparameters:\n"

@@ -4,6 +4,7 @@ their YAML path), read as experiment files are (safe, bounded). Torch-free."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any, Literal
 
@@ -14,6 +15,8 @@ from finetune.errors import ConfigError
 
 # Keys the sweep sets itself for every trial: where it runs and under which name.
 RESERVED = ("name", "output", "output.dir", "resume", "extends")
+# The most trials one sweep runs (each is a training run, each checked before any runs).
+MAX_TRIALS = 10_000
 
 
 class _Strict(BaseModel):
@@ -96,9 +99,17 @@ class Sweep(_Strict):
             if ranged:
                 raise ValueError(f"parameters.{ranged[0]}: a grid needs values: [...], "
                                  "not a low/high range")
-        elif self.trials is None or not 1 <= self.trials <= 10_000:
+            # Counted, never built: a grid of millions would fill the memory first.
+            count = math.prod(len(p.values) for p in self.parameters.values())
+            if count > MAX_TRIALS:
+                raise ValueError(
+                    f"parameters: a grid of {count:,} trials (the product of the number of "
+                    f"values of each parameter), more than the {MAX_TRIALS:,} a sweep runs: "
+                    f"use method random with trials: N (at most {MAX_TRIALS:,}), which "
+                    "draws from the same values, or give fewer values")
+        elif self.trials is None or not 1 <= self.trials <= MAX_TRIALS:
             raise ValueError(f"trials: method {self.method} needs a number of trials "
-                             "(1..10000)")
+                             f"(1..{MAX_TRIALS})")
         if self.startup_trials is not None and (self.method != "tpe" or self.startup_trials < 1):
             raise ValueError("startup_trials: only for method tpe, and at least 1")
         return self
