@@ -133,3 +133,20 @@ def test_data_shows_every_method(write, tmp_path):
         assert any(line.startswith("data.train: ") and not line.startswith("data.train: 0 ")
                    for line in lines), (name, lines)
         assert any("token lengths: min" in line for line in lines), (name, lines)
+
+
+@pytest.mark.slow
+def test_data_shows_the_first_rows_of_a_stream(write, tmp_path):
+    """data.streaming: the train rows are an endless stream (train reads it lazily), so
+    its length is never known; the first rows it reads are shown and summarised."""
+    data = rows(tmp_path / "text.jsonl", [{"text": "word " * i} for i in range(1, 6)])
+    config = write("stream.yaml", f"method: sft\nmodel: {{name_or_path: {TINY_MODEL}}}\n"
+                                  f"data: {{train: {data}, eval: {data}, streaming: true}}\n"
+                                  "training: {max_steps: 2, packing: true, max_length: 4}\n")
+    result = run_cli("data", str(config), "-n", "2", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    out = result.stdout
+    assert "data.train: streamed, its length unknown (read as training goes, from the " \
+           "start again when it ends); the first 1000 rows it reads:" in out, out
+    assert out.count(f"--- {data} line ") == 2 and "data.eval: 5 rows" in out
+    assert "training.max_length 4: 1000 of 1000 rows longer" in out

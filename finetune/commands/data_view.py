@@ -15,6 +15,8 @@ from finetune.data.prompts import prompt_ids
 from finetune.model.tokenizer import render_chat, require_chat_template
 
 OPEN, CLOSE = "⟦", "⟧"
+# data.streaming: the rows of an endless stream summarised, the first ones training reads.
+STREAM_ROWS = 1000
 
 
 @dataclasses.dataclass
@@ -183,6 +185,14 @@ def _summary(samples: list[Sample], experiment: Experiment) -> list[str]:
     return lines
 
 
+def _head(rows, count: int):
+    """The first `count` rows a stream (data.streaming) gives, as a dataset: the stream is
+    endless (it starts over when the files end), so its length is never known."""
+    from datasets import Dataset
+
+    return Dataset.from_list(list(rows.take(count)), features=rows.features)
+
+
 def report(experiment: Experiment, shown: int) -> list[str]:
     """The lines `finetune data` prints."""
     from finetune.model.tokenizer import load_tokenizer
@@ -206,8 +216,13 @@ def report(experiment: Experiment, shown: int) -> list[str]:
     for split, rows in (("train", splits.train), ("eval", splits.eval)):
         if rows is None:
             continue
+        streamed = not hasattr(rows, "__len__")
+        if streamed:
+            rows = _head(rows, max(STREAM_ROWS, shown))
         samples = list(sample(rows, tokenizer, experiment, splits, split))
-        lines.append(f"data.{split}: {len(samples)} rows")
+        lines.append(f"data.{split}: streamed, its length unknown (read as training goes, "
+                     f"from the start again when it ends); the first {len(samples)} rows "
+                     "it reads:" if streamed else f"data.{split}: {len(samples)} rows")
         for s in samples[:shown] if split == "train" else ():
             lines.append(f"--- {s.where} ({s.length} tokens{', dropped' if s.dropped else ''})")
             for name, ids, trained in s.parts:
