@@ -214,3 +214,41 @@ def test_data_too_small_is_said_at_validate_and_at_the_start(write, tmp_path):
     validated = run_cli("validate", fine, cwd=tmp_path)
     assert validated.returncode == 0 and "warning" not in validated.stdout, validated.stdout
     assert check_data(load_experiment(fine))[-1].startswith("data.train[0]: ")
+
+
+# A tokenizer.chat_template (a file) or a tokenizer without one: chat rows that training
+# cannot render. Validate reads the tokenizer's files only; its words are training's.
+TEMPLATES = {
+    "no template": None,
+    "syntax error": "{% for m in messages %}{{ m.content }{% endfor %}",
+    "fails to render": "{{ bos_token }}{% for m in messages %}{{ raise_exception('no ' "
+                       "+ m.role) }}{% endfor %}",
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(TEMPLATES))
+def test_validate_refuses_chat_rows_training_cannot_render(write, tmp_path, case):
+    from finetune.data.prepare import prepare
+    from finetune.methods import preparation
+    from finetune.model.tokenizer import load_tokenizer
+
+    tokenizer = tmp_path / "tokenizer"
+    tokenizer.mkdir()
+    for part in TINY_MODEL.iterdir():
+        (tokenizer / part.name).write_bytes(part.read_bytes())
+    settings = json.loads((tokenizer / "tokenizer_config.json").read_text())
+    extra = "tokenizer:\n  name_or_path: tokenizer\n"
+    if TEMPLATES[case] is None:
+        del settings["chat_template"]
+    else:
+        (tmp_path / "chat.jinja").write_text(TEMPLATES[case])
+        extra += "  chat_template: chat.jinja\n"
+    (tokenizer / "tokenizer_config.json").write_text(json.dumps(settings))
+    path = jsonl(tmp_path, "chat.jsonl", [CHAT] * 3)
+    exp = load_experiment(config(write, "sft", path, extra))
+    with pytest.raises(DataError) as trained:
+        prepare(exp, load_tokenizer(exp), preparation(exp))
+    result = run_cli("validate", str(tmp_path / "exp.yaml"), cwd=tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.replace(f"{path} line ", f"{path} row ") == f"error: {trained.value}\n"

@@ -33,6 +33,7 @@ from finetune.data.files import (MAX_DEPTH, checked_builder, is_document, list_d
 from finetune.data.rows import FORMATS, WEIGHT, check_row, preference_problem
 from finetune.data.sizes import counted_rows, size_warnings
 from finetune.errors import DataError, one_line
+from finetune.model import chat_template
 
 ORIGIN = "__origin__"  # data/load.py's; a prompt row may not have a column of that name
 BATCH = 8192  # rows of a CSV chunk or parquet batch, and between progress updates
@@ -274,6 +275,7 @@ def check_data(experiment: Experiment) -> list[str]:
     counts: dict[str, int] = {}
     total = sum(f.stat().st_size for paths in files.values() for f in paths)
     lines, fmt = [], None if experiment.data.format == "auto" else experiment.data.format
+    first: dict[str, tuple[str, dict[str, Any]]] = {}  # each split's first row, as read
     progress = Progress(total)
     try:
         for split in ("train", "eval"):
@@ -287,7 +289,7 @@ def check_data(experiment: Experiment) -> list[str]:
                 for path in files[where]:
                     check = FileCheck(str(path), fmt, experiment, source, where)
                     for at, row in file_rows(path, progress):
-                        check.check(at, row)
+                        first.setdefault(split, (at, check.check(at, row)))
                     check.finish()
                     if experiment.data.streaming and split == "train" and check.trained != "text":
                         raise DataError(f"{where}: {path} is format {check.fmt}; data.streaming "
@@ -298,6 +300,7 @@ def check_data(experiment: Experiment) -> list[str]:
                 counts[where] = rows
     finally:
         progress.bar.close()
+    chat_template.check_rows(experiment, first)  # rows in chat format: training's template checks
     train, evaluation = counted_rows(experiment, counts)
     if experiment.data.streaming:
         train = None  # read as training goes: its passes are the stream's

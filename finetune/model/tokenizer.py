@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from finetune.model import chat_template
 from finetune.model.load import refuse_remote_code, remote_code_error
 from finetune.config.schema import Experiment
-from finetune.errors import DataError, RunError, first_line, one_line
+from finetune.errors import RunError, first_line
 
 
 def load_tokenizer(experiment: Experiment) -> PreTrainedTokenizerBase:
@@ -26,13 +25,9 @@ def load_tokenizer(experiment: Experiment) -> PreTrainedTokenizerBase:
                        f"{first_line(exc)}") from None
     except ValueError as exc:
         raise remote_code_error(exc, source, key) from None
-    template = experiment.tokenizer.chat_template
+    template = chat_template.setting(experiment)
     if template:
-        is_inline = "{{" in template or "{%" in template
-        try:
-            tokenizer.chat_template = template if is_inline else Path(template).read_text()
-        except (OSError, UnicodeDecodeError) as exc:
-            raise RunError(f"tokenizer.chat_template: cannot read {template!r}: {exc}") from None
+        tokenizer.chat_template = template
     if experiment.tokenizer.pad_token:
         tokenizer.pad_token = experiment.tokenizer.pad_token
     elif tokenizer.pad_token is None:
@@ -65,27 +60,15 @@ def render_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict], where:
                                                   tools=tools or None)
                     ["input_ids"])
     except (jinja2.TemplateError, ValueError, TypeError) as exc:
-        raise DataError(f"{where}: the chat template cannot render it ({type(exc).__name__}: "
-                        f"{one_line(str(exc))}); fix the row, or the template "
-                        "(tokenizer.chat_template)") from None
+        raise chat_template.cannot_render(where, exc) from None
 
 
 def require_chat_template(splits, tokenizer: PreTrainedTokenizerBase,
                           experiment: Experiment) -> None:
     """Message-list rows are rendered by the tokenizer's chat template: without one, say
     so before any row is tokenized, naming the data and the setting that gives one."""
-    from trl.data_utils import is_conversational
-
     if tokenizer.chat_template:
         return
     for split, rows in (("train", splits.train), ("eval", splits.eval)):
-        if rows is None or len(rows) == 0 or not is_conversational(rows[0]):
-            continue
-        sources = getattr(experiment.data, split) or experiment.data.train  # eval_fraction
-        files = ", ".join(s.path for s in sources)
-        source = experiment.tokenizer.name_or_path or experiment.model.name_or_path
-        raise DataError(
-            f"data.{split} ({files}): the rows are message lists (chat format), and the "
-            f"tokenizer of {source!r} has no chat template to render them: set "
-            "tokenizer.chat_template (a Jinja template inline, or the path of a .jinja "
-            "file), or give the data as plain text")
+        if rows is not None and len(rows) and chat_template.conversational(rows[0]):
+            raise chat_template.missing(split, experiment)
