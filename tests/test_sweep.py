@@ -76,6 +76,15 @@ def test_a_grid_too_large_to_run_is_refused_before_it_is_built(write, tmp_path):
         "draws from the same values, or give fewer values\n"
 
 
+def test_long_keys_and_values_of_a_sweep_are_named_by_their_start_and_length(write, tmp_path):
+    long = "k" * 10_000
+    spec = sweep_file(write, f"method: grid\n? {long}\n: 1\nparameters:\n"
+                             f"  training.seed: {{values: [{long}]}}\n")
+    result = run_cli("sweep", SFT, spec, "--dry-run", cwd=tmp_path, timeout=120)
+    assert result.returncode == 2 and "k" * 200 not in result.stderr, result.stderr[:2000]
+    assert f"error: {spec}: {'k' * 56}... (10,000 characters): unknown key\n" in result.stderr
+
+
 @pytest.mark.slow
 def test_random_is_reproducible_from_its_seed(write, tmp_path):
     text = ("method: random\ntrials: 5\nseed: {seed}\nparameters:\n"

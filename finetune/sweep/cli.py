@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from finetune.errors import EXIT_PREEMPTED, ConfigError, RunError
+from finetune.errors import EXIT_PREEMPTED, ConfigError, RunError, clip, shown
 
 NAME_WIDTH = 3  # trial-000
 
@@ -49,7 +49,7 @@ def _checked(config: str, sweep_file: str, overrides: list[str], sweep) -> list[
     problems = [problem for key, p in sweep.parameters.items()
                 for value in endpoints(p)
                 for problem in problems_of([override(key, value)],
-                                           f"parameters.{key}: {value!r}")]
+                                           f"parameters.{clip(key)}: {shown(value)}")]
     if problems:
         raise ConfigError(problems)
     plan = planned(sweep)
@@ -80,8 +80,9 @@ def command(args: argparse.Namespace) -> int:
         require_optuna()
     if sweep.prune is not None and ("/" in sweep.metric or not sweep.metric.startswith("eval_")):
         raise ConfigError([f"{args.sweep}: prune: needs an evaluation metric logged during "
-                           f"training (eval_...), not {sweep.metric!r}"])
-    clashes = [f"{key}: set on the command line and swept ({args.sweep}: parameters.{swept}); "
+                           f"training (eval_...), not {shown(sweep.metric)}"])
+    clashes = [f"{clip(key)}: set on the command line and swept ({args.sweep}: "
+               f"parameters.{clip(swept)}); "
                "each trial would take the sweep's value and drop the command line's: remove "
                "one of them" for key in (o.partition("=")[0].strip() for o in args.overrides)
                for swept in sweep.parameters

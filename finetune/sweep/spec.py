@@ -11,7 +11,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from finetune.config import yamltext
-from finetune.errors import ConfigError
+from finetune.errors import ConfigError, clip, shown
 
 # Keys the sweep sets itself for every trial: where it runs and under which name.
 RESERVED = ("name", "output", "output.dir", "resume", "extends")
@@ -120,7 +120,7 @@ class Sweep(_Strict):
 
 
 def _where(loc: tuple) -> str:
-    return ".".join(str(part) for part in loc)
+    return ".".join(clip(str(part)) for part in loc)
 
 
 def read_sweep(path: Path) -> Sweep:
@@ -140,9 +140,9 @@ def read_sweep(path: Path) -> Sweep:
     problems = []
     for key in (data.get("parameters") or {}) if isinstance(data.get("parameters"), dict) else ():
         if not isinstance(key, str) or not key:
-            problems.append(f"{path}: parameters: {key!r} is not a dotted experiment key")
+            problems.append(f"{path}: parameters: {shown(key)} is not a dotted experiment key")
         elif key in RESERVED or key.startswith("output."):
-            problems.append(f"{path}: parameters.{key}: set by the sweep for each trial "
+            problems.append(f"{path}: parameters.{clip(key)}: set by the sweep for each trial "
                             "(its run directory, name and resume); not a parameter")
     if problems:
         raise ConfigError(problems)
@@ -161,5 +161,5 @@ def _problem(path: Path, error: dict[str, Any]) -> str:
     elif error["type"] == "value_error":
         message = str(error["ctx"]["error"])
     else:
-        message = f"{error['msg']} (got {error.get('input')!r:.60})"
+        message = f"{error['msg']} (got {shown(error.get('input'))})"
     return f"{path}: {where}: {message}" if where else f"{path}: {message}"
