@@ -59,7 +59,11 @@ def test_a_utf8_byte_order_mark_is_accepted(write, tmp_path):
 def test_a_5000_deep_json_row_is_one_error(write, tmp_path):
     path = tmp_path / "deep.jsonl"
     path.write_text('{"text": "ok"}\n{"text": ' + "[" * 5000 + "]" * 5000 + "}\n")
-    assert refused(write, path) == f"{path} line 2: nested too deeply to read (thousands of levels)"
+    # Python's json stops at its recursion limit; where a process has raised it (the suite's
+    # workers run other libraries' code first), the row parses and the depth check names it
+    message = refused(write, path)
+    assert message == f"{path} line 2: nested too deeply to read (thousands of levels)" or \
+        message.startswith(f"{path} line 2: nested more than 64 levels deep"), message
     moderate = tmp_path / "moderate.jsonl"  # within Python's reach, beyond datasets'
     moderate.write_text('{"text": "ok"}\n{"text": ' + "[" * 400 + "]" * 400 + "}\n")
     message = refused(write, moderate)
