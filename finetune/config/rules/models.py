@@ -98,12 +98,12 @@ def on_hub(loc: tuple, hub_id: str, revision: str | None = None) -> Iterator[Pro
     local = " nor a local directory (paths in an experiment are relative to the YAML " \
             "file that names them)"
     if answer == "not found":
-        yield loc, (f"{hub_id!r} is neither a model on the hub ({hub_endpoint()} has none "
+        yield loc, (f"{shown(hub_id)} is neither a model on the hub ({hub_endpoint()} has none "
                     "by that name; a private one needs `hf auth login` or HF_TOKEN)" + local)
     elif answer == "no revision":
-        yield loc, f"{hub_id!r} has no revision {revision!r} on the hub ({hub_endpoint()})"
+        yield loc, f"{shown(hub_id)} has no revision {shown(revision)} on the hub ({hub_endpoint()})"
     else:
-        yield loc, (f"{hub_id!r} is not in the local cache ({hub_cache()}){local}, and the "
+        yield loc, (f"{shown(hub_id)} is not in the local cache ({hub_cache()}){local}, and the "
                     f"hub ({hub_endpoint()}) {answer}: connect, or name a local directory")
 
 
