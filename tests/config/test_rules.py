@@ -282,6 +282,13 @@ def test_report_to_needs_its_package(capsys, write, monkeypatch, value):
     assert validate(capsys, write("exp.yaml", BASE), "training.report_to=none")[0] == 0
 
 
+def test_report_to_names_a_tracker_the_trainer_knows(capsys, write):
+    """transformers refuses any other name when training starts, after the model loaded."""
+    message = refused(capsys, write("exp.yaml", BASE), "training.report_to=[tensorbord]")
+    assert "training.report_to[0]: 'tensorbord' is not a tracker the Trainer knows; did you " \
+           "mean tensorboard? (one of azure_ml, clearml, codecarbon," in message
+
+
 def test_report_to_tensorboard(capsys, write, monkeypatch):
     _not_installed(monkeypatch, "tensorboard", "tensorboardX")
     assert 'pip install "finetune[tensorboard]"' in refused(capsys, write("exp.yaml", BASE),

@@ -5,6 +5,7 @@ environment variables the libraries themselves document, and imports none of the
 
 from __future__ import annotations
 
+import difflib
 import netrc
 import os
 from importlib.util import find_spec
@@ -13,11 +14,13 @@ from typing import Any, Iterator
 from urllib.parse import unquote, urlsplit
 
 from finetune.config.schema import Experiment
+from finetune.errors import shown
 
 Problem = tuple[tuple, str]
 _TRUE = ("1", "on", "yes", "true")
 
-# report_to name -> (the module transformers imports for it, how to install it).
+# report_to name -> (the module transformers imports for it, how to install it): the names
+# transformers' Trainer knows (INTEGRATION_TO_CALLBACK); it refuses any other at start.
 INTEGRATIONS = {
     "wandb": ("wandb", 'pip install "finetune[wandb]"'),
     "tensorboard": ("tensorboard", 'pip install "finetune[tensorboard]"'),
@@ -32,6 +35,7 @@ INTEGRATIONS = {
     "azure_ml": ("azureml", "pip install azureml-core"),
     "flyte": ("flytekit", "pip install flytekit"),
     "dagshub": ("dagshub", "pip install dagshub"),
+    "kubeflow": (None, ""),  # no package: transformers reads KUBEFLOW_TRAINER_SERVER_URL
 }
 # Trackers finetune keeps to one run per experiment and gives the summary
 # (finetune/report/trackers.py).
@@ -71,9 +75,17 @@ def _report_to(training: dict[str, Any]) -> Iterator[Problem]:
             for found in reported({"report_to": "all"}):
                 yield from ((loc, f"(all) {problem}") for problem in _configured(found))
             continue
-        if not isinstance(name, str) or name not in INTEGRATIONS:
+        if not isinstance(name, str) or name == "none":
+            continue
+        if name not in INTEGRATIONS:
+            close = difflib.get_close_matches(name, INTEGRATIONS, n=1)
+            yield loc, (f"{shown(name)} is not a tracker the Trainer knows" +
+                        (f"; did you mean {close[0]}?" if close else "") +
+                        f" (one of {', '.join(sorted(INTEGRATIONS))}, all or none)")
             continue
         module, fix = INTEGRATIONS[name]
+        if module is None:
+            continue
         if name == "tensorboard" and installed("tensorboardX"):
             continue
         if not installed(module):
