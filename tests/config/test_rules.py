@@ -150,7 +150,8 @@ def test_hand_written_offload_that_would_swap_the_optimizer_is_an_error(write, t
     ('{"zero_optimization": {"offload_optimizer": "cpu"}}',
      "zero_optimization.offload_optimizer must be a JSON object"),
     ('{"bf16": true}', "bf16 must be a JSON object"),
-    ("[" * 5000 + "]" * 5000, "cannot read"),
+    # json's recursion limit ("cannot read"), or where a worker raised it, the list it is
+    ("[" * 5000 + "]" * 5000, ("cannot read", "not list")),
     ('{"zero_optimization": {"stage": 3}}', "zero_optimization.stage is 3, but"),
     ('{"zero_optimization": {"stage": 2}, "nvme": "https://u:pa55@host/x"}',
      "holds credentials in a URL"),
@@ -159,7 +160,9 @@ def test_hand_written_deepspeed_file_of_any_shape(capsys, write, text, expected)
     file = write("ds.json", text)
     message = refused(capsys, write("exp.yaml", BASE), "distributed.strategy=deepspeed",
                       f"distributed.deepspeed.config_file={file}", "precision=fp32")
-    assert expected in message and message.count("error:") == 1 and "pa55" not in message
+    expected = (expected,) if isinstance(expected, str) else expected
+    assert any(e in message for e in expected), message
+    assert message.count("error:") == 1 and "pa55" not in message
 
 
 def test_resume_rules(write, tmp_path, monkeypatch):
