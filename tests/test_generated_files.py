@@ -20,8 +20,9 @@ def test_trl_field_manifest_matches_installed_trl():
 
 
 @pytest.mark.slow
-def test_quickstart_assets_regenerate_identically(tmp_path):
-    subprocess.run([sys.executable, str(QUICKSTART / "make_assets.py"),
+@pytest.mark.parametrize("script", ["make_assets.py", "make_vlm_assets.py"])
+def test_quickstart_assets_regenerate_identically(tmp_path, script):
+    subprocess.run([sys.executable, str(QUICKSTART / script),
                     "--out", str(tmp_path)], check=True, capture_output=True)
     for path in sorted(p for p in tmp_path.rglob("*") if p.is_file()):
         committed = QUICKSTART / path.relative_to(tmp_path)
