@@ -21,16 +21,18 @@ TOP = import_graph.graph(top_level=True)  # those that run when the module is im
 
 # Packages that import torch, transformers, trl or peft, and the modules of theirs that do
 # not (data/files.py: it reads and hashes files, and the fingerprint uses it; data/scan.py,
-# with the row checks of data/rows.py, data/formats.py and data/peer_rows.py, is validate's
-# data pass, and data/sizes.py its warnings; model/chat_template.py, the chat template checks
-# it shares with training; inference/cli.py: the CLI builds its parsers at every start; run/launched.py: `finetune
+# with the row checks of data/rows.py, data/formats.py, data/peer_rows.py and
+# data/images.py, is validate's data pass, and data/sizes.py its warnings;
+# model/chat_template.py, the chat template checks it shares with training;
+# inference/cli.py: the CLI builds its parsers at every start; run/launched.py: `finetune
 # train` checks its launch before torch is loaded).
 TORCH_SIDE = ("data", "model", "methods", "trainers", "run", "inference")
 TORCH_SIDE_MODULES = ("finetune.commands.data_view", "finetune.commands.eval_saved")
 NOT_TORCH_SIDE = ("finetune.data.files", "finetune.data.rows", "finetune.data.formats",
                   "finetune.data.peer_rows", "finetune.data.plain_text",
-                  "finetune.data.scan", "finetune.data.sizes", "finetune.inference.cli",
-                  "finetune.run.launched", "finetune.model.chat_template")
+                  "finetune.data.images", "finetune.data.scan", "finetune.data.sizes",
+                  "finetune.inference.cli", "finetune.run.launched",
+                  "finetune.model.chat_template")
 # What `finetune validate/render/estimate/plot/push/eval --help/launch --dry-run` and a
 # launcher run: importing any of these must not load the torch side.
 TORCH_FREE = ("config", "render", "launch", "rundir", "report", "hub", "estimate", "fileio",

@@ -18,7 +18,7 @@ import pyarrow as pa
 from datasets import (Dataset, Features, LargeList, List, Value, concatenate_datasets,
                       load_dataset)
 
-from finetune.data import formats, mix, peer_rows, plain_text, scratch
+from finetune.data import formats, images, mix, peer_rows, plain_text, scratch
 from finetune.data.files import checked_builder, diagnose_json, list_data_files
 from finetune.data.rows import FORMATS, WEIGHT, check_row, preference_problem
 from finetune.config.formats import SOURCES, target as source_target
@@ -246,7 +246,8 @@ def _read_part(label: str, ds: Dataset, fmt: str | None, experiment: Experiment,
         notes.extend([note] if note else [])
         ds, note = formats.text_prompts(label, ds, failure)
         notes.extend([note] if note else [])
-    return _validated(label, ds, trained, experiment, failure), fmt
+    ds = _validated(label, ds, trained, experiment, failure)
+    return images.resolved(label, ds, ORIGIN), fmt
 
 
 def _joined(parts: list[tuple[str, Dataset]], where: str) -> Dataset:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any
 
+from finetune.data.images import IMAGES
 from finetune.data.rows import Failure, check_messages
 from finetune.errors import DataError
 
@@ -21,7 +22,8 @@ if TYPE_CHECKING:
 
 # The columns whose messages may give their content as parts.
 MESSAGE_FIELDS = ("messages", "prompt", "completion", "chosen", "rejected")
-# Part types kept as they are: text only, until vision-language models read image parts.
+# Part types a text model reads (joined as text). Rows with `images` keep their parts: a
+# vision-language model's processor renders them (data/images.py).
 KEPT_PARTS = ("text",)
 
 
@@ -51,7 +53,9 @@ def _message_text(message: Any, where: str) -> tuple[Any, bool, str | None]:
 
 def text_parts_row(row: dict[str, Any]) -> tuple[dict[str, Any], int, str | None]:
     """The row with every message's content parts joined as text; how many messages had
-    parts; the problem (a part that is not text)."""
+    parts; the problem (a part that is not text). A row with `images` is left as it is."""
+    if IMAGES in row:
+        return row, 0, None
     out, changed = dict(row), 0
     for field in MESSAGE_FIELDS:
         value, problem = row.get(field), None
@@ -279,7 +283,10 @@ def _plain_text(feature) -> bool:
 
 
 def text_parts(label: str, ds: Dataset, failure: Failure) -> tuple[Dataset, str | None]:
-    """A file's rows with their messages' content parts joined as text, and a note."""
+    """A file's rows with their messages' content parts joined as text, and a note; a file
+    with `images` keeps its parts for a vision-language model's processor."""
+    if IMAGES in ds.column_names:
+        return ds, None
     fields = [f for f in MESSAGE_FIELDS
               if f in ds.column_names and not _plain_text(ds.features[f])]
     if not fields:

@@ -8,12 +8,13 @@ import math
 from typing import Any, Callable
 
 from finetune.config.formats import ROLES
+from finetune.data.images import IMAGES, images_problem, parts_problem
 
 # (row number from 1, problem) -> the error's text: how a file's reader names a bad row
 Failure = Callable[[int, str], str]
 # format -> (required columns, optional columns)
 FORMATS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    "messages": (("messages",), ("tools",)),
+    "messages": (("messages",), ("tools", IMAGES)),
     "prompt_completion": (("prompt", "completion"), ("tools",)),
     "text": (("text",), ()),
     "preference": (("chosen", "rejected"), ("prompt",)),
@@ -44,8 +45,8 @@ def check_messages(value: Any, field: str) -> str | None:
             problem = _check_tool_calls(calls, f"{field}[{i}]", message["role"])
             if problem:
                 return problem
-        elif not isinstance(message["content"], str):
-            return f"`{field}[{i}].content` must be text, got {type(message['content']).__name__}"
+        elif parts_problem(message["content"], f"{field}[{i}].content"):  # text, or parts
+            return parts_problem(message["content"], f"{field}[{i}].content")
     return None
 
 
@@ -142,7 +143,7 @@ def check_row(row: dict[str, Any], fmt: str, labels: list[str] | None = None) ->
         problem = check_messages(row["messages"], "messages")
         if problem is None and not any(m["role"] == "assistant" for m in row["messages"]):
             problem = "no assistant message to learn from"
-        return problem or _check_turn_weights(row["messages"])
+        return problem or _check_turn_weights(row["messages"]) or images_problem(row)
     if fmt == "classification":
         if not isinstance(row["text"], str) or not row["text"].strip():
             return "`text` must be a non-empty string"

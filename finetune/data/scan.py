@@ -27,7 +27,8 @@ from finetune.config.formats import SOURCES, target as source_target
 from finetune.config.methods import method as method_record
 from finetune.config.rules import is_local
 from finetune.config.schema import DataSource, Experiment
-from finetune.data import formats, peer_rows, plain_text
+from finetune.data import formats, images, peer_rows, plain_text
+from finetune.data.images import IMAGES
 from finetune.data.files import (MAX_DEPTH, checked_builder, is_document, list_data_files,
                                  not_an_object, parse_json, value_problem)
 from finetune.data.rows import FORMATS, WEIGHT, check_row, preference_problem
@@ -161,6 +162,7 @@ class FileCheck:
         self.shared_prompt = record(experiment).shared_prompt
         self.trained: str | None = None
         self.rows = 0
+        self.vision_model = False  # rows with images: the model checked once
         # preference rows with a prompt; the first without one; the first whose chosen and
         # rejected share no turn (an error only if no row has a prompt)
         self.prompts = 0
@@ -234,6 +236,10 @@ class FileCheck:
             problem = self._preference(where, row, raw)
         if problem:
             raise self._fail(where, problem, raw)
+        if row.get(IMAGES) is not None:  # the files, as training resolves them (load.py)
+            self.vision_model = self.vision_model or images.require_vision_model(
+                self.experiment, where)
+            images.resolved_paths(row[IMAGES], Path(self.label), where)
         return row
 
     def _preference(self, where: str, row: dict[str, Any], raw: dict[str, Any]) -> str | None:

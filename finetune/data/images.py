@@ -1,0 +1,114 @@
+"""Rows with images, in TRL's vision format: `messages` whose content may be a list of
+parts ({"type": "image"}, {"type": "text", "text": ...}), and `images`, one image file
+per image part, in order, each path relative to the data file.
+
+The checks of a row's parts and images (rows.py calls them), and the image files: found
+next to the data file, opened and verified (the header, and for PNG the checksums; the
+pixels are decoded where training collates them). validate (scan.py) and training
+(load.py) check them alike; a bad one is one error naming the file, row and path.
+Without torch: validate imports this."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from finetune.errors import DataError, one_line
+
+if TYPE_CHECKING:
+    from datasets import Dataset
+
+IMAGES = "images"
+PART_TYPES = ("image", "text")
+
+
+def parts_problem(content: Any, field: str) -> str | None:
+    """Why a message's content is neither text nor a list of image and text parts."""
+    if isinstance(content, str):
+        return None
+    if not isinstance(content, list) or not content:
+        return f"`{field}` must be text or a non-empty list of parts, got " \
+               f"{type(content).__name__}"
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in PART_TYPES:
+            return f"`{field}[{j}]` must be a part with `type` image or text, got {part!r}"
+        if kind == "text" and not isinstance(part.get("text"), str):
+            return f"`{field}[{j}]` is a text part without `text`"
+    return None
+
+
+def image_parts(messages: list[dict[str, Any]]) -> int:
+    return sum(1 for m in messages if isinstance(m.get("content"), list)
+               for part in m["content"] if isinstance(part, dict) and part.get("type") == "image")
+
+
+def images_problem(row: dict[str, Any]) -> str | None:
+    """`images` a list of paths, one per image part of the messages, or no image parts."""
+    images, parts = row.get(IMAGES), image_parts(row["messages"])
+    if images is None:
+        return f"{parts} image part(s) in `messages` and no `images` column giving the " \
+               "files" if parts else None
+    if not isinstance(images, list) or not all(isinstance(p, str) and p for p in images):
+        return "`images` must be a list of image file paths (relative to the data file)"
+    if len(images) != parts:
+        return f"`images` gives {len(images)} file(s) for {parts} image part(s) in `messages`"
+    return None
+
+
+def image_problem(path: Path) -> str | None:
+    """Why an image file cannot be read, or None."""
+    from PIL import Image, UnidentifiedImageError
+
+    if not path.is_file():
+        return "no such file" if not path.exists() else "not a file"
+    try:
+        with Image.open(path) as image:
+            image.verify()
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
+        return f"not an image Pillow can read ({type(exc).__name__}: {one_line(str(exc))})"
+    return None
+
+
+def resolved_paths(images: list[str], data_file: Path, where: str) -> list[str]:
+    """A row's image paths, absolute (relative ones next to the data file), each checked;
+    a DataError naming the row, the path and the file looked for."""
+    out = []
+    for i, given in enumerate(images):
+        path = Path(given).expanduser()
+        path = path if path.is_absolute() else data_file.parent / path
+        problem = image_problem(path)
+        if problem:
+            raise DataError(f"{where}: images[{i}] {given!r}: {problem} ({path})")
+        out.append(str(path.resolve()))
+    return out
+
+
+def resolved(label: str, ds: Dataset, origin: str) -> Dataset:
+    """A file's validated rows with `images` as absolute, checked paths (what the
+    collator opens); rows without an `images` column as they are. label: the data file,
+    or a hub dataset's id (its images would be decoded images, not paths: not read yet)."""
+    if IMAGES not in ds.column_names:
+        return ds
+    data_file = Path(label)
+    if not data_file.is_file():
+        raise DataError(f"{label}: rows with `images` are read from local files only (image "
+                        "paths relative to the file); a hub dataset's images are not yet")
+    paths = [resolved_paths(images or [], data_file, where)
+             for images, where in zip(ds[IMAGES], ds[origin])]
+    return ds.remove_columns(IMAGES).add_column(IMAGES, paths)
+
+
+def require_vision_model(experiment, where: str) -> bool:
+    """Rows with images need a vision-language model: True when model.name_or_path is
+    one; a DataError naming the row when a local model is not. A hub id is read at
+    training (True here)."""
+    from finetune.config import vision
+
+    path = experiment.model.name_or_path
+    found = vision.model_type(path)
+    if found is None or found in vision.image_text_model_types():
+        return True
+    raise DataError(f"{where}: the row has `images`, and model.name_or_path {path} is not a "
+                    f"vision-language model (model_type {found}); give an image-text-to-text "
+                    "model, or rows without images")
