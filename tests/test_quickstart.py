@@ -61,3 +61,10 @@ def test_classifier_recalls_every_class_despite_imbalance(tmp_path):
     assert after["eval_accuracy"] >= 0.9 and after["eval_macro_f1"] >= 0.9
     # the rarest class (10 % of training rows) is still found
     assert after["eval_recall_late"] >= 0.8
+
+
+def test_vlm_answers_questions_about_held_out_pictures(tmp_path):
+    summary = train("vlm", tmp_path)
+    before, after = summary["before"]["eval_exact_match"], summary["after"]["eval_exact_match"]
+    print("vlm exact match", before, "->", after, f"in {summary['seconds']} s")
+    assert before <= 0.05 and after >= 0.8

@@ -1,6 +1,7 @@
 """Vision-language models: a VLM told from its config.json (torch-free, as validate needs
-it), and rows with images checked by validate and by training alike (one error naming
-file, row and path)."""
+it), rows with images checked by validate and by training alike (one error naming file,
+row and path), and the bundled tiny LLaVA trained end to end through TRL's vision path,
+with the loss masks checked on the batches its collator makes."""
 
 from __future__ import annotations
 
@@ -46,7 +47,9 @@ def training_error(path) -> str:
     return str(caught.value)
 
 
-def test_a_vision_language_model_is_told_from_its_config_without_torch():
+def test_a_vision_language_model_is_told_from_its_config():
+    """config/vision.py reads the installed mapping without importing it (test_layers:
+    config imports no torch); here it is compared with the mapping itself."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
     assert vision.image_text_model_types() == set(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
@@ -93,3 +96,66 @@ def test_rows_with_images_need_a_vision_language_model(write, tmp_path):
     path = experiment(write, tmp_path, [row("pic.png")], model=TINY_MODEL)
     with pytest.raises(DataError, match="is not a vision-language model .model_type llama"):
         check_data(load_experiment(path))
+
+
+def test_what_a_vision_language_model_cannot_train_with_yet_is_refused_at_validate():
+    from finetune.errors import ConfigError
+
+    with pytest.raises(ConfigError) as caught:
+        load_experiment(QUICKSTART / "vlm.yaml", ["method=dpo", "data.train=x.jsonl"])
+    assert "method: " in str(caught.value) and "only sft trains one yet" in str(caught.value)
+    with pytest.raises(ConfigError, match="peft.type.*LoRA and QLoRA on one are not supported"):
+        load_experiment(QUICKSTART / "vlm.yaml", ["peft.type=lora"])
+
+
+@pytest.mark.slow
+def test_the_tiny_vlm_learns_from_images_and_trains_only_the_answers(tmp_path):
+    steps = ["training.max_steps=40", "training.warmup_steps=4", "training.save_steps=40",
+             "training.per_device_train_batch_size=16", "training.logging_steps=5",
+             "evaluation.max_samples=16"]
+    result = run_cli("train", str(QUICKSTART / "vlm.yaml"), *steps, cwd=tmp_path, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    run = tmp_path / "runs" / "quickstart-vlm"
+    losses = [r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+              if "loss" in r]
+    assert losses[-1] < losses[0] / 3, losses
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["after"]["eval_loss"] < summary["before"]["eval_loss"] / 3
+    assert summary["before"]["eval_exact_match"] == 0  # generated from prompts with images
+    assert 0 <= summary["after"]["eval_exact_match"] <= 1
+    assert (run / "final" / "processor_config.json").is_file()  # final/ loads as it trained
+
+    batch, processor = collated_batch(tmp_path, steps)
+    image_token = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
+    assistant = processor.tokenizer.convert_tokens_to_ids("<|assistant|>")
+    labels, ids = batch["labels"], batch["input_ids"]
+    trained = labels != -100
+    assert (ids == image_token).sum(dim=1).eq(16).all()  # every row has its picture
+    assert not (trained & (ids == image_token)).any()
+    for row_ids, row_trained in zip(ids.tolist(), trained.tolist()):
+        start = row_ids.index(assistant) + 1  # the answer follows the assistant marker
+        assert not any(row_trained[:start])
+        answer = [t for t, keep in zip(row_ids, row_trained) if keep]
+        assert answer == row_ids[start:start + len(answer)]
+        assert processor.tokenizer.decode(answer) .strip() in (
+            "red<|eos|>", "green<|eos|>", "blue<|eos|>", "yellow<|eos|>", "ring<|eos|>",
+            "square<|eos|>", "triangle<|eos|>"), processor.tokenizer.decode(answer)
+
+
+def collated_batch(tmp_path, overrides):
+    """A training batch as the run's trainer collates it: the experiment built the way
+    `finetune train` builds it (run/build.py), its first batch taken from the trainer's
+    own dataloader."""
+    from finetune.methods import Job
+    from finetune.model.hardware import resolve_hardware
+    from finetune.run.build import method_trainer, starting_model, tokenizer_and_data
+
+    experiment = load_experiment(QUICKSTART / "vlm.yaml", overrides)
+    run_dir = tmp_path / "inspect"
+    run_dir.mkdir()
+    hw = resolve_hardware(experiment)
+    processor, data = tokenizer_and_data(experiment, run_dir)
+    args, model = starting_model(experiment, hw, processor, run_dir, 0, run_dir, False)
+    trainer = method_trainer(Job(experiment=experiment, run_dir=run_dir, hardware=hw,
+                                 tokenizer=processor, model=model, data=data, args=args))
+    return next(iter(trainer.get_train_dataloader())), processor

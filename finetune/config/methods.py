@@ -87,6 +87,8 @@ class Method:
     # Runs under distributed.sequence_parallel (DeepSpeed ALST/Ulysses): verified on CPU for
     # sft, whose trainer hands the Trainer's sequence-parallel loss the model's own loss.
     sequence_parallel: bool = False
+    # Trains a vision-language model on rows with images (methods/sft_vision.py).
+    vision: bool = False
     # Training arguments of its own, over finetune's defaults, under the experiment's.
     defaults: dict[str, Any] = field(default_factory=dict, compare=False)
 
@@ -119,7 +121,7 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("sft", ("trl", "SFTConfig"), ("messages", "prompt_completion", "text"), "lm",
            "finetune.methods.sft", max_length="training.max_length", tokenizes=True,
            exact_match=True, flattens=True, liger_default=True, tensor_parallel=True,
-           sequence_parallel=True),
+           sequence_parallel=True, vision=True),
     Method("reward", ("trl", "RewardConfig"), ("preference",), "score",
            "finetune.methods.reward", max_length="training.max_length", sequences=2,
            tokenizes=True),

@@ -18,7 +18,8 @@ from finetune.data.parallel import processes
 from finetune.config.schema import Experiment
 from finetune.config.derived.effective import value as effective_value
 from finetune.errors import ConfigError
-from finetune.methods import Job
+from finetune.methods import Job, sft_vision
+from finetune.model.vision import is_processor
 
 
 def _value(experiment: Experiment):
@@ -101,7 +102,11 @@ def _streamed(splits: Splits, tokenizer, experiment: Experiment,
 
 
 def prepare(splits: Splits, tokenizer, experiment: Experiment) -> Splits:
-    """Tokenized (and packed, with training.packing) train and eval rows."""
+    """Tokenized (and packed, with training.packing) train and eval rows; a
+    vision-language model's rows go to TRL's vision path untokenized (sft_vision.py)."""
+    if is_processor(tokenizer):
+        return sft_vision.prepare(splits, experiment, trained_tokens(experiment, "messages"))
+    sft_vision.refuse_images(splits, experiment)
     masking = _masking(splits, experiment)
     said = trained_tokens(experiment, splits.format)
     if said and said not in splits.notes:  # kept with the prepared data, said at each start
@@ -122,6 +127,8 @@ def prepare(splits: Splits, tokenizer, experiment: Experiment) -> Splits:
 
 
 def build_trainer(job: Job) -> SFTTrainer:
+    if is_processor(job.tokenizer):
+        return sft_vision.build_trainer(job, assistant_only(job.experiment, "messages"))
     args = job.args
     args.dataset_kwargs = {**(args.dataset_kwargs or {}), "skip_prepare_dataset": True}
     kwargs = dict(model=job.model, args=args, train_dataset=job.data.train,

@@ -10,6 +10,7 @@ import torch
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification,
                           BitsAndBytesConfig, PreTrainedModel, PreTrainedTokenizerBase)
 
+from finetune.model import vision
 from finetune.model.hardware import Hardware
 from finetune.config.derived import attention
 from finetune.config.derived.effective import attention_implementation, record, setting
@@ -28,7 +29,10 @@ HEADS = {
 
 
 def head(experiment: Experiment) -> tuple[type, str]:
-    return HEADS[record(experiment).head]
+    own = record(experiment).head
+    if own == "lm" and vision.is_vision_language(experiment):  # its LM head on image+text
+        return vision.MODEL_CLASS, HEADS[own][1]
+    return HEADS[own]
 
 
 def _quantization(experiment: Experiment, hw: Hardware) -> BitsAndBytesConfig | None:
@@ -97,7 +101,10 @@ def _config(experiment: Experiment, tokenizer: PreTrainedTokenizerBase):
                        f"{spec.name_or_path!r}: {first_line(exc)}") from None
     except ValueError as exc:
         raise remote_code_error(exc, spec.name_or_path, "model.name_or_path") from None
-    config.pad_token_id = tokenizer.pad_token_id
+    pad = vision.text_tokenizer(tokenizer).pad_token_id  # a VLM's processor holds it
+    config.pad_token_id = pad
+    if config.get_text_config() is not config:
+        config.get_text_config().pad_token_id = pad
     return config
 
 

@@ -1,4 +1,5 @@
-"""The tokenizer, its chat template and its padding token."""
+"""The tokenizer, its chat template and its padding token; a vision-language model's
+processor (which holds the tokenizer)."""
 
 from __future__ import annotations
 
@@ -6,13 +7,13 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from finetune.model import chat_template
 from finetune.model.load import refuse_remote_code, remote_code_error
+from finetune.model.vision import is_processor
 from finetune.config.schema import Experiment
 from finetune.errors import RunError, first_line
 
 
 def load_tokenizer(experiment: Experiment) -> PreTrainedTokenizerBase:
-    source = experiment.tokenizer.name_or_path or experiment.model.name_or_path
-    key = "tokenizer.name_or_path" if experiment.tokenizer.name_or_path else "model.name_or_path"
+    source, key = _source(experiment)
     refuse_remote_code(experiment, source, key)
     try:
         tokenizer = AutoTokenizer.from_pretrained(
@@ -25,14 +26,51 @@ def load_tokenizer(experiment: Experiment) -> PreTrainedTokenizerBase:
                        f"{first_line(exc)}") from None
     except ValueError as exc:
         raise remote_code_error(exc, source, key) from None
+    return _with_settings(tokenizer, experiment)
+
+
+def load_processor(experiment: Experiment):
+    """A vision-language model's processor (model/vision.py), with the tokenizer section
+    applied as to a text model's tokenizer."""
+    from transformers import AutoProcessor
+
+    source, key = _source(experiment)
+    refuse_remote_code(experiment, source, key)
+    try:
+        processor = AutoProcessor.from_pretrained(
+            source, trust_remote_code=experiment.model.trust_remote_code,
+            revision=experiment.model.revision if experiment.tokenizer.name_or_path is None
+            else None)
+    except OSError as exc:
+        raise RunError(f"{key}: cannot load the processor of a vision-language model from "
+                       f"{source!r}: {first_line(exc)}") from None
+    except ValueError as exc:
+        raise remote_code_error(exc, source, key) from None
+    if not is_processor(processor):
+        raise RunError(f"{key}: {source!r} is a vision-language model without a processor "
+                       f"(AutoProcessor gave a {type(processor).__name__}): it needs "
+                       "processor_config.json or preprocessor_config.json")
+    return _with_settings(processor, experiment)
+
+
+def _source(experiment: Experiment) -> tuple[str, str]:
+    if experiment.tokenizer.name_or_path:
+        return experiment.tokenizer.name_or_path, "tokenizer.name_or_path"
+    return experiment.model.name_or_path, "model.name_or_path"
+
+
+def _with_settings(processing_class, experiment: Experiment):
+    """tokenizer.chat_template (on the processor of a VLM: its template renders the
+    images) and the padding token (on the tokenizer)."""
     template = chat_template.setting(experiment)
     if template:
-        tokenizer.chat_template = template
+        processing_class.chat_template = template
+    tokenizer = getattr(processing_class, "tokenizer", processing_class)
     if experiment.tokenizer.pad_token:
         tokenizer.pad_token = experiment.tokenizer.pad_token
     elif tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
+    return processing_class
 
 
 def end_marker(tokenizer: PreTrainedTokenizerBase) -> str:

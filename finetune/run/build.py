@@ -23,7 +23,8 @@ from finetune.run.launched import launch_problems, process_group_problems
 from finetune.methods import Job, build_trainer, preparation
 from finetune.model.load import initial_weights, load_model
 from finetune.model.peft import apply_peft, match_adapter_precision
-from finetune.model.tokenizer import load_tokenizer
+from finetune.model.tokenizer import load_processor, load_tokenizer
+from finetune.model.vision import is_vision_language
 
 
 def make_training_args(experiment: Experiment, run_dir: Path, hw: Hardware,
@@ -97,7 +98,8 @@ def tokenizer_and_data(experiment: Experiment, run_dir: Path,
                        launched: float | None = None) -> tuple[Any, Any]:
     """The tokenizer and the prepared data (from the data cache next to run_dir).
     Before any process group exists: see data/prepare.py."""
-    tokenizer = load_tokenizer(experiment)
+    tokenizer = load_processor(experiment) if is_vision_language(experiment) \
+        else load_tokenizer(experiment)  # a VLM's processor holds its tokenizer
     data = prepared_data(experiment, tokenizer, preparation(experiment), run_dir,
                          launched or time.time())
     return tokenizer, data

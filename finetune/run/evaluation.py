@@ -10,6 +10,9 @@ from typing import Any
 import torch
 from datasets import Dataset
 
+from finetune.model.vision import is_processor
+from finetune.run import vision_evaluation
+
 
 def _prompt_and_answer(row: dict[str, Any], fmt: str, tokenizer) -> tuple[str, str]:
     if fmt == "messages":
@@ -81,8 +84,13 @@ def evaluate(trainer, job) -> tuple[dict[str, Any], dict[str, Any] | None]:
     if not spec.exact_match:
         return results, None
     with _generating(trainer):
-        scored = exact_match(trainer.model, job.tokenizer, job.data.eval_examples,
-                             job.data.format, spec.max_new_tokens, spec.max_samples,
-                             trainer.args.device)
+        if is_processor(job.tokenizer):  # a vision-language model: prompts with images
+            scored = vision_evaluation.exact_match(
+                trainer.model, job.tokenizer, job.data.eval_examples, spec.max_new_tokens,
+                spec.max_samples, trainer.args.device)
+        else:
+            scored = exact_match(trainer.model, job.tokenizer, job.data.eval_examples,
+                                 job.data.format, spec.max_new_tokens, spec.max_samples,
+                                 trainer.args.device)
     results["eval_exact_match"] = scored["exact_match"]
     return results, scored

@@ -3,7 +3,8 @@ them, this module's own cross-field rules and those of its modules: value ranges
 libraries would refuse only at training (values.py), tensor parallelism (parallel.py),
 sequence and context parallelism (sequence.py), what a model directory or hub id allows
 (models.py), what trackers and the hub need from this machine (integrations.py), a
-hand-written DeepSpeed file against the experiment (deepspeed_file.py). Each rule returns
+hand-written DeepSpeed file against the experiment (deepspeed_file.py), what a
+vision-language model trains with (vision.py). Each rule returns
 (loc, problem) pairs; imports no torch."""
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Iterator
 from pydantic import BaseModel
 
 from finetune.config import inputs, paths
-from finetune.config.rules import deepspeed_file, models, parallel, sequence, values
+from finetune.config.rules import deepspeed_file, models, parallel, sequence, values, vision
 from finetune.config.formats import accepted as accepted_formats, trained
 from finetune.config.derived.effective import record, value
 from finetune.config.methods import names_where, sections, spoken
@@ -388,7 +389,7 @@ def _teacher(exp: Experiment, loc: tuple, teacher: str) -> Iterator[Problem]:
 
 RULES = (_credentials, _paths, _peft, _data, _precision, _method_sections, _rewards, _ppo,
          _classify, _distributed, parallel.check, sequence.check, _resume, values.check,
-         _distill)
+         _distill, vision.check)
 
 
 def check(exp: Experiment) -> list[Problem]:

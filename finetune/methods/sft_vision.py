@@ -1,0 +1,75 @@
+"""sft of a vision-language model on rows with images (data/images.py), through TRL's own
+vision path: SFTTrainer with the model's processor as processing_class collates each
+batch from the raw rows (DataCollatorForVisionLanguageModeling: the chat template renders
+the messages with the image token, the processor expands it and turns the images into
+pixel values). Nothing is tokenized ahead: image processing per batch is TRL's design,
+and the prepared-data cache keeps the checked rows (messages and absolute image paths).
+
+What trains: the assistant turns by default, as for text conversations (sft.py
+assistant_only): TRL masks every token outside the template's {% generation %} markers,
+the prompt and so every image token."""
+
+from __future__ import annotations
+
+from trl import SFTTrainer
+
+from finetune.config.schema import Experiment
+from finetune.data.images import IMAGES
+from finetune.data.load import ORIGIN, Splits
+from finetune.errors import ConfigError, DataError
+from finetune.methods import Job
+
+# The columns TRL's vision collator reads; every other one is dropped before it.
+COLUMNS = ("messages", IMAGES)
+
+
+def refuse_images(splits: Splits, experiment: Experiment) -> None:
+    """Rows with images reaching a text model's preparation (a hub model validate could
+    not read): one line, not a template error on the first image part."""
+    if IMAGES in (splits.train.column_names or ()):
+        raise DataError(f"data.train: the rows have `images`, and model.name_or_path "
+                        f"{experiment.model.name_or_path} is not a vision-language model")
+
+
+def _problems(splits: Splits, experiment: Experiment) -> list[str]:
+    training, problems = experiment.training, []
+    if splits.format != "messages" or IMAGES not in (splits.train.column_names or ()):
+        problems.append("data.train: a vision-language model trains on conversations with "
+                        "images (`messages` with image parts, and `images`); other rows "
+                        f"(here format {splits.format}) are not supported yet")
+    for key in ("packing", "padding_free"):
+        if training.get(key):
+            problems.append(f"training.{key}: not supported for rows with images (TRL "
+                            "collates them padded, one row per sequence)")
+    if experiment.data.weight_column is not None:
+        problems.append("data.weight_column: not supported for rows with images yet")
+    if training.get("truncation_mode") == "keep_end":
+        problems.append("training.truncation_mode keep_end: would cut the image tokens "
+                        "off the prompt; rows with images are cut at the end (keep_start)")
+    return problems
+
+
+def prepare(splits: Splits, experiment: Experiment, said: str | None) -> Splits:
+    """The checked rows as they are, with the columns the collator reads (and ORIGIN,
+    which data/prepare.py removes). said: what trains, for the start summary."""
+    problems = _problems(splits, experiment)
+    if problems:
+        raise ConfigError(problems)
+    if said and said not in splits.notes:
+        splits.notes.append(said)
+    keep = lambda rows: rows.select_columns([c for c in (*COLUMNS, ORIGIN)
+                                              if c in rows.column_names])
+    return splits.tokenized(lambda rows, split: keep(rows))
+
+
+def build_trainer(job: Job, assistant_only: bool) -> SFTTrainer:
+    """assistant_only: finetune's choice (sft.py; the assistant turns, unless
+    training.assistant_only_loss is false), which TRL's collator applies here."""
+    args, training = job.args, job.experiment.training
+    args.assistant_only_loss = assistant_only
+    args.completion_only_loss = None  # TRL's vision collator refuses it for messages
+    if "padding_free" not in training:
+        args.padding_free = False  # our speed default only; refused above when set
+    return SFTTrainer(model=job.model, args=args, train_dataset=job.data.train,
+                      eval_dataset=job.data.eval, processing_class=job.tokenizer,
+                      callbacks=job.callbacks)

@@ -1,0 +1,64 @@
+"""Exact match of a vision-language model's greedy answers on held-out rows with images:
+each prompt (the turns before the last assistant turn, with its images) goes through the
+processor as TRL's collator sends it in training, and the answer is compared with the
+last assistant turn's text. evaluation.py calls it for a run whose processing class is a
+processor."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from datasets import Dataset
+from trl.data_utils import prepare_multimodal_messages
+
+
+def _text(content) -> str:
+    if isinstance(content, str):
+        return content
+    return "".join(part.get("text") or "" for part in content if part.get("type") == "text")
+
+
+def _prompt_and_answer(row: dict[str, Any]) -> tuple[list[dict[str, Any]], str]:
+    messages = row["messages"]
+    last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+    before = messages[:last]
+    # Only the images of the prompt's turns (all of them, in TRL's format: the answer
+    # holds none).
+    prompt = prepare_multimodal_messages(before, images=row.get("images") or [])
+    return prompt, _text(messages[last]["content"])
+
+
+@torch.no_grad()
+def exact_match(model, processor, dataset: Dataset, max_new_tokens: int, max_samples: int,
+                device: torch.device, batch_size: int = 32) -> dict[str, Any]:
+    """As evaluation.exact_match: greedy answers to the first max_samples prompts."""
+    rows = dataset.select(range(min(max_samples, len(dataset))))
+    pairs = [_prompt_and_answer(row) for row in rows]
+    tokenizer = processor.tokenizer
+    was_training = model.training
+    model.eval()
+    hits, examples = 0, []
+    try:
+        for start in range(0, len(pairs), batch_size):
+            batch = pairs[start:start + batch_size]
+            enc = processor.apply_chat_template(
+                [prompt for prompt, _ in batch], add_generation_prompt=True, tokenize=True,
+                return_dict=True, return_tensors="pt",
+                processor_kwargs={"padding": True, "padding_side": "left",
+                                  "add_special_tokens": False}).to(device)
+            out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
+                                 pad_token_id=tokenizer.pad_token_id)
+            texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:],
+                                           skip_special_tokens=True)
+            for (prompt, answer), text in zip(batch, texts):
+                hit = text.strip() == answer.strip()
+                hits += hit
+                if len(examples) < 3:
+                    rendered = processor.apply_chat_template(prompt, add_generation_prompt=True,
+                                                             tokenize=False)
+                    examples.append({"prompt": rendered, "answer": answer,
+                                     "generated": text.strip()})
+    finally:
+        model.train(was_training)
+    return {"exact_match": hits / max(len(pairs), 1), "samples": len(pairs), "examples": examples}
