@@ -124,6 +124,13 @@ def test_the_tiny_vlm_learns_from_images_and_trains_only_the_answers(tmp_path):
     assert summary["before"]["eval_exact_match"] == 0  # generated from prompts with images
     assert 0 <= summary["after"]["eval_exact_match"] <= 1
     assert (run / "final" / "processor_config.json").is_file()  # final/ loads as it trained
+    # `finetune eval` loads final/ (saved under the checkpoint's key names) and scores what
+    # training reported after
+    evaluated = run_cli("eval", str(run), cwd=tmp_path)
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    scored = json.loads((run / "eval" / "vlm_eval-final.json").read_text())["metrics"]
+    for key in ("eval_loss", "eval_exact_match"):
+        assert scored[key] == pytest.approx(summary["after"][key], rel=1e-5), key
 
     batch, processor = collated_batch(tmp_path, steps)
     image_token = processor.tokenizer.convert_tokens_to_ids(processor.image_token)

@@ -243,6 +243,9 @@ def load_full_weights(model: torch.nn.Module, directory: Path) -> None:
     """Load a whole model saved with save_pretrained (model.safetensors, or its shards)
     into `model`, in place. A ValueError when the weights do not fit it; a
     FileNotFoundError when there are none."""
+    if vision.is_vision_model(model):
+        vision.load_saved_weights(model, directory)
+        return
     index = directory / "model.safetensors.index.json"
     if index.is_file():
         from transformers.modeling_utils import load_sharded_checkpoint

@@ -7,6 +7,7 @@ SFTTrainer takes it as processing_class and collates rows with images through it
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 from transformers import AutoConfig, AutoModelForImageTextToText, ProcessorMixin
 from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
@@ -42,3 +43,30 @@ def is_processor(processing_class) -> bool:
 def text_tokenizer(processing_class):
     """The tokenizer of a processor, or the tokenizer itself."""
     return processing_class.tokenizer if is_processor(processing_class) else processing_class
+
+
+def is_vision_model(model) -> bool:
+    config = getattr(model, "config", None)
+    return getattr(config, "model_type", None) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+
+def load_saved_weights(model, directory) -> None:
+    """Weights a VLM's save_pretrained wrote (final/, a checkpoint) into `model`, in place.
+    transformers saves these models under their checkpoints' key names (LLaVA's
+    `language_model.model.*`, not the module's `model.language_model.*`) and maps them
+    back only in from_pretrained: so they are loaded through it, then copied. A
+    ValueError when they do not fit the model, as load_full_weights raises."""
+    if not any((Path(directory) / name).is_file() for name in
+               ("model.safetensors", "model.safetensors.index.json")):
+        raise FileNotFoundError(f"{directory}: no model.safetensors")
+    dtype = next(model.parameters()).dtype
+    saved, info = type(model).from_pretrained(str(directory), dtype=dtype, device_map="cpu",
+                                              output_loading_info=True)
+    missing, unexpected = info.get("missing_keys") or [], info.get("unexpected_keys") or []
+    mismatched = info.get("mismatched_keys") or []
+    if missing or unexpected or mismatched:
+        raise ValueError(f"{directory}: weights do not match the model (missing "
+                         f"{sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}"
+                         + (f", of other shapes {sorted(mismatched)[:5]}" if mismatched else "")
+                         + ")")
+    model.load_state_dict(saved.state_dict())
