@@ -30,6 +30,7 @@ OURS = ("finetune.trainers.classify:ClassifyTrainer",
         "finetune.trainers.weighted:WeightedRewardTrainer",
         "finetune.trainers.weighted:WeightedDPOTrainer",
         "finetune.trainers.ppo:PPOTrainer",
+        "finetune.trainers.vision:VisionSFTTrainer",
         "finetune.methods.grpo:ResumableGRPOTrainer",
         "finetune.methods.rloo:ResumableRLOOTrainer",
         "finetune.methods.gkd:ProcessScaledGKDTrainer")

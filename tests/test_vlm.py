@@ -1,7 +1,8 @@
 """Vision-language models: a VLM told from its config.json (torch-free, as validate needs
 it), rows with images checked by validate and by training alike (one error naming file,
-row and path), and the bundled tiny LLaVA trained end to end through TRL's vision path,
-with the loss masks checked on the batches its collator makes."""
+row and path), and the bundled tiny LLaVA trained end to end through TRL's vision path:
+the loss masks checked on the batches its collator makes, final/ scored by `finetune
+eval`, and a resumed run ending where the uninterrupted one did."""
 
 from __future__ import annotations
 
@@ -110,7 +111,7 @@ def test_what_a_vision_language_model_cannot_train_with_yet_is_refused_at_valida
 
 @pytest.mark.slow
 def test_the_tiny_vlm_learns_from_images_and_trains_only_the_answers(tmp_path):
-    steps = ["training.max_steps=40", "training.warmup_steps=4", "training.save_steps=40",
+    steps = ["training.max_steps=40", "training.warmup_steps=4", "training.save_steps=20",
              "training.per_device_train_batch_size=16", "training.logging_steps=5",
              "evaluation.max_samples=16"]
     result = run_cli("train", str(QUICKSTART / "vlm.yaml"), *steps, cwd=tmp_path, timeout=600)
@@ -131,6 +132,17 @@ def test_the_tiny_vlm_learns_from_images_and_trains_only_the_answers(tmp_path):
     scored = json.loads((run / "eval" / "vlm_eval-final.json").read_text())["metrics"]
     for key in ("eval_loss", "eval_exact_match"):
         assert scored[key] == pytest.approx(summary["after"][key], rel=1e-5), key
+    # Resumed from step 20 (the Trainer's own resume would load none of those weights:
+    # trainers/vision.py), the run ends where the uninterrupted one did.
+    shutil.rmtree(run / "checkpoints" / "checkpoint-40")
+    shutil.rmtree(run / "final")
+    (run / "summary.json").unlink()
+    again = run_cli("train", str(QUICKSTART / "vlm.yaml"), *steps, cwd=tmp_path, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resuming from" in again.stdout and "checkpoint-20" in again.stdout
+    resumed = json.loads((run / "summary.json").read_text())
+    assert resumed["after"]["eval_loss"] == pytest.approx(summary["after"]["eval_loss"],
+                                                          rel=1e-4)
 
     batch, processor = collated_batch(tmp_path, steps)
     image_token = processor.tokenizer.convert_tokens_to_ids(processor.image_token)

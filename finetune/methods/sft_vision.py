@@ -18,6 +18,7 @@ from finetune.data.images import IMAGES
 from finetune.data.load import ORIGIN, Splits
 from finetune.errors import ConfigError, DataError
 from finetune.methods import Job
+from finetune.trainers.vision import VisionSFTTrainer
 
 # The columns TRL's vision collator reads; every other one is dropped before it.
 COLUMNS = ("messages", IMAGES)
@@ -70,6 +71,6 @@ def build_trainer(job: Job, assistant_only: bool) -> SFTTrainer:
     args.completion_only_loss = None  # TRL's vision collator refuses it for messages
     if "padding_free" not in training:
         args.padding_free = False  # our speed default only; refused above when set
-    return SFTTrainer(model=job.model, args=args, train_dataset=job.data.train,
-                      eval_dataset=job.data.eval, processing_class=job.tokenizer,
-                      callbacks=job.callbacks)
+    return VisionSFTTrainer(model=job.model, args=args, train_dataset=job.data.train,
+                            eval_dataset=job.data.eval, processing_class=job.tokenizer,
+                            callbacks=job.callbacks)
