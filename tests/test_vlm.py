@@ -65,6 +65,24 @@ def test_rows_with_images_validate(write, tmp_path):
     assert ": 2 rows, format messages" in result.stdout
 
 
+def test_text_turns_take_the_images_before_the_first_user_turn(write, tmp_path):
+    """TRL's other vision layout: every turn's content text, the images placed at the start
+    of the first user turn; its collator renders them as the processor's image tokens."""
+    from transformers import AutoProcessor
+    from trl.trainer.sft_trainer import DataCollatorForVisionLanguageModeling
+
+    text_turns = {"messages": [{"role": "user", "content": "What color is the shape?"},
+                               {"role": "assistant", "content": "red"}],
+                  "images": ["pic.png"]}
+    path = experiment(write, tmp_path, [text_turns])
+    check_data(load_experiment(path))
+    processor = AutoProcessor.from_pretrained(TINY_VLM)
+    batch = DataCollatorForVisionLanguageModeling(processor, assistant_only_loss=True)(
+        [{**text_turns, "images": [str(tmp_path / "data" / "pic.png")]}])
+    image_token = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
+    assert (batch["input_ids"] == image_token).sum() == 16
+
+
 def test_a_missing_image_is_one_line_naming_file_row_and_path(write, tmp_path):
     path = experiment(write, tmp_path, [row("pic.png"), row("pics/missing.png")])
     data = tmp_path / "data" / "rows.jsonl"

@@ -1,6 +1,8 @@
 """Rows with images, in TRL's vision format: `messages` whose content may be a list of
 parts ({"type": "image"}, {"type": "text", "text": ...}), and `images`, one image file
-per image part, in order, each path relative to the data file.
+per image part, in order, each path relative to the data file; or every turn's content
+text, the images then placed before the first user turn's text (TRL's
+prepare_multimodal_messages).
 
 The checks of a row's parts and images (rows.py calls them), and the image files: found
 next to the data file, opened and verified (the header, and for PNG the checksums; the
@@ -51,6 +53,8 @@ def images_problem(row: dict[str, Any]) -> str | None:
                "files" if parts else None
     if not isinstance(images, list) or not all(isinstance(p, str) and p for p in images):
         return "`images` must be a list of image file paths (relative to the data file)"
+    if parts == 0 and all(isinstance(m.get("content"), str) for m in row["messages"]):
+        return None  # text turns: TRL puts the images at the start of the first user turn
     if len(images) != parts:
         return f"`images` gives {len(images)} file(s) for {parts} image part(s) in `messages`"
     return None
