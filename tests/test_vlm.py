@@ -83,6 +83,28 @@ def test_text_turns_take_the_images_before_the_first_user_turn(write, tmp_path):
     assert (batch["input_ids"] == image_token).sum() == 16
 
 
+def test_a_max_length_that_cuts_image_tokens_is_one_line():
+    from transformers import AutoProcessor
+    from trl.trainer.sft_trainer import DataCollatorForVisionLanguageModeling
+
+    from finetune.methods.sft_vision import ImageTokensKept
+
+    processor = AutoProcessor.from_pretrained(TINY_VLM)
+    collate = ImageTokensKept(DataCollatorForVisionLanguageModeling(processor, max_length=12), 12)
+    with pytest.raises(DataError, match="training.max_length 12 cuts a row of this batch inside"):
+        collate([row(str(PICTURE))])
+    uncut = ImageTokensKept(DataCollatorForVisionLanguageModeling(processor), None)
+    assert "pixel_values" in uncut([row(str(PICTURE))])
+
+
+def test_finetune_data_shows_rows_as_the_vision_collator_makes_them(write, tmp_path):
+    path = experiment(write, tmp_path, [row("pic.png")])
+    result = run_cli("data", str(path), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "<image>" * 16 + " What is it?<|end|><|assistant|>⟦ red<|eos|>⟧" in result.stdout
+    assert "row 1 (34 tokens)" in result.stdout  # the 16 image tokens counted
+
+
 def test_a_missing_image_is_one_line_naming_file_row_and_path(write, tmp_path):
     path = experiment(write, tmp_path, [row("pic.png"), row("pics/missing.png")])
     data = tmp_path / "data" / "rows.jsonl"

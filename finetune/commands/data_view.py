@@ -56,6 +56,23 @@ def _sft(rows, tokenizer, experiment: Experiment, splits, split: str) -> Iterato
         yield Sample(origin, [("", ids, trained)], dropped)
 
 
+def _sft_vision(rows, processor, experiment: Experiment, splits, split: str) -> Iterator[Sample]:
+    """Rows with images as TRL's vision collator makes them in training (the processor
+    expands each image to its tokens), one row at a time and uncut."""
+    from trl.trainer.sft_trainer import DataCollatorForVisionLanguageModeling
+
+    from finetune.methods.sft import assistant_only
+
+    collate = DataCollatorForVisionLanguageModeling(
+        processor, assistant_only_loss=assistant_only(experiment, "messages"))
+    limit = value(experiment, "max_length")
+    for row in rows:
+        batch = collate([{"messages": row["messages"], "images": row["images"]}])
+        ids, trained = batch["input_ids"][0].tolist(), (batch["labels"][0] != -100).tolist()
+        yield Sample(row[ORIGIN], [("", ids, trained)],
+                     limit is not None and not any(trained[:limit]))
+
+
 def _reward(rows, tokenizer, experiment: Experiment, splits, split: str) -> Iterator[Sample]:
     from finetune.methods.reward import _tokenized
 
@@ -195,15 +212,19 @@ def _head(rows, count: int):
 
 def report(experiment: Experiment, shown: int) -> list[str]:
     """The lines `finetune data` prints."""
-    from finetune.model.tokenizer import load_tokenizer
+    from finetune.model.tokenizer import load_processor, load_tokenizer
+    from finetune.model.vision import is_vision_language
 
-    tokenizer = load_tokenizer(experiment)
+    vision = is_vision_language(experiment)  # its processor: tokenizer and images
+    tokenizer = load_processor(experiment) if vision else load_tokenizer(experiment)
     splits = load_data(experiment)
     require_chat_template(splits, tokenizer, experiment)
     lines = [f"method {experiment.method}, data format {splits.format}; trained tokens "
              f"between {OPEN} and {CLOSE}"] + [f"note: {note}" for note in splits.notes]
     sample = _view(experiment)
-    if sample is _sft:
+    if vision and sample is _sft:
+        sample = _sft_vision
+    if sample in (_sft, _sft_vision):
         from finetune.methods.sft import trained_tokens
 
         said = trained_tokens(experiment, splits.format)

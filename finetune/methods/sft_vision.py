@@ -71,6 +71,27 @@ def build_trainer(job: Job, assistant_only: bool) -> SFTTrainer:
     args.completion_only_loss = None  # TRL's vision collator refuses it for messages
     if "padding_free" not in training:
         args.padding_free = False  # our speed default only; refused above when set
-    return VisionSFTTrainer(model=job.model, args=args, train_dataset=job.data.train,
-                            eval_dataset=job.data.eval, processing_class=job.tokenizer,
-                            callbacks=job.callbacks)
+    trainer = VisionSFTTrainer(model=job.model, args=args, train_dataset=job.data.train,
+                               eval_dataset=job.data.eval, processing_class=job.tokenizer,
+                               callbacks=job.callbacks)
+    trainer.data_collator = ImageTokensKept(trainer.data_collator, args.max_length)
+    return trainer
+
+
+class ImageTokensKept:
+    """TRL's vision collator, whose processor refuses a row that training.max_length cuts
+    inside its image tokens (a ValueError naming `truncation`): that as one line saying
+    which setting to raise, not a traceback from the data loader."""
+
+    def __init__(self, collate, max_length: int | None):
+        self.collate, self.max_length = collate, max_length
+
+    def __call__(self, rows):
+        try:
+            return self.collate(rows)
+        except ValueError as exc:
+            if "token count" not in str(exc):
+                raise
+            raise DataError(f"training.max_length {self.max_length} cuts a row of this batch "
+                            "inside its image tokens: raise it (`finetune data` shows every "
+                            "row's length with its image tokens)") from None
