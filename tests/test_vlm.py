@@ -2,7 +2,8 @@
 it), rows with images checked by validate and by training alike (one error naming file,
 row and path), and the bundled tiny LLaVA trained end to end through TRL's vision path:
 the loss masks checked on the batches its collator makes, final/ scored by `finetune
-eval`, and a resumed run ending where the uninterrupted one did."""
+eval` and answering through `finetune generate`, and a resumed run ending where the
+uninterrupted one did."""
 
 from __future__ import annotations
 
@@ -105,6 +106,21 @@ def test_finetune_data_shows_rows_as_the_vision_collator_makes_them(write, tmp_p
     assert "row 1 (34 tokens)" in result.stdout  # the 16 image tokens counted
 
 
+def test_a_prompt_file_names_its_missing_image(tmp_path):
+    from finetune.inference.prompts import from_file
+
+    prompts = tmp_path / "prompts.jsonl"
+    shutil.copy(PICTURE, tmp_path / "pic.png")
+    prompts.write_text(json.dumps(row("pic.png")) + "\n" + json.dumps(row("gone.png")) + "\n")
+    with pytest.raises(DataError) as caught:
+        from_file(str(prompts))
+    assert str(caught.value) == f"{prompts} line 2: images[0] 'gone.png': no such file " \
+                                f"({tmp_path / 'gone.png'})"
+    prompts.write_text(json.dumps(row("pic.png")) + "\n")
+    [prompt] = from_file(str(prompts))
+    assert prompt.images == [str(tmp_path / "pic.png")] and prompt.reference == "red"
+
+
 def test_a_missing_image_is_one_line_naming_file_row_and_path(write, tmp_path):
     path = experiment(write, tmp_path, [row("pic.png"), row("pics/missing.png")])
     data = tmp_path / "data" / "rows.jsonl"
@@ -172,6 +188,20 @@ def test_the_tiny_vlm_learns_from_images_and_trains_only_the_answers(tmp_path):
     scored = json.loads((run / "eval" / "vlm_eval-final.json").read_text())["metrics"]
     for key in ("eval_loss", "eval_exact_match"):
         assert scored[key] == pytest.approx(summary["after"][key], rel=1e-5), key
+    # `finetune generate` answers from the pictures as evaluation did (greedy, one batch)
+    (tmp_path / "vlm_eval").symlink_to(QUICKSTART / "data" / "vlm_eval")
+    rows = (QUICKSTART / "data" / "vlm_eval.jsonl").read_text().splitlines()[:16]
+    (tmp_path / "prompts.jsonl").write_text("\n".join(rows) + "\n")
+    generated = run_cli("generate", str(run), "--file", "prompts.jsonl", "--batch-size", "16",
+                        "--max-new-tokens", "8", cwd=tmp_path)
+    assert generated.returncode == 0, generated.stderr[-3000:]
+    answers = [json.loads(line) for line in generated.stdout.splitlines()]
+    assert [a["images"] for a in answers] == [  # resolved next to the prompts file
+        [str((tmp_path / "vlm_eval" / f"{i:04d}.png").resolve())] for i in range(16)]
+    hits = sum(a["completion"].strip() == a["reference"] for a in answers)
+    assert hits / 16 == summary["after"]["eval_exact_match"]
+    chat = run_cli("chat", str(run), cwd=tmp_path)
+    assert chat.returncode != 0 and "`finetune chat` does not take images yet" in chat.stderr
     # Resumed from step 20 (the Trainer's own resume would load none of those weights:
     # trainers/vision.py), the run ends where the uninterrupted one did.
     shutil.rmtree(run / "checkpoints" / "checkpoint-40")

@@ -29,7 +29,7 @@ import torch
 from finetune.errors import RunError, first_line
 from finetune.inference.generate import batches, new_tokens, token_ids
 from finetune.model.saved import (device, dtype_of, load_model, load_tokenizer, locate,
-                                     require_lm)
+                                     require_lm, require_text_model)
 from finetune.inference.prompts import Prompt
 from finetune.inference.reward_sources import RewardSources
 from finetune.trainers.ppo_rollout import Rewards
@@ -111,6 +111,7 @@ def best_of_n(run_dir: str, prompts: list[Prompt], out: TextIO, sources: RewardS
     """Writes the preference rows; returns (rows written, prompts skipped as ties)."""
     run = locate(run_dir, model_choice)
     require_lm(run, "generate --best-of")
+    require_text_model(run, "generate --best-of")
     tokenizer = load_tokenizer(run)
     encoded = [token_ids(p, tokenizer, raw) for p in prompts]  # every row checked first
     shown = [written_prompt(p, tokenizer, raw) for p in prompts]

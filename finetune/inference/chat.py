@@ -14,7 +14,7 @@ import torch
 from finetune.errors import DataError, RunError
 from finetune.inference.generate import context_of
 from finetune.model.saved import (device, dtype_of, load_model, load_tokenizer, locate,
-                                     require_lm)
+                                     require_lm, require_text_model)
 from finetune.model.tokenizer import render_chat
 
 HELP = "commands: /reset starts again, /exit (or Ctrl-D) ends the chat"
@@ -95,6 +95,7 @@ def chat(run_dir: str, *, model_choice: str | None, system: str | None, max_new_
          temperature: float, top_p: float, seed: int, dtype: str) -> int:
     run = locate(run_dir, model_choice)
     require_lm(run, "chat")
+    require_text_model(run, "chat")
     tokenizer = load_tokenizer(run)
     if not tokenizer.chat_template:
         raise RunError(f"the tokenizer of {run.directory} has no chat template; use `finetune "

@@ -4,7 +4,7 @@ prompt ({"prompt", "completion", and "reference" where the row had an answer}).
 Chat prompts (message lists, and plain texts unless --raw) go through the run's chat
 template with the generation prompt; a plain text under --raw is tokenized as it is.
 Greedy unless --temperature is above 0. Prompts are generated in batches, padded on the
-left.
+left. A vision-language model's prompts (with their images) go through its processor.
 """
 
 from __future__ import annotations
@@ -20,9 +20,13 @@ from finetune.model.saved import (device, dtype_of, load_model, load_tokenizer, 
                                      require_lm)
 from finetune.inference.prompts import Prompt
 from finetune.model.tokenizer import render_chat
+from finetune.model.vision import chat_prompts, is_processor
 
 
 def token_ids(prompt: Prompt, tokenizer, raw: bool) -> list[int]:
+    if prompt.images:
+        raise DataError(f"{prompt.where}: the prompt has images, and the run's model is not a "
+                        "vision-language model")
     if prompt.messages is None and (raw or not tokenizer.chat_template):
         return list(tokenizer(prompt.text, add_special_tokens=True)["input_ids"])
     messages = prompt.messages or [{"role": "user", "content": prompt.text}]
@@ -48,6 +52,14 @@ def new_tokens(model, prompt_length: int, wanted: int, where: str) -> int:
     return min(wanted, room)
 
 
+def sampling_options(temperature: float, top_p: float, top_k: int | None) -> dict:
+    """generate()'s sampling arguments: greedy at temperature 0."""
+    if temperature <= 0:
+        return {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
+    return {"do_sample": True, "temperature": temperature, "top_p": top_p,
+            **({"top_k": top_k} if top_k is not None else {})}
+
+
 @torch.no_grad()
 def complete(model, tokenizer, batch: list[list[int]], max_new_tokens: int,
              temperature: float, top_p: float, top_k: int | None = None) -> list[str]:
@@ -56,14 +68,39 @@ def complete(model, tokenizer, batch: list[list[int]], max_new_tokens: int,
     pad = tokenizer.pad_token_id
     input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in batch])
     mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in batch])
-    sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p,
-                **({"top_k": top_k} if top_k is not None else {})} \
-        if temperature > 0 else {"do_sample": False, "temperature": None, "top_p": None,
-                                 "top_k": None}
+    sampling = sampling_options(temperature, top_p, top_k)
     out = model.generate(input_ids=input_ids.to(model.device),
                          attention_mask=mask.to(model.device), max_new_tokens=max_new_tokens,
                          pad_token_id=pad, use_cache=True, **sampling)
     return tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
+
+
+def conversation(prompt: Prompt) -> list[dict]:
+    return prompt.messages or [{"role": "user", "content": prompt.text}]
+
+
+def vision_ids(prompt: Prompt, processor, raw: bool) -> list[int]:
+    """A vision-language model's prompt as its processor encodes it (each image expanded
+    to its tokens): always through the chat template, which places the images."""
+    if raw:
+        raise DataError(f"{prompt.where}: --raw: a vision-language model's prompts go through "
+                        "its chat template (it places the images); leave --raw out")
+    return chat_prompts(processor, [conversation(prompt)], [prompt.images])["input_ids"][0] \
+        .tolist()
+
+
+@torch.no_grad()
+def complete_with_images(model, processor, batch: list[Prompt], max_new_tokens: int,
+                         temperature: float, top_p: float, top_k: int | None = None) -> list[str]:
+    """Completions of a vision-language model: the prompts and their images through the
+    processor as one left-padded batch, as in training."""
+    encoded = chat_prompts(processor, [conversation(p) for p in batch],
+                           [p.images for p in batch]).to(model.device)
+    out = model.generate(**encoded, max_new_tokens=max_new_tokens,
+                         pad_token_id=processor.tokenizer.pad_token_id, use_cache=True,
+                         **sampling_options(temperature, top_p, top_k))
+    return processor.tokenizer.batch_decode(out[:, encoded["input_ids"].shape[1]:],
+                                            skip_special_tokens=True)
 
 
 def batches(items: list, size: int) -> Iterable[list]:
@@ -76,8 +113,10 @@ def generate(run_dir: str, prompts: list[Prompt], out: TextIO, *, model_choice: 
              batch_size: int, dtype: str, top_k: int | None = None) -> int:
     run = locate(run_dir, model_choice)
     require_lm(run, "generate")
-    tokenizer = load_tokenizer(run)
-    encoded = [token_ids(p, tokenizer, raw) for p in prompts]  # every row checked first
+    tokenizer = load_tokenizer(run)  # a vision-language model's processor
+    images = is_processor(tokenizer)
+    encode = vision_ids if images else token_ids
+    encoded = [encode(p, tokenizer, raw) for p in prompts]  # every row checked first
     on = device()
     model = load_model(run, tokenizer, dtype_of(dtype, on), on)
     budgets = [new_tokens(model, len(ids), max_new_tokens, p.where)
@@ -85,10 +124,16 @@ def generate(run_dir: str, prompts: list[Prompt], out: TextIO, *, model_choice: 
     torch.manual_seed(seed)
     written = 0
     for chunk in batches(list(zip(prompts, encoded, budgets)), batch_size):
-        texts = complete(model, tokenizer, [ids for _, ids, _ in chunk],
-                         min(b for _, _, b in chunk), temperature, top_p, top_k)
+        if images:
+            texts = complete_with_images(model, tokenizer, [p for p, _, _ in chunk],
+                                         min(b for _, _, b in chunk), temperature, top_p, top_k)
+        else:
+            texts = complete(model, tokenizer, [ids for _, ids, _ in chunk],
+                             min(b for _, _, b in chunk), temperature, top_p, top_k)
         for (prompt, _, _), text in zip(chunk, texts):
             row = {"prompt": prompt.given(), "completion": text}
+            if prompt.images:
+                row["images"] = prompt.images  # absolute: the pictures the model saw
             if prompt.reference is not None:
                 row["reference"] = prompt.reference
             out.write(json.dumps(row, ensure_ascii=False) + "\n")

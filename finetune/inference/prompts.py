@@ -4,7 +4,8 @@ named by file and line when it is wrong.
 Rows: {"prompt": "text"}, {"prompt": [messages]}, or {"messages": [messages]}. A
 conversation that ends in assistant turns is cut before its last one, which becomes the
 row's reference (so an eval file of the run can be given as it is); a "completion" is a
-reference too.
+reference too. For a vision-language model, messages may hold image parts, with `images`
+as in training (data/images.py: paths relative to the prompts file, checked).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from finetune.data.images import IMAGES, image_parts, images_problem, parts_problem, \
+    resolved_paths
 from finetune.errors import DataError, one_line
 
 MAX_LINE = 16 * 2**20
@@ -26,6 +29,7 @@ class Prompt:
     messages: list[dict] | None = None
     reference: str | None = None
     columns: dict[str, Any] = field(default_factory=dict)  # the row's other columns
+    images: list[str] | None = None  # for a vision-language model: absolute image paths
 
     def given(self) -> str | list[dict]:
         return self.messages if self.messages is not None else self.text
@@ -40,21 +44,37 @@ def _messages_problem(value: Any) -> str | None:
         return "is not a non-empty list of messages"
     for i, message in enumerate(value):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str) or \
-                not isinstance(message.get("content"), str):
-            return f"has a message ({i}) that is not an object with string role and content"
+                parts_problem(message.get("content"), "content"):
+            return f"has a message ({i}) that is not an object with string role and content " \
+                   "(text, or image and text parts)"
     return None
+
+
+def _text(content: Any) -> str | None:
+    """A turn's text: its content, or its text parts joined."""
+    if isinstance(content, list):
+        return "".join(p.get("text") or "" for p in content if p.get("type") == "text")
+    return content if isinstance(content, str) else None
 
 
 def _reference(value: Any) -> str | None:
     if isinstance(value, str):
         return value
     if isinstance(value, list) and value and isinstance(value[-1], dict):
-        content = value[-1].get("content")
-        return content if isinstance(content, str) else None
+        return _text(value[-1].get("content"))
     return None
 
 
-def _row(row: Any, where: str) -> Prompt:
+def _images(row: dict[str, Any], messages: list[dict], where: str, file: Path) -> list[str]:
+    """A row's `images` (paths relative to the prompts file), one per image part, each
+    checked as training checks them (data/images.py)."""
+    problem = images_problem({"messages": messages, IMAGES: row.get(IMAGES)})
+    if problem:
+        raise DataError(f"{where}: {problem}")
+    return resolved_paths(row.get(IMAGES) or [], file, where)
+
+
+def _row(row: Any, where: str, file: Path | None = None) -> Prompt:
     if not isinstance(row, dict):
         raise DataError(f"{where}: a row must be a JSON object, not {type(row).__name__}")
     keys = [k for k in ("prompt", "messages") if k in row]
@@ -63,17 +83,20 @@ def _row(row: Any, where: str) -> Prompt:
                         f"'messages'; it has {sorted(row) or 'no keys'}")
     key, value = keys[0], row[keys[0]]
     reference = _reference(row.get("completion"))
-    columns = {k: v for k, v in row.items() if k not in ("prompt", "messages", "completion")}
+    columns = {k: v for k, v in row.items()
+               if k not in ("prompt", "messages", "completion", IMAGES)}
     if key == "prompt" and isinstance(value, str):
         return Prompt(where, text=value, reference=reference, columns=columns)
     problem = _messages_problem(value)
     if problem:
         raise DataError(f"{where}: {key} {problem}")
+    images = _images(row, value, where, file) if file is not None and \
+        (row.get(IMAGES) is not None or image_parts(value)) else None
     if key == "messages" and value[-1]["role"] == "assistant":
         if len(value) == 1:
             raise DataError(f"{where}: messages is one assistant turn: nothing to prompt with")
-        reference, value = value[-1]["content"], value[:-1]
-    return Prompt(where, messages=value, reference=reference, columns=columns)
+        reference, value = _text(value[-1]["content"]), value[:-1]
+    return Prompt(where, messages=value, reference=reference, columns=columns, images=images)
 
 
 def from_file(path: str) -> list[Prompt]:
@@ -93,7 +116,7 @@ def from_file(path: str) -> list[Prompt]:
             row = json.loads(raw.decode("utf-8"))
         except (UnicodeDecodeError, ValueError) as exc:
             raise DataError(f"{where}: not a JSON object ({one_line(str(exc))})") from None
-        prompts.append(_row(row, where))
+        prompts.append(_row(row, where, file))
     if not prompts:
         raise DataError(f"{path}: no prompts in it")
     return prompts

@@ -28,6 +28,9 @@ def _load(experiment: Experiment, dtype):
         if run.head != "lm":
             raise ConfigError([f"{WHERE}: {source} is a {run.experiment.method} run: its "
                                "model scores text and has no next-token distribution"])
+        if run.vision:
+            raise ConfigError([f"{WHERE}: {source} is a vision-language model: a teacher "
+                               "that takes images is not supported yet"])
         tokenizer = load_tokenizer(run)
         return load_model(run, tokenizer, dtype, "cpu"), tokenizer
     try:

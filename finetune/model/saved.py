@@ -21,6 +21,8 @@ from finetune.rundir import checkpoints
 from finetune.config.methods import method
 from finetune.config.schema import Experiment
 from finetune.errors import RunError, first_line
+from finetune.config import vision as vision_config
+from finetune.model import vision
 from finetune.model.load import HEADS, head_labels
 from finetune.model.peft import ADAPTER_CONFIG
 
@@ -39,6 +41,12 @@ class RunModel:
     def head(self) -> str:
         """'lm' (a causal LM) or 'score' (a sequence classifier): the method's head."""
         return method(self.experiment.method).head
+
+    @property
+    def vision(self) -> bool:
+        """A vision-language model (a whole one: LoRA on one is refused by validate)."""
+        return self.head == "lm" and not self.adapter and \
+            vision_config.is_vision_language(str(self.directory))
 
     def base(self) -> tuple[str, str | None]:
         """(source, revision) of the adapter's base model."""
@@ -131,6 +139,14 @@ def load_tokenizer(run: RunModel):
             break
     else:
         raise RunError(f"{run.directory} has no tokenizer, and neither has {run.run_dir / 'final'}")
+    if run.vision:  # its processor: the tokenizer and the images
+        from transformers import AutoProcessor
+
+        processor = AutoProcessor.from_pretrained(
+            str(source), trust_remote_code=run.experiment.model.trust_remote_code)
+        if processor.tokenizer.pad_token is None:
+            processor.tokenizer.pad_token = processor.tokenizer.eos_token
+        return processor
     tokenizer = AutoTokenizer.from_pretrained(
         str(source), trust_remote_code=run.experiment.model.trust_remote_code)
     if tokenizer.pad_token is None:
@@ -164,7 +180,7 @@ def load_model(run: RunModel, tokenizer, dtype: torch.dtype, on: str, merge: boo
     from transformers.utils import logging
 
     logging.disable_progress_bar()  # loading and writing shards: bars on every use
-    auto_class = HEADS[run.head][0]
+    auto_class = vision.MODEL_CLASS if run.vision else HEADS[run.head][0]
     trust = run.experiment.model.trust_remote_code
     placement = {"device_map": {"": 0}} if on == "cuda" else {}
     if not run.adapter:
@@ -196,3 +212,10 @@ def require_lm(run: RunModel, command: str) -> None:
                        f"`finetune {command}` needs a causal LM (sft, dpo, grpo or ppo). Load "
                        "it with AutoModelForSequenceClassification (see "
                        "docs/after-training.md)")
+
+
+def require_text_model(run: RunModel, command: str) -> None:
+    """Commands that do not take images yet refuse a vision-language run in one line."""
+    if run.vision:
+        raise RunError(f"{run.directory} is a vision-language model: `finetune {command}` does "
+                       "not take images yet (`finetune generate` and `finetune eval` do)")

@@ -6,6 +6,7 @@ SFTTrainer takes it as processing_class and collates rows with images through it
 
 from __future__ import annotations
 
+import copy
 import functools
 from pathlib import Path
 
@@ -70,3 +71,22 @@ def load_saved_weights(model, directory) -> None:
                          + (f", of other shapes {sorted(mismatched)[:5]}" if mismatched else "")
                          + ")")
     model.load_state_dict(saved.state_dict())
+
+
+
+def with_images(messages: list[dict], images: list) -> list[dict]:
+    """The conversation with its images in its image parts (or, for text turns, before the
+    first user turn's text), as TRL's collator renders it; on a copy: TRL's
+    prepare_multimodal_messages fills the parts it is given in place."""
+    from trl.data_utils import prepare_multimodal_messages
+
+    return prepare_multimodal_messages(copy.deepcopy(messages), images=images or [])
+
+
+def chat_prompts(processor, conversations: list[list[dict]], images: list[list]):
+    """Conversations (each with its images: paths or pictures) as one left-padded batch
+    with a generation prompt, through the processor as in training."""
+    return processor.apply_chat_template(
+        [with_images(m, i) for m, i in zip(conversations, images)], add_generation_prompt=True,
+        tokenize=True, return_dict=True, return_tensors="pt",
+        processor_kwargs={"padding": True, "padding_side": "left", "add_special_tokens": False})

@@ -10,7 +10,8 @@ from typing import Any
 
 import torch
 from datasets import Dataset
-from trl.data_utils import prepare_multimodal_messages
+
+from finetune.model.vision import chat_prompts, with_images
 
 
 def _text(content) -> str:
@@ -19,14 +20,12 @@ def _text(content) -> str:
     return "".join(part.get("text") or "" for part in content if part.get("type") == "text")
 
 
-def _prompt_and_answer(row: dict[str, Any]) -> tuple[list[dict[str, Any]], str]:
+def _prompt_and_answer(row: dict[str, Any]) -> tuple[list[dict[str, Any]], list, str]:
+    """(the turns before the last assistant turn, the row's images, that turn's text). All
+    the images belong to the prompt: in TRL's format the answer holds none."""
     messages = row["messages"]
     last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
-    before = messages[:last]
-    # Only the images of the prompt's turns (all of them, in TRL's format: the answer
-    # holds none).
-    prompt = prepare_multimodal_messages(before, images=row.get("images") or [])
-    return prompt, _text(messages[last]["content"])
+    return messages[:last], row.get("images") or [], _text(messages[last]["content"])
 
 
 @torch.no_grad()
@@ -34,31 +33,30 @@ def exact_match(model, processor, dataset: Dataset, max_new_tokens: int, max_sam
                 device: torch.device, batch_size: int = 32) -> dict[str, Any]:
     """As evaluation.exact_match: greedy answers to the first max_samples prompts."""
     rows = dataset.select(range(min(max_samples, len(dataset))))
-    pairs = [_prompt_and_answer(row) for row in rows]
+    triples = [_prompt_and_answer(row) for row in rows]
     tokenizer = processor.tokenizer
     was_training = model.training
     model.eval()
     hits, examples = 0, []
     try:
-        for start in range(0, len(pairs), batch_size):
-            batch = pairs[start:start + batch_size]
-            enc = processor.apply_chat_template(
-                [prompt for prompt, _ in batch], add_generation_prompt=True, tokenize=True,
-                return_dict=True, return_tensors="pt",
-                processor_kwargs={"padding": True, "padding_side": "left",
-                                  "add_special_tokens": False}).to(device)
+        for start in range(0, len(triples), batch_size):
+            batch = triples[start:start + batch_size]
+            enc = chat_prompts(processor, [prompt for prompt, _, _ in batch],
+                               [images for _, images, _ in batch]).to(device)
             out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
                                  pad_token_id=tokenizer.pad_token_id)
             texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:],
                                            skip_special_tokens=True)
-            for (prompt, answer), text in zip(batch, texts):
+            for (prompt, images, answer), text in zip(batch, texts):
                 hit = text.strip() == answer.strip()
                 hits += hit
                 if len(examples) < 3:
-                    rendered = processor.apply_chat_template(prompt, add_generation_prompt=True,
-                                                             tokenize=False)
+                    rendered = processor.apply_chat_template(
+                        with_images(prompt, images),
+                        add_generation_prompt=True, tokenize=False)
                     examples.append({"prompt": rendered, "answer": answer,
                                      "generated": text.strip()})
     finally:
         model.train(was_training)
-    return {"exact_match": hits / max(len(pairs), 1), "samples": len(pairs), "examples": examples}
+    return {"exact_match": hits / max(len(triples), 1), "samples": len(triples),
+            "examples": examples}
