@@ -50,13 +50,17 @@ def training_error(path) -> str:
 
 
 def test_a_vision_language_model_is_told_from_its_config():
-    """config/vision.py reads the installed mapping without importing it (test_layers:
-    config imports no torch); here it is compared with the mapping itself."""
+    assert vision.is_vision_language(str(TINY_VLM))
+    assert not vision.is_vision_language(str(TINY_MODEL))
+
+
+@pytest.mark.slow  # imports transformers' model mapping, and with it torch
+def test_the_model_types_read_are_transformers_own():
+    """config/vision.py reads the installed mapping from its source, without importing it
+    (test_layers: config imports no torch); here it is compared with the mapping itself."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
     assert vision.image_text_model_types() == set(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
-    assert vision.is_vision_language(str(TINY_VLM))
-    assert not vision.is_vision_language(str(TINY_MODEL))
 
 
 def test_rows_with_images_validate(write, tmp_path):
@@ -66,6 +70,7 @@ def test_rows_with_images_validate(write, tmp_path):
     assert ": 2 rows, format messages" in result.stdout
 
 
+@pytest.mark.slow  # loads the processor (and torch)
 def test_text_turns_take_the_images_before_the_first_user_turn(write, tmp_path):
     """TRL's other vision layout: every turn's content text, the images placed at the start
     of the first user turn; its collator renders them as the processor's image tokens."""
@@ -84,6 +89,7 @@ def test_text_turns_take_the_images_before_the_first_user_turn(write, tmp_path):
     assert (batch["input_ids"] == image_token).sum() == 16
 
 
+@pytest.mark.slow  # loads the processor (and torch)
 def test_a_max_length_that_cuts_image_tokens_is_one_line():
     from transformers import AutoProcessor
     from trl.trainer.sft_trainer import DataCollatorForVisionLanguageModeling
@@ -98,6 +104,7 @@ def test_a_max_length_that_cuts_image_tokens_is_one_line():
     assert "pixel_values" in uncut([row(str(PICTURE))])
 
 
+@pytest.mark.slow  # loads the processor (and torch)
 def test_finetune_data_shows_rows_as_the_vision_collator_makes_them(write, tmp_path):
     path = experiment(write, tmp_path, [row("pic.png")])
     result = run_cli("data", str(path), cwd=tmp_path)
