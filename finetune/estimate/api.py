@@ -6,14 +6,19 @@ from dataclasses import dataclass, field
 
 from finetune.config.derived.kernels import Kernels, installed
 from finetune.config.schema import Experiment
+from finetune.errors import ConfigError
 from finetune.estimate.census import census, value_census, value_head
 from finetune.estimate.core import (CUDA_CONTEXT, FRAGMENTATION, GiB, Evaluation, evaluate,
                                     ladder_layouts)
 from finetune.estimate.optimizers import model_of
 from finetune.estimate.settings import Layout, Settings, settings_of
 from finetune.estimate.shapes import Shape, read_shape
+from finetune.estimate.vision import PROJECTOR, TOWER
 
 DEFAULT_GPU_MEMORY = 80 * GiB
+# A vision-language row's images, when the caller does not say: the common case of one
+# picture per conversation (the estimate cannot see the data).
+DEFAULT_IMAGES_PER_ROW = 1
 # activation_checkpointing auto turns it off when the estimate without it stays under this
 # share of the device: the estimate aims to be within 15 % of the measured peak.
 CHECKPOINTING_MARGIN = 0.85
@@ -32,6 +37,19 @@ class Estimate:
     assumptions: list[str] = field(default_factory=list)
     not_counted: list[str] = field(default_factory=list)
     checkpointing_note: str | None = None   # what activation_checkpointing auto decided
+    parts: dict[str, int] = field(default_factory=dict)  # a VLM's parameters by part
+
+
+def parts_of(tensors) -> dict[str, int]:
+    """A vision-language model's parameters by part (the LM head with the language model)."""
+    found = {"language_model": 0, "vision_tower": 0, "projector": 0}
+    for t in tensors:
+        if t.role in ("lora", "magnitude", "copy", "value"):
+            continue
+        part = ("vision_tower" if t.name.startswith(TOWER) else
+                "projector" if t.name.startswith(PROJECTOR) else "language_model")
+        found[part] += t.numel
+    return found
 
 
 def overrides_for(layout: Layout) -> str:
@@ -110,6 +128,27 @@ def _assumptions(settings: Settings, shape: Shape) -> list[str]:
         out.append("distributed.device cpu: the numbers are per process, in host memory")
     if shape.tied:
         out.append("tied input/output embeddings: one matrix")
+    if shape.vision:
+        out += _vision_assumptions(settings, shape)
+    return out
+
+
+def _vision_assumptions(settings: Settings, shape: Shape) -> list[str]:
+    v, n = shape.vision, settings.images_per_row
+    tokens = n * v.image_tokens
+    images = f"{n} image{'s' if n != 1 else ''} per row"
+    out = [f"{images} of {v.image_size}x{v.image_size} pixels (assumed; the estimate does not "
+           f"read the data): {v.image_tokens} tokens an image ({v.patches} patches"
+           f"{'' if v.select == 'default' else ' + CLS'}), {tokens} of the {settings.seq_len} "
+           "tokens of each row: the sequence length counts them, as TRL's vision collator "
+           "truncates after expanding the images",
+           f"vision tower: {v.tower}, {v.layers} layers over {v.positions} positions an image "
+           f"({v.patches} patches + CLS), {v.layers_kept} of them kept for the backward "
+           f"(vision_feature_layer {', '.join(map(str, v.feature_layers))}); the whole model "
+           "trains (no part is frozen under full fine-tuning)"]
+    if tokens > settings.seq_len:
+        out.append(f"{images} is {tokens} image tokens, more than the {settings.seq_len} "
+                   "tokens of a row: training refuses such rows (max_length cuts the image)")
     return out
 
 
@@ -117,6 +156,9 @@ def _not_counted(settings: Settings) -> list[str]:
     out = ["evaluation batches (per_device_eval_batch_size) and generation during evaluation",
            "host memory to load the model", "DeepSpeed communication buckets (about hidden^2 "
            "elements)"]
+    if settings.images_per_row:
+        out.append("the vision tower's and projector's activations (its weights, gradients "
+                   "and optimizer states are counted)")
     own = settings.record
     if own.generates:
         out.insert(0, f"{settings.method}: generation (KV cache, sampling), rollout buffers and "
@@ -130,14 +172,19 @@ def _not_counted(settings: Settings) -> list[str]:
 
 def estimate(experiment: Experiment, gpus: int | None = None, gpu_memory: int | None = None,
              seq_len: int | None = None, device: str | None = None,
-             precision: str | None = None, kernels: Kernels | None = None) -> Estimate:
+             precision: str | None = None, kernels: Kernels | None = None,
+             images_per_row: int | None = None) -> Estimate:
     """Per-GPU memory of training `experiment` on `gpus` GPUs of `gpu_memory` bytes each.
     device, precision, kernels: as resolved where the run happens (else assumed,
-    settings_of)."""
+    settings_of). images_per_row: a vision-language model's (default 1)."""
     shape = read_shape(experiment.model.name_or_path, experiment.model.revision)
     kernels = kernels or installed()
     settings = settings_of(experiment, gpus, seq_len, shape.max_positions, device, precision,
                            kernels, shape.model_type)
+    if shape.vision:
+        _check_vision(experiment, shape)
+        settings = settings.with_(images_per_row=DEFAULT_IMAGES_PER_ROW
+                                  if images_per_row is None else images_per_row)
     memory = gpu_memory or DEFAULT_GPU_MEMORY
     tensors = census(shape, settings)
     value = []
@@ -185,4 +232,19 @@ def estimate(experiment: Experiment, gpus: int | None = None, gpu_memory: int | 
         trainable_params=sum(t.numel for t in tensors + value if t.trainable),
         configured=configured, ladder=ladder, gpu_memory=memory, recommendation=recommendation,
         assumptions=_assumptions(settings, shape), not_counted=_not_counted(settings),
-        checkpointing_note=checkpointing_note)
+        checkpointing_note=checkpointing_note,
+        parts=parts_of(tensors) if shape.vision else {})
+
+
+def _check_vision(experiment: Experiment, shape: Shape) -> None:
+    """What a vision-language model trains with so far (config/rules/vision.py refuses
+    the rest at validate for a local model; a cached hub model's config is read here)."""
+    what = f"{shape.source}: a {shape.model_type} vision-language model"
+    problems = []
+    if experiment.method != "sft":
+        problems.append(f"{what} trains only with sft yet (docs/vision.md)")
+    if experiment.peft.type != "none":
+        problems.append(f"{what}: LoRA and QLoRA on one are not supported yet, so not "
+                        "estimated; train the whole model (peft.type: none)")
+    if problems:
+        raise ConfigError(problems)

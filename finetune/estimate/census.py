@@ -21,7 +21,9 @@ from dataclasses import dataclass
 from finetune.config.derived.effective import model_precision
 from finetune.errors import ConfigError
 from finetune.estimate.settings import Settings
-from finetune.estimate.shapes import Linear, Param, Shape, linears, module_names, parameters
+from finetune.estimate import vision
+from finetune.estimate.param import Param
+from finetune.estimate.shapes import Linear, Shape, linears, module_names, parameters
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 NF4_BLOCK = 64          # bitsandbytes 4-bit blocksize
@@ -40,6 +42,9 @@ class Tensor:
     role: str             # embedding, norm, linear, bias, head, lora, magnitude, copy, value
     matmul: bool = False  # a weight a matmul consumes (autocast makes a 16-bit copy of it)
     shape2d: tuple[int, int] | None = None
+    # False: trainable, but the loss never reaches it (a VLM's unused vision modules): no
+    # .grad, so no gradient and no torch optimizer state
+    gradient: bool = True
 
 
 def quantized_bytes(numel: int, out: int, bits: int, double_quant: bool) -> int:
@@ -108,7 +113,7 @@ def _adapters(lin: Linear, r: int, dora: bool) -> list[Tensor]:
 
 
 def _matmul(param: Param) -> bool:
-    return param.role in ("linear", "head", "bias")
+    return param.role in ("linear", "head", "bias", "conv")  # conv: a vision patch embedding
 
 
 def _2d(param: Param) -> tuple[int, int] | None:
@@ -126,8 +131,10 @@ def _reads_output(p: Param, shape: Shape, settings: Settings) -> bool:
 
 def _full(params: list[Param], shape: Shape, settings: Settings) -> list[Tensor]:
     tied_lm = settings.head == "lm" and shape.tied
+    unused = vision.unreached(shape.vision) if shape.vision else ()
     return [Tensor(p.name, p.numel, p.numel * 4, True, "fp32", p.role,
-                   _matmul(p) or (tied_lm and p.role == "embedding"), _2d(p))
+                   _matmul(p) or (tied_lm and p.role == "embedding"), _2d(p),
+                   gradient=not p.name.startswith(unused))
             for p in params]
 
 

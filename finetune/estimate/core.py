@@ -97,7 +97,7 @@ def layer_targets(shape: Shape, settings: Settings) -> list[frozenset[str]]:
     found = [lin.name for lin in lora_targets(shape, settings)]
     out = []
     for n in range(shape.layers):
-        prefix = f"model.layers.{n}."
+        prefix = f"{shape.prefix}layers.{n}."
         out.append(frozenset(name.rsplit(".", 1)[1] for name in found if name.startswith(prefix)))
     return out
 

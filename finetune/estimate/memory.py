@@ -65,6 +65,11 @@ def optimizer_bytes(optim: str, tensors: list[Tensor], elt: int | None = None) -
                for t in tensors if t.trainable)
 
 
+def _with_gradient(tensors: list[Tensor]) -> list[Tensor]:
+    """The trainable tensors that get a .grad (torch's optimizers skip the others)."""
+    return [t for t in tensors if t.trainable and t.gradient]
+
+
 def autocast_bytes(tensors: list[Tensor], settings: Settings) -> int:
     """16-bit copies autocast makes of fp32 weights that matmuls read: cached for the whole
     forward when they train, saved for the backward when frozen (QLoRA's lm_head)."""
@@ -110,10 +115,10 @@ def _plain(tensors: list[Tensor], value: list[Tensor], settings: Settings,
     s = States()
     s.weights = sum(t.nbytes for t in tensors if not t.trainable)
     s.trainable = sum(t.nbytes for t in tensors if t.trainable)
-    s.gradients = s.trainable
-    s.optimizer = optimizer_bytes(settings.optim, tensors)
-    if layout.strategy == "ddp" and settings.world > 1:
-        s.buffers, s.buffers_label = s.gradients, "DDP gradient buckets"
+    s.gradients = sum(t.nbytes for t in _with_gradient(tensors))
+    s.optimizer = optimizer_bytes(settings.optim, _with_gradient(tensors))
+    if layout.strategy == "ddp" and settings.world > 1:  # buckets for all that requires grad
+        s.buffers, s.buffers_label = s.trainable, "DDP gradient buckets"
     s.autocast = autocast_bytes(tensors + value, settings)
     s.dora = dora_bytes(tensors, settings, layout)
     if value:

@@ -57,6 +57,10 @@ def render_text(est: Estimate) -> str:
         f"{s.peft.type} r={s.peft.r}" + (f" {s.peft.bits}-bit" if s.peft.type == "qlora" else ""))
     lines = [
         f"model: {shape.model_type}, {_params(est.params)} parameters ({shape.source})",
+        *([f"  language model {_params(est.parts['language_model'])}, vision tower "
+           f"{_params(est.parts['vision_tower'])}, projector {_params(est.parts['projector'])}; "
+           f"{shape.image_tokens} tokens an image, {s.images_per_row} image(s) per row"]
+          if est.parts else []),
         f"training: {s.method}, {'full fine-tuning' if s.peft.type == 'none' else peft}, "
         f"{est.trainable_params:,} trainable, {s.precision}, optim {s.optim}",
         f"batch: micro batch {s.micro_batch} x {s.seq_len} tokens"
@@ -103,12 +107,15 @@ def as_dict(est: Estimate) -> dict[str, Any]:
     return {
         "model": {"model_type": shape.model_type, "config": shape.source, "params": est.params,
                   "trainable_params": est.trainable_params, "layers": shape.layers,
-                  "hidden_size": shape.hidden, "vocab_size": shape.vocab},
+                  "hidden_size": shape.hidden, "vocab_size": shape.vocab,
+                  **({"parts": est.parts, "image_tokens": shape.image_tokens}
+                     if est.parts else {})},
         "settings": {"method": s.method, "peft": s.peft.type, "precision": s.precision,
                      "optim": s.optim, "micro_batch": s.micro_batch, "seq_len": s.seq_len,
                      "sequences_per_sample": s.sequences,
                      "activation_checkpointing": s.checkpointing, "gpus": s.world,
-                     "gpus_per_machine": s.per_machine, "device": s.device},
+                     "gpus_per_machine": s.per_machine, "device": s.device,
+                     **({"images_per_row": s.images_per_row} if est.parts else {})},
         "gpu_memory_bytes": est.gpu_memory,
         "configured": _evaluation(est.configured),
         "ladder": [_evaluation(ev) for ev in est.ladder],

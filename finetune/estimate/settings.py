@@ -80,6 +80,7 @@ class Settings:
     reference: str                 # none, copy (of the policy, in its load dtype)
     value_model: str               # none, separate, shared (ppo)
     notes: tuple[str, ...] = field(default_factory=tuple)
+    images_per_row: int = 0        # a vision-language model's images in each row (assumed)
 
     def with_(self, **changes: Any) -> "Settings":
         return replace(self, **changes)

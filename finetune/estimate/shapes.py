@@ -1,7 +1,8 @@
 """Model shapes from a config.json, read as JSON: the estimator must not import torch.
 
-The parameter list mirrors what transformers builds for llama, mistral, qwen2 and qwen3
-(names included, so a test can compare tensor by tensor); other architectures are refused
+The parameter list mirrors what transformers builds for llama, mistral, qwen2 and qwen3,
+and for LLaVA (their language model, a CLIP vision tower and a projector: vision.py),
+names included, so a test can compare tensor by tensor; other architectures are refused
 rather than guessed.
 """
 
@@ -9,11 +10,15 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from finetune.config.vision import image_text_model_types
 from finetune.errors import ConfigError
+from finetune.estimate import vision
+from finetune.estimate.param import Param
+from finetune.estimate.vision import VisionShape
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -35,6 +40,13 @@ class Shape:
     qk_norm: bool          # qwen3: RMSNorm over head_dim on q and k
     max_positions: int | None
     source: str            # the config.json read
+    vision: VisionShape | None = None  # a vision-language model's tower and projector
+    prefix: str = "model."             # where the language model's modules are
+
+    @property
+    def image_tokens(self) -> int:
+        """Tokens one image becomes in the sequence (0: a text model)."""
+        return self.vision.image_tokens if self.vision else 0
 
     @property
     def q_dim(self) -> int:
@@ -53,15 +65,6 @@ class Linear:
     out: int
     bias: bool
     kind: str  # 'layer' (inside a decoder layer), 'head' (lm_head / score), 'embedding'
-
-
-@dataclass(frozen=True)
-class Param:
-    name: str
-    numel: int
-    role: str    # 'embedding', 'norm', 'linear' (a layer's Linear weight), 'bias', 'head'
-    module: str  # owning module name
-    out: int = 0  # output features of a Linear weight (8-bit scales are per output row)
 
 
 def _hub_cache() -> Path:
@@ -127,6 +130,14 @@ def _int(config: dict[str, Any], key: str, where: str, default: int | None = Non
 
 def shape_of(config: dict[str, Any], where: str) -> Shape:
     kind = config.get("model_type")
+    if kind in vision.COUNTED:
+        text, tower = vision.split_config(config, where)
+        language = shape_of(text, where)
+        return replace(language, model_type=kind, vision=tower, prefix=vision.LANGUAGE_MODEL)
+    if kind in image_text_model_types():
+        raise ConfigError([f"{where}: model_type {kind!r} is a vision-language model the "
+                           f"estimator does not count yet (it counts "
+                           f"{', '.join(vision.COUNTED)}: docs/estimate.md)"])
     if kind not in SUPPORTED:
         raise ConfigError([f"{where}: model_type {kind!r} is not supported by the estimator "
                            f"(supported: {', '.join(SUPPORTED)})"])
@@ -166,9 +177,10 @@ def read_shape(name_or_path: str, revision: str | None = None) -> Shape:
 def linears(shape: Shape, head: str, num_labels: int = 1) -> list[Linear]:
     """Every module LoRA can target, in named_modules() order. head: 'lm' or 'score'."""
     h, i = shape.hidden, shape.intermediate
-    out = [Linear("model.embed_tokens", shape.vocab, h, False, "embedding")]
+    lm = shape.prefix
+    out = [Linear(f"{lm}embed_tokens", shape.vocab, h, False, "embedding")]
     for n in range(shape.layers):
-        a, m = f"model.layers.{n}.self_attn", f"model.layers.{n}.mlp"
+        a, m = f"{lm}layers.{n}.self_attn", f"{lm}layers.{n}.mlp"
         out += [Linear(f"{a}.q_proj", h, shape.q_dim, shape.qkv_bias, "layer"),
                 Linear(f"{a}.k_proj", h, shape.kv_dim, shape.qkv_bias, "layer"),
                 Linear(f"{a}.v_proj", h, shape.kv_dim, shape.qkv_bias, "layer"),
@@ -185,25 +197,28 @@ def linears(shape: Shape, head: str, num_labels: int = 1) -> list[Linear]:
 
 def module_names(shape: Shape, head: str) -> list[str]:
     """Module names as named_modules() gives them (for modules_to_save matching)."""
-    names = ["model", "model.embed_tokens", "model.layers"]
+    lm = shape.prefix
+    names = [lm.rstrip("."), f"{lm}embed_tokens", f"{lm}layers"]
     for n in range(shape.layers):
-        p = f"model.layers.{n}"
+        p = f"{lm}layers.{n}"
         names += [p, f"{p}.self_attn", f"{p}.self_attn.q_proj", f"{p}.self_attn.k_proj",
                   f"{p}.self_attn.v_proj", f"{p}.self_attn.o_proj"]
         if shape.qk_norm:
             names += [f"{p}.self_attn.q_norm", f"{p}.self_attn.k_norm"]
         names += [f"{p}.mlp", f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj", f"{p}.mlp.down_proj",
                   f"{p}.mlp.act_fn", f"{p}.input_layernorm", f"{p}.post_attention_layernorm"]
-    names += ["model.norm", "model.rotary_emb", "lm_head" if head == "lm" else "score"]
+    names += [f"{lm}norm", f"{lm}rotary_emb", "lm_head" if head == "lm" else "score"]
     return names
 
 
 def parameters(shape: Shape, head: str, num_labels: int = 1) -> list[Param]:
     """The model's parameters as model.parameters() yields them: a tied lm_head is the
-    embedding matrix and appears once."""
-    h = shape.hidden
-    params = [Param("model.embed_tokens.weight", shape.vocab * h, "embedding",
-                    "model.embed_tokens", h)]
+    embedding matrix and appears once. A vision-language model's vision tower and projector
+    come first, as transformers registers them."""
+    h, lm = shape.hidden, shape.prefix
+    params = vision.vision_parameters(shape.vision) if shape.vision else []
+    params.append(Param(f"{lm}embed_tokens.weight", shape.vocab * h, "embedding",
+                        f"{lm}embed_tokens", h))
     for lin in linears(shape, head, num_labels):
         if lin.kind != "layer":
             continue
@@ -218,7 +233,7 @@ def parameters(shape: Shape, head: str, num_labels: int = 1) -> list[Param]:
             layer = lin.name.rsplit(".", 2)[0]
             params += [Param(f"{layer}.{norm}.weight", h, "norm", f"{layer}.{norm}")
                        for norm in ("input_layernorm", "post_attention_layernorm")]
-    params.append(Param("model.norm.weight", h, "norm", "model.norm"))
+    params.append(Param(f"{lm}norm.weight", h, "norm", f"{lm}norm"))
     if head == "score":
         params.append(Param("score.weight", h * num_labels, "head", "score", num_labels))
     elif not shape.tied:

@@ -1,0 +1,49 @@
+"""Default values of a transformers config class, read from the installed transformers'
+source without importing it (the estimator stays torch-free). A published config.json
+often leaves out what equals the default (llava-hf's text_config names only what differs
+from LlamaConfig), and transformers fills those in from the class: so must we, from the
+same class, never from a copy that could fall behind."""
+
+from __future__ import annotations
+
+import ast
+import functools
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+from finetune.errors import ConfigError
+
+
+@functools.cache
+def config_defaults(module: str, class_name: str) -> dict[str, Any]:
+    """{field: default} of `class_name` in transformers/models/<module>, for the fields
+    whose default is a literal (`hidden_size: int = 4096`)."""
+    spec = importlib.util.find_spec("transformers")  # finds the package, imports nothing
+    if spec is None or spec.origin is None:
+        raise ConfigError(["the estimator reads config defaults from transformers' source, "
+                           "and transformers is not installed"])
+    source = Path(spec.origin).parent / "models" / module
+    tree = ast.parse(source.read_text(encoding="utf-8"))
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == class_name:
+            found = {}
+            for item in node.body:
+                if (isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)
+                        and item.value is not None):
+                    try:
+                        found[item.target.id] = ast.literal_eval(item.value)
+                    except ValueError:  # a computed default: not one the estimate reads
+                        pass
+            return found
+    raise RuntimeError(f"{source} defines no {class_name}: transformers changed; update "
+                       "finetune/estimate/defaults.py")
+
+
+def with_defaults(config: dict[str, Any], module: str, class_name: str) -> dict[str, Any]:
+    """config.json's values over the class's defaults, as transformers reads them. A
+    default of None is left out: the config class computes that one (llama's
+    num_key_value_heads = num_attention_heads), and so does the estimator's reader."""
+    defaults = {key: value for key, value in config_defaults(module, class_name).items()
+                if value is not None}
+    return {**defaults, **config}

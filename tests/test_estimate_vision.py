@@ -1,0 +1,156 @@
+"""`finetune estimate` for vision-language models (LLaVA): the parameters counted by part
+against what transformers builds (the tiny quickstart VLM, and LLaVA-1.5-7B's published
+config on the meta device), the tokens an image becomes against the real processor, the
+model states against one real training step of the tiny VLM, and the command's table and
+refusals."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import QUICKSTART, REPO, run_cli
+from finetune.config import load_experiment
+from finetune.errors import ConfigError
+from finetune.estimate import as_dict, estimate, render_text
+from finetune.estimate.census import census
+from finetune.estimate.memory import model_states
+from finetune.estimate.settings import Layout, settings_of
+from finetune.estimate.shapes import parameters, read_shape
+
+TINY_VLM = QUICKSTART / "tiny-vlm"
+VLM = QUICKSTART / "vlm.yaml"
+LLAVA_7B = REPO / "bench" / "models" / "llava-1.5-7b"  # llava-hf/llava-1.5-7b-hf's config.json
+LLAVA_7B_PUBLISHED = 7_063_427_072  # the model card's "7.06B params" (safetensors total)
+TINY_VLM_PARAMS = 675_200
+
+
+def _built(path, meta: bool) -> dict[str, int]:
+    """named_parameters() of the model transformers builds from the config: the truth."""
+    torch = pytest.importorskip("torch")
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    config = AutoConfig.from_pretrained(path)
+    with torch.device("meta" if meta else "cpu"):
+        model = AutoModelForImageTextToText.from_config(config)
+    return {n: p.numel() for n, p in model.named_parameters()}
+
+
+def test_tiny_vlm_parameters_are_transformers_own():
+    real = _built(TINY_VLM, meta=False)
+    counted = {p.name: p.numel for p in parameters(read_shape(str(TINY_VLM)), "lm")}
+    assert counted == real
+    assert sum(real.values()) == TINY_VLM_PARAMS
+
+
+def test_llava_7b_parameters_are_transformers_own_and_the_published_count():
+    """The published config leaves most values to the config classes' defaults (the text
+    config names 7 keys): the estimator reads those from transformers' source."""
+    real = _built(LLAVA_7B, meta=True)
+    shape = read_shape(str(LLAVA_7B))
+    assert {p.name: p.numel for p in parameters(shape, "lm")} == real
+    assert sum(real.values()) == LLAVA_7B_PUBLISHED
+    assert (shape.layers, shape.hidden, shape.vision.layers, shape.vision.layers_kept) == \
+        (32, 4096, 24, 23)
+
+
+def test_image_tokens_are_what_the_processor_makes():
+    """The tiny VLM's processor expands one image into (32/8)^2 = 16 tokens (CLS dropped
+    by vision_feature_select_strategy default); LLaVA-1.5's config says 576."""
+    pytest.importorskip("torch")
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(TINY_VLM)
+    image = Image.open(QUICKSTART / "data" / "vlm_train" / "0000.png")
+    ids = processor(images=[image], text=[processor.image_token + " hi"])["input_ids"][0]
+    image_token = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
+    assert read_shape(str(TINY_VLM)).image_tokens == list(ids).count(image_token) == 16
+    assert read_shape(str(LLAVA_7B)).image_tokens == 576
+
+
+def test_model_states_against_a_training_step(tmp_path):
+    """The tiny VLM as full fine-tuning holds it (fp32, every parameter trainable), one
+    step of a batch TRL's vision collator makes, under CPU autocast (bf16): weights,
+    gradients and AdamW states exactly (post_layernorm, which LLaVA never reads, gets no
+    .grad and no state)."""
+    torch = pytest.importorskip("torch")
+    from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
+    from trl.trainer.sft_trainer import DataCollatorForVisionLanguageModeling
+
+    experiment = load_experiment(VLM, ["precision=bf16", "distributed.device=cpu"])
+    shape = read_shape(str(TINY_VLM))
+    settings = settings_of(experiment, max_positions=shape.max_positions).with_(
+        images_per_row=1, device="cpu", attention="sdpa", mask="padding")
+    states = model_states(census(shape, settings), [], shape, settings, Layout("none"))
+
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(TINY_VLM),
+                                                    dtype=torch.float32,
+                                                    attn_implementation="sdpa")
+    params = list(model.parameters())
+    assert sum(p.numel() * p.element_size() for p in params) == states.trainable
+    assert states.weights == 0
+
+    data = QUICKSTART / "data"
+    rows = [json.loads(line) for line in (data / "vlm_train.jsonl").read_text().splitlines()[:2]]
+    rows = [{**r, "images": [str(data / i) for i in r["images"]]} for r in rows]
+    batch = DataCollatorForVisionLanguageModeling(AutoProcessor.from_pretrained(TINY_VLM))(rows)
+    model.train()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(**batch).loss
+    loss.backward()
+    with_grad = [p for p in params if p.grad is not None]
+    assert {n for n, p in model.named_parameters() if p.grad is None} == {
+        "model.vision_tower.post_layernorm.weight", "model.vision_tower.post_layernorm.bias"}
+    assert sum(p.grad.numel() * p.grad.element_size() for p in with_grad) == states.gradients
+    optimizer = torch.optim.AdamW(params, lr=1e-3)
+    optimizer.step()
+    assert states.optimizer == sum(v.numel() * v.element_size()
+                                   for state in optimizer.state.values() for v in state.values())
+
+
+def test_cli_vlm_table_and_json(tmp_path):
+    result = run_cli("estimate", str(VLM), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    for text in ("model: llava, 675,200 parameters",
+                 "language model 569,728, vision tower 80,640, projector 24,832",
+                 "1 image per row of 32x32 pixels", "16 of the 64 tokens of each row"):
+        assert text in result.stdout, text
+    result = run_cli("estimate", str(VLM), "--json", cwd=tmp_path)
+    data = json.loads(result.stdout)
+    assert data["model"]["parts"] == {"language_model": 569_728, "vision_tower": 80_640,
+                                      "projector": 24_832}
+    assert data["model"]["image_tokens"] == 16 and data["settings"]["images_per_row"] == 1
+
+
+def test_llava_7b_full_fine_tuning_on_8_gpus():
+    """The parts at LLaVA-1.5's size: 576 image tokens in a 2048-token row."""
+    experiment = load_experiment(VLM, [f"model.name_or_path={LLAVA_7B}",
+                                       "training.max_length=2048",
+                                       "training.per_device_train_batch_size=4",
+                                       "training.activation_checkpointing=true"])
+    one = estimate(experiment, gpus=8)
+    assert one.params == one.trainable_params == LLAVA_7B_PUBLISHED
+    assert one.parts == {"language_model": 6_738_939_904, "vision_tower": 303_507_456,
+                         "projector": 20_979_712}
+    assert "576 of the 2048 tokens of each row" in render_text(one)
+    assert as_dict(one)["recommendation"][0].startswith(
+        "cheapest setup that fits 8 x 80.0 GiB at micro batch 4: deepspeed ZeRO-1")
+
+
+def test_other_vision_language_models_are_refused_by_name(tmp_path):
+    config = json.loads((LLAVA_7B / "config.json").read_text())
+    other = tmp_path / "qwen"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({**config, "model_type": "qwen2_vl"}))
+    with pytest.raises(ConfigError, match="'qwen2_vl' is a vision-language model the "
+                                          "estimator does not count yet"):
+        read_shape(str(other))
+    siglip = tmp_path / "siglip"
+    siglip.mkdir()
+    (siglip / "config.json").write_text(json.dumps(
+        {**config, "vision_config": {"model_type": "siglip_vision_model"}}))
+    with pytest.raises(ConfigError, match="'siglip_vision_model' vision tower is not counted"):
+        read_shape(str(siglip))
