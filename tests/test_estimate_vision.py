@@ -1,12 +1,13 @@
 """`finetune estimate` for vision-language models (LLaVA): the parameters counted by part
 against what transformers builds (the tiny quickstart VLM, and LLaVA-1.5-7B's published
 config on the meta device), the tokens an image becomes against the real processor, the
-model states against one real training step of the tiny VLM, and the command's table and
-refusals."""
+model states and activations against one real training step of the tiny VLM, and the
+command's table and refusals."""
 
 from __future__ import annotations
 
 import json
+import weakref
 
 import pytest
 
@@ -15,9 +16,11 @@ from finetune.config import load_experiment
 from finetune.errors import ConfigError
 from finetune.estimate import as_dict, estimate, render_text
 from finetune.estimate.census import census
+from finetune.estimate.core import activation_bytes, regime
 from finetune.estimate.memory import model_states
 from finetune.estimate.settings import Layout, settings_of
 from finetune.estimate.shapes import parameters, read_shape
+from finetune.estimate.vision_activations import encoder_layer_bytes
 
 TINY_VLM = QUICKSTART / "tiny-vlm"
 VLM = QUICKSTART / "vlm.yaml"
@@ -70,11 +73,30 @@ def test_image_tokens_are_what_the_processor_makes():
     assert read_shape(str(LLAVA_7B)).image_tokens == 576
 
 
-def test_model_states_against_a_training_step(tmp_path):
+def _kept_by_autograd(forward, parameters: set[int]):
+    """(forward()'s result under CPU autocast, bytes of what autograd saved for the backward
+    that is still alive when it returns, parameter storages left out)."""
+    import torch
+
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(weakref.ref(t)) or t,
+                                                  lambda t: t):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            result = forward()
+    alive = {}
+    for ref in saved:
+        tensor = ref()
+        if tensor is not None and tensor.untyped_storage().data_ptr() not in parameters:
+            alive[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+    return result, sum(alive.values())
+
+
+def test_model_states_and_activations_against_a_training_step(tmp_path):
     """The tiny VLM as full fine-tuning holds it (fp32, every parameter trainable), one
     step of a batch TRL's vision collator makes, under CPU autocast (bf16): weights,
     gradients and AdamW states exactly (post_layernorm, which LLaVA never reads, gets no
-    .grad and no state)."""
+    .grad and no state); what autograd keeps within 1% of the estimate, for the whole model
+    and for the images alone, with and without activation checkpointing."""
     torch = pytest.importorskip("torch")
     from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
     from trl.trainer.sft_trainer import DataCollatorForVisionLanguageModeling
@@ -97,9 +119,11 @@ def test_model_states_against_a_training_step(tmp_path):
     rows = [json.loads(line) for line in (data / "vlm_train.jsonl").read_text().splitlines()[:2]]
     rows = [{**r, "images": [str(data / i) for i in r["images"]]} for r in rows]
     batch = DataCollatorForVisionLanguageModeling(AutoProcessor.from_pretrained(TINY_VLM))(rows)
+    tokens = batch["input_ids"].shape[1]
+    storages = {p.untyped_storage().data_ptr() for p in params}
     model.train()
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        loss = model(**batch).loss
+    out, kept = _kept_by_autograd(lambda: model(**batch), storages)
+    loss = out.loss
     loss.backward()
     with_grad = [p for p in params if p.grad is not None]
     assert {n for n, p in model.named_parameters() if p.grad is None} == {
@@ -110,12 +134,49 @@ def test_model_states_against_a_training_step(tmp_path):
     assert states.optimizer == sum(v.numel() * v.element_size()
                                    for state in optimizer.state.values() for v in state.values())
 
+    # Activations at the batch's own length; the pixel_values are the batch's (kept alive
+    # by the caller, not saved by autograd), so they are added to what was measured.
+    acts = activation_bytes(shape, settings.with_(seq_len=tokens, logit_tokens=tokens),
+                            Layout("none"), False)
+    rows_n = len(rows)
+    expected = rows_n * (acts.layers + acts.other + acts.logits_saved + acts.vision)
+    expected += states.autocast
+    measured = kept + batch["pixel_values"].numel() * 4
+    assert abs(measured - expected) <= 0.01 * measured, (measured, expected)
+
+    # The images' part alone (a few % of the above): the tower and projector by themselves.
+    features, kept = _kept_by_autograd(
+        lambda: model.model.get_image_features(pixel_values=batch["pixel_values"]), storages)
+    # Less the 16-bit weight copies the matmuls save (counted in the autocast row).
+    copies = sum(2 * t.numel for t in census(shape, settings) if t.role in ("linear", "conv")
+                 and t.name.startswith(("model.vision_tower.", "model.multi_modal_projector.")))
+    measured = kept - copies + batch["pixel_values"].numel() * 4
+    assert abs(measured - rows_n * acts.vision) <= 0.01 * measured, (measured, acts.vision)
+
+    # With activation checkpointing the encoder layers keep only their inputs; the one
+    # layer recomputed at a time in the backward is not alive yet at the forward's end.
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    features, kept = _kept_by_autograd(
+        lambda: model.model.get_image_features(pixel_values=batch["pixel_values"]), storages)
+    outside = sum(2 * t.numel for t in census(shape, settings) if t.role in ("linear", "conv")
+                  and t.name.startswith(("model.vision_tower.embeddings.",
+                                         "model.multi_modal_projector.")))
+    # Checkpointed layers save no weight copies either: only the patch embedding's and
+    # the projector's are in what autograd keeps.
+    measured = kept - outside + batch["pixel_values"].numel() * 4
+    checkpointed = activation_bytes(shape, settings, Layout("none"), True).vision
+    recomputed = shape.vision.positions * encoder_layer_bytes(
+        shape.vision, regime(settings, Layout("none")))
+    expected = rows_n * (checkpointed - recomputed)
+    assert abs(measured - expected) <= 0.01 * measured, (measured, expected)
+
 
 def test_cli_vlm_table_and_json(tmp_path):
     result = run_cli("estimate", str(VLM), cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     for text in ("model: llava, 675,200 parameters",
                  "language model 569,728, vision tower 80,640, projector 24,832",
+                 "vision tower and projector activations (1 image per row)",
                  "1 image per row of 32x32 pixels", "16 of the 64 tokens of each row"):
         assert text in result.stdout, text
     result = run_cli("estimate", str(VLM), "--json", cwd=tmp_path)
@@ -123,18 +184,23 @@ def test_cli_vlm_table_and_json(tmp_path):
     assert data["model"]["parts"] == {"language_model": 569_728, "vision_tower": 80_640,
                                       "projector": 24_832}
     assert data["model"]["image_tokens"] == 16 and data["settings"]["images_per_row"] == 1
+    assert data["configured"]["bytes"]["vision"] > 0
 
 
 def test_llava_7b_full_fine_tuning_on_8_gpus():
-    """The parts at LLaVA-1.5's size: 576 image tokens in a 2048-token row."""
+    """The parts and the per-image activations at LLaVA-1.5's size: 576 image tokens in a
+    2048-token row; the vision row grows with the images per row."""
     experiment = load_experiment(VLM, [f"model.name_or_path={LLAVA_7B}",
                                        "training.max_length=2048",
                                        "training.per_device_train_batch_size=4",
                                        "training.activation_checkpointing=true"])
     one = estimate(experiment, gpus=8)
+    two = estimate(experiment, gpus=8, images_per_row=2)
     assert one.params == one.trainable_params == LLAVA_7B_PUBLISHED
     assert one.parts == {"language_model": 6_738_939_904, "vision_tower": 303_507_456,
                          "projector": 20_979_712}
+    vision = {key: b for key, _, b in one.configured.rows}["vision"]
+    assert {key: b for key, _, b in two.configured.rows}["vision"] == 2 * vision
     assert "576 of the 2048 tokens of each row" in render_text(one)
     assert as_dict(one)["recommendation"][0].startswith(
         "cheapest setup that fits 8 x 80.0 GiB at micro batch 4: deepspeed ZeRO-1")

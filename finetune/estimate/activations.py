@@ -167,10 +167,11 @@ class Activations:
     other: int          # token ids, final norm, head input, labels
     logits_saved: int   # the loss's saved fp32 log-softmax
     logits_peak: int    # its gradient and the logits' gradient, alive together in backward
+    vision: int = 0     # a vision-language model's images: tower and projector (vision.py)
 
     @property
     def total(self) -> int:
-        return self.layers + self.other + self.logits_saved + self.logits_peak
+        return self.layers + self.other + self.logits_saved + self.logits_peak + self.vision
 
 
 def activations(shape: Shape, reg: Regime, layer_targets: list[frozenset[str]], seq: int,

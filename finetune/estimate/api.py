@@ -156,9 +156,6 @@ def _not_counted(settings: Settings) -> list[str]:
     out = ["evaluation batches (per_device_eval_batch_size) and generation during evaluation",
            "host memory to load the model", "DeepSpeed communication buckets (about hidden^2 "
            "elements)"]
-    if settings.images_per_row:
-        out.append("the vision tower's and projector's activations (its weights, gradients "
-                   "and optimizer states are counted)")
     own = settings.record
     if own.generates:
         out.insert(0, f"{settings.method}: generation (KV cache, sampling), rollout buffers and "

@@ -3,9 +3,10 @@ and for the ladder of layouts a recommendation picks from."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from finetune.estimate import activations as act
+from finetune.estimate import vision_activations
 from finetune.estimate.census import Tensor, lora_targets
 from finetune.estimate.memory import States, model_states
 from finetune.estimate.settings import Layout, Settings
@@ -112,7 +113,10 @@ def activation_bytes(shape: Shape, settings: Settings, layout: Layout,
         settings.sequences, checkpointing, head_trainable=full or saved_head,
         lm_head=settings.head == "lm")
     if settings.fused_loss:  # Liger's fused linear cross-entropy works chunk by chunk
-        policy = act.Activations(policy.layers, policy.other, 0, 0)
+        policy = replace(policy, logits_saved=0, logits_peak=0)
+    if shape.vision and settings.images_per_row:
+        policy = replace(policy, vision=settings.sequences * settings.images_per_row
+                         * vision_activations.image_bytes(shape.vision, reg, checkpointing))
     if settings.value_model != "separate":
         return policy
     # ppo: the separate value backbone runs its own forward, fully trained in fp32 + autocast.
@@ -143,12 +147,19 @@ def evaluate(shape: Shape, settings: Settings, tensors: list[Tensor], value: lis
         ("value", "value model (weights, gradients, optimizer)", states.value),
         ("activations", f"activations ({shape.layers} layers, {ckpt})",
          micro_batch * (acts.layers + acts.other)),
+        ("vision", f"vision tower and projector activations ({_images(settings)})",
+         micro_batch * acts.vision),
         ("logits", "logits and loss", micro_batch * (acts.logits_saved + acts.logits_peak)),
     ]
-    fixed = sum(b for key, _, b in rows if key not in ("activations", "logits"))
+    fixed = sum(b for key, _, b in rows if key not in ("activations", "vision", "logits"))
     overhead = CUDA_CONTEXT if settings.device == "cuda" else 0
     return Evaluation(layout, rows, states, fixed, acts.total, micro_batch, checkpointing,
                       gpu_memory, overhead)
+
+
+def _images(settings: Settings) -> str:
+    n = settings.images_per_row
+    return f"{n} image{'s' if n != 1 else ''} per row"
 
 
 def ladder_layouts(settings: Settings) -> list[Layout]:
