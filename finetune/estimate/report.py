@@ -59,7 +59,8 @@ def render_text(est: Estimate) -> str:
         f"model: {shape.model_type}, {_params(est.params)} parameters ({shape.source})",
         *([f"  language model {_params(est.parts['language_model'])}, vision tower "
            f"{_params(est.parts['vision_tower'])}, projector {_params(est.parts['projector'])}; "
-           f"{shape.image_tokens} tokens an image, {s.images_per_row} image(s) per row"]
+           f"{shape.image_tokens} tokens an image, {s.images_per_row} image"
+           f"{'s' if s.images_per_row != 1 else ''} per row (assumed)"]
           if est.parts else []),
         f"training: {s.method}, {'full fine-tuning' if s.peft.type == 'none' else peft}, "
         f"{est.trainable_params:,} trainable, {s.precision}, optim {s.optim}",
