@@ -220,3 +220,34 @@ def test_other_vision_language_models_are_refused_by_name(tmp_path):
         {**config, "vision_config": {"model_type": "siglip_vision_model"}}))
     with pytest.raises(ConfigError, match="'siglip_vision_model' vision tower is not counted"):
         read_shape(str(siglip))
+
+
+def test_tensor_parallel_splits_only_the_language_model():
+    """LLaVA's tp_plan is its language model's (transformers models/llava): the vision
+    tower and the projector are held whole by every process of the group."""
+    from finetune.estimate.memory import tensor_parallel_share
+
+    experiment = load_experiment(VLM, [f"model.name_or_path={LLAVA_7B}"])
+    shape = read_shape(str(LLAVA_7B))
+    tensors = census(shape, settings_of(experiment, max_positions=shape.max_positions))
+    held = {t.name: t.numel for t in tensor_parallel_share(tensors, 2)}
+    for t in tensors:
+        split = t.role in ("linear", "bias") and t.name.startswith("model.language_model.")
+        assert held[t.name] == (-(-t.numel // 2) if split else t.numel), t.name
+
+
+def test_estimate_refuses_what_a_vlm_does_not_train_with():
+    """validate refuses LoRA on a local VLM; a cached hub model's config is first read by
+    the estimate, which refuses it itself (the experiment is the text quickstart's with the
+    model swapped after validation, as a hub model's would pass validate)."""
+    experiment = load_experiment(QUICKSTART / "sft.yaml", ["peft.type=lora"])
+    swapped = experiment.model_copy(update={"model": experiment.model.model_copy(
+        update={"name_or_path": str(TINY_VLM)})})
+    with pytest.raises(ConfigError, match="LoRA and QLoRA on one are not supported yet"):
+        estimate(swapped)
+
+
+def test_a_row_shorter_than_its_images_is_said():
+    text = render_text(estimate(load_experiment(VLM), seq_len=8))
+    assert "1 image per row is 16 image tokens, more than the 8 tokens of a row: training " \
+           "refuses such rows" in text

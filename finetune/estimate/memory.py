@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from finetune.config.derived.effective import model_precision
+from finetune.estimate import vision
 from finetune.estimate.census import BYTES, Tensor
 from finetune.estimate.optimizers import state_bytes
 from finetune.estimate.settings import Layout, Settings
@@ -34,6 +35,8 @@ from finetune.estimate.shapes import Shape
 FLOAT = ("fp32", "bf16", "fp16")
 # What AutoTP splits: the decoder's linear layers (the model's tp_plan) and their biases.
 TENSOR_PARALLEL_ROLES = ("linear", "bias")
+# A VLM's tp_plan is its language model's: the vision tower and projector stay whole.
+WHOLE_UNDER_TENSOR_PARALLEL = (vision.TOWER, vision.PROJECTOR)
 
 
 @dataclass
@@ -133,7 +136,8 @@ def tensor_parallel_share(tensors: list[Tensor], tp: int) -> list[Tensor]:
     if tp == 1:
         return tensors
     return [replace(t, numel=_ceil(t.numel, tp), nbytes=_ceil(t.nbytes, tp))
-            if t.role in TENSOR_PARALLEL_ROLES else t for t in tensors]
+            if t.role in TENSOR_PARALLEL_ROLES
+            and not t.name.startswith(WHOLE_UNDER_TENSOR_PARALLEL) else t for t in tensors]
 
 
 def _deepspeed(tensors: list[Tensor], settings: Settings, layout: Layout,
