@@ -177,7 +177,8 @@ def test_cli_vlm_table_and_json(tmp_path):
     for text in ("model: llava, 675,200 parameters",
                  "language model 569,728, vision tower 80,640, projector 24,832",
                  "vision tower and projector activations (1 image per row)",
-                 "1 image per row of 32x32 pixels", "16 of the 64 tokens of each row"):
+                 "1 image per row (assumed; the estimate does not read the data), each "
+                 "resized to 32x32", "16 of the 64 tokens of each row"):
         assert text in result.stdout, text
     result = run_cli("estimate", str(VLM), "--json", cwd=tmp_path)
     data = json.loads(result.stdout)

@@ -137,8 +137,9 @@ def _vision_assumptions(settings: Settings, shape: Shape) -> list[str]:
     v, n = shape.vision, settings.images_per_row
     tokens = n * v.image_tokens
     images = f"{n} image{'s' if n != 1 else ''} per row"
-    out = [f"{images} of {v.image_size}x{v.image_size} pixels (assumed; the estimate does not "
-           f"read the data): {v.image_tokens} tokens an image ({v.patches} patches"
+    out = [f"{images} (assumed; the estimate does not read the data), each resized to "
+           f"{v.image_size}x{v.image_size} by the processor: {v.image_tokens} tokens an image "
+           f"({v.patches} patches"
            f"{'' if v.select == 'default' else ' + CLS'}), {tokens} of the {settings.seq_len} "
            "tokens of each row: the sequence length counts them, as TRL's vision collator "
            "truncates after expanding the images",
