@@ -77,12 +77,20 @@ def test_image_tokens_are_what_the_processor_makes():
 
 def _kept_by_autograd(forward, parameters: set[int]):
     """(forward()'s result under CPU autocast, bytes of what autograd saved for the backward
-    that is still alive when it returns, parameter storages left out)."""
+    that is still alive when it returns, parameter storages left out). Saved tensors are
+    packed detached: a tensor packed with its grad_fn would tie a node that saves its own
+    output (sdpa, sigmoid) into a reference cycle and keep graphs alive that training
+    frees (a vision layer past the feature layer)."""
     import torch
 
     saved = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(weakref.ref(t)) or t,
-                                                  lambda t: t):
+
+    def pack(tensor):
+        detached = tensor.detach()
+        saved.append(weakref.ref(detached))
+        return detached
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             result = forward()
     alive = {}
@@ -267,3 +275,76 @@ def test_estimating_a_vlm_imports_no_torch():
             "assert not heavy, heavy\n")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+def test_layers_past_the_feature_layer_keep_nothing_and_get_no_gradient(tmp_path):
+    """LLaVA-1.5's vision_feature_layer -2 on a 3-layer tower: the last layer runs, but
+    nothing of it reaches the loss: no .grad for its parameters, and its saved tensors
+    are freed with its graph (the estimate keeps 2 layers)."""
+    torch = pytest.importorskip("torch")
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    config = json.loads((TINY_VLM / "config.json").read_text())
+    config["vision_feature_layer"] = -2
+    config["vision_config"]["num_hidden_layers"] = 3
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    shape = read_shape(str(tmp_path))
+    assert shape.vision.layers_kept == 2
+    experiment = load_experiment(VLM, ["precision=bf16", "distributed.device=cpu"])
+    settings = settings_of(experiment, max_positions=shape.max_positions).with_(
+        images_per_row=1, device="cpu", attention="sdpa", mask="padding")
+    tensors = census(shape, settings)
+
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(tmp_path),
+                                                    dtype=torch.float32,
+                                                    attn_implementation="sdpa").train()
+    storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    pixels = torch.randn(2, 3, 32, 32)
+    features, kept = _kept_by_autograd(
+        lambda: model.model.get_image_features(pixel_values=pixels).pooler_output, storages)
+    kept_copies = sum(2 * t.numel for t in tensors if t.role in ("linear", "conv")
+                      and t.name.startswith(("model.vision_tower.", "model.multi_modal_projector."))
+                      and not t.name.startswith("model.vision_tower.encoder.layers.2."))
+    measured = kept - kept_copies + pixels.numel() * 4
+    expected = 2 * activation_bytes(shape, settings, Layout("none"), False).vision
+    assert abs(measured - expected) <= 0.01 * measured, (measured, expected)
+
+    torch.cat(list(features)).float().sum().backward()  # pooler_output: one per image
+    no_grad = {n for n, p in model.named_parameters()
+               if p.grad is None and not n.startswith("model.language_model.")}
+    assert no_grad == {t.name for t in tensors if not t.gradient}
+    assert any(".encoder.layers.2." in name for name in no_grad)
+
+
+@pytest.mark.slow
+def test_llava_15_tower_activations_at_full_size():
+    """LLaVA-1.5's CLIP ViT-L/14-336 tower and projector, random weights, one image under
+    CPU autocast: what autograd keeps against the estimate (637.4 MiB; about 8 s and 2 GB
+    of memory on the CPU)."""
+    torch = pytest.importorskip("torch")
+    from transformers import AutoConfig
+    from transformers.models.clip.modeling_clip import CLIPVisionModel
+    from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
+
+    config = AutoConfig.from_pretrained(LLAVA_7B)
+    config.vision_config._attn_implementation = "sdpa"
+    tower = CLIPVisionModel(config.vision_config).train()
+    projector = LlavaMultiModalProjector(config).train()
+    storages = {p.untyped_storage().data_ptr()
+                for module in (tower, projector) for p in module.parameters()}
+    pixels = torch.randn(1, 3, 336, 336)
+    features, kept = _kept_by_autograd(
+        lambda: projector(tower(pixel_values=pixels, output_hidden_states=True)
+                          .hidden_states[-2][:, 1:]), storages)
+    shape = read_shape(str(LLAVA_7B))
+    experiment = load_experiment(VLM, [f"model.name_or_path={LLAVA_7B}", "precision=bf16",
+                                       "distributed.device=cpu"])
+    settings = settings_of(experiment, max_positions=shape.max_positions).with_(
+        images_per_row=1, device="cpu", attention="sdpa")
+    copies = sum(2 * t.numel for t in census(shape, settings) if t.role in ("linear", "conv")
+                 and t.name.startswith(("model.vision_tower.", "model.multi_modal_projector."))
+                 and not t.name.startswith("model.vision_tower.encoder.layers.23."))
+    measured = kept - copies + pixels.numel() * 4
+    expected = activation_bytes(shape, settings, Layout("none"), False).vision
+    assert abs(measured - expected) <= 0.001 * measured, (measured, expected)
