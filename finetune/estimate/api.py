@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from finetune.config.derived.kernels import Kernels, installed
+from finetune.config.methods import method, names_where, spoken
 from finetune.config.schema import Experiment
 from finetune.errors import ConfigError
 from finetune.estimate.census import census, value_census, value_head
@@ -239,8 +240,9 @@ def _check_vision(experiment: Experiment, shape: Shape) -> None:
     the rest at validate for a local model; a cached hub model's config is read here)."""
     what = f"{shape.source}: a {shape.model_type} vision-language model"
     problems = []
-    if experiment.method != "sft":
-        problems.append(f"{what} trains only with sft yet (docs/vision.md)")
+    if not method(experiment.method).vision:
+        problems.append(f"{what} trains only with "
+                        f"{spoken(names_where(lambda m: m.vision))} yet (docs/vision.md)")
     if experiment.peft.type != "none":
         problems.append(f"{what}: LoRA and QLoRA on one are not supported yet, so not "
                         "estimated; train the whole model (peft.type: none)")
