@@ -101,6 +101,7 @@ def _kept_by_autograd(forward, parameters: set[int]):
     return result, sum(alive.values())
 
 
+@pytest.mark.slow  # a training step / a CLI process: seconds
 def test_model_states_and_activations_against_a_training_step(tmp_path):
     """The tiny VLM as full fine-tuning holds it (fp32, every parameter trainable), one
     step of a batch TRL's vision collator makes, under CPU autocast (bf16): weights,
@@ -181,6 +182,7 @@ def test_model_states_and_activations_against_a_training_step(tmp_path):
     assert abs(measured - expected) <= 0.01 * measured, (measured, expected)
 
 
+@pytest.mark.slow  # a training step / a CLI process: seconds
 def test_cli_vlm_table_and_json(tmp_path):
     result = run_cli("estimate", str(VLM), cwd=tmp_path)
     assert result.returncode == 0, result.stderr
@@ -277,6 +279,7 @@ def test_estimating_a_vlm_imports_no_torch():
     assert result.returncode == 0, result.stderr
 
 
+@pytest.mark.slow  # a training step / a CLI process: seconds
 def test_layers_past_the_feature_layer_keep_nothing_and_get_no_gradient(tmp_path):
     """LLaVA-1.5's vision_feature_layer -2 on a 3-layer tower: the last layer runs, but
     nothing of it reaches the loss: no .grad for its parameters, and its saved tensors
