@@ -282,6 +282,18 @@ def _plain_text(feature) -> bool:
         inner.get("content") in (Value("string"), Value("large_string"))
 
 
+def _changed_rows(rows, convert, failure: Failure) -> int:
+    """How many rows a row conversion (row -> (row, changed, problem)) changes; every row
+    checked first, the first problem the error naming its row."""
+    changed = 0
+    for number, row in enumerate(rows, 1):
+        _, was, problem = convert(row)
+        if problem:
+            raise DataError(failure(number, problem))
+        changed += was
+    return changed
+
+
 def text_parts(label: str, ds: Dataset, failure: Failure) -> tuple[Dataset, str | None]:
     """A file's rows with their messages' content parts joined as text, and a note; a file
     with `images` keeps its parts for a vision-language model's processor."""
@@ -291,12 +303,7 @@ def text_parts(label: str, ds: Dataset, failure: Failure) -> tuple[Dataset, str 
               if f in ds.column_names and not _plain_text(ds.features[f])]
     if not fields:
         return ds, None
-    joined = 0
-    for number, row in enumerate(ds.select_columns(fields), 1):
-        _, changed, problem = text_parts_row(row)
-        if problem:
-            raise DataError(failure(number, problem))
-        joined += changed
+    joined = _changed_rows(ds.select_columns(fields), text_parts_row, failure)
     if not joined:
         return ds, None
     out = ds.map(lambda row: text_parts_row({f: row[f] for f in fields})[0],
@@ -313,12 +320,7 @@ def single_answers(label: str, ds: Dataset, roles: dict[str, str],
 
     if all(isinstance(ds.features.get(f), (List, LargeList)) for f in ("chosen", "rejected")):
         return ds, None
-    converted = 0
-    for number, row in enumerate(ds, 1):
-        _, was, problem = single_answers_row(row, roles)
-        if problem:
-            raise DataError(failure(number, problem))
-        converted += was
+    converted = _changed_rows(ds, lambda row: single_answers_row(row, roles), failure)
     if not converted:
         return ds, None
     consumed = [c for c in PROMPT_SOURCES if c in ds.column_names]
@@ -336,12 +338,8 @@ def alpaca_input(label: str, ds: Dataset, columns: dict[str, str],
     it (alpaca_input_row), and a note."""
     if "input" not in ds.column_names or not _joins_input(columns):
         return ds, None
-    joined = 0
-    for number, row in enumerate(ds.select_columns(["prompt", "input"]), 1):
-        _, was, problem = alpaca_input_row(row, columns)
-        if problem:
-            raise DataError(failure(number, problem))
-        joined += was
+    joined = _changed_rows(ds.select_columns(["prompt", "input"]),
+                           lambda row: alpaca_input_row(row, columns), failure)
     if not joined:
         return ds, None
     out = ds.map(lambda row: {"prompt": alpaca_input_row(row, columns)[0]["prompt"]},
