@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -38,6 +39,18 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
+
+
+def jsonl(tmp_path: Path, name: str, rows: list) -> Path:
+    """A JSON Lines data file of `rows` in the test's directory."""
+    path = tmp_path / name
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def turn(role: str, content) -> dict:
+    """One chat message."""
+    return {"role": role, "content": content}
 
 
 def run_cli(*args: str, cwd: Path, timeout: int = 600,

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from conftest import TINY_MODEL, run_cli
+from conftest import TINY_MODEL, run_cli, jsonl, turn
 from finetune.config import load_experiment
 from finetune.data.load import ORIGIN, load_data
 from finetune.errors import ConfigError, DataError
@@ -17,16 +17,6 @@ from finetune.errors import ConfigError, DataError
 def experiment(write, method, train, extra=""):
     return load_experiment(write("exp.yaml", f"method: {method}\nmodel:\n  name_or_path: "
                                              f"{TINY_MODEL}\ndata:\n  train: {train}\n{extra}"))
-
-
-def jsonl(tmp_path, name, rows):
-    path = tmp_path / name
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
-
-def turn(role, content):
-    return {"role": role, "content": content}
 
 
 def ultrafeedback(i):

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from conftest import TINY_MODEL, run_cli
+from conftest import TINY_MODEL, run_cli, jsonl, turn
 from finetune.config import load_experiment
 from finetune.data.load import load_data
 
@@ -16,16 +16,6 @@ from finetune.data.load import load_data
 def experiment(write, method, train, extra=""):
     return write("exp.yaml", f"method: {method}\nmodel:\n  name_or_path: {TINY_MODEL}\n"
                              f"data:\n  train: {train}\n{extra}")
-
-
-def jsonl(tmp_path, name, rows):
-    path = tmp_path / name
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
-
-def turn(role, content):
-    return {"role": role, "content": content}
 
 
 def parts(*texts):

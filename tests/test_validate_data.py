@@ -11,7 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import DATA, TINY_MODEL, run_cli
+from conftest import DATA, TINY_MODEL, run_cli, jsonl
 from finetune.config import load_experiment
 from finetune.data.scan import check_data
 from finetune.errors import DataError
@@ -24,12 +24,6 @@ CHAT = {"messages": [USER, ASSISTANT]}
 def config(write, method, train, extra=""):
     return write("exp.yaml", f"method: {method}\nmodel:\n  name_or_path: {TINY_MODEL}\n"
                              f"data:\n  train: {train}\n{extra}")
-
-
-def jsonl(tmp_path, name, rows):
-    path = tmp_path / name
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    return path
 
 
 def test_a_bad_row_deep_in_a_big_file_is_named_by_validate_and_skipped_with_no_data(
