@@ -113,6 +113,6 @@ def require_vision_model(experiment, where: str) -> bool:
     found = vision.model_type(path)
     if found is None or found in vision.image_text_model_types():
         return True
-    raise DataError(f"{where}: the row has `images`, and model.name_or_path {path} is not a "
+    raise DataError(f"{where}: the row has images, and model.name_or_path {path} is not a "
                     f"vision-language model (model_type {found}); give an image-text-to-text "
                     "model, or rows without images")

@@ -28,7 +28,7 @@ def refuse_images(splits: Splits, experiment: Experiment) -> None:
     """Rows with images reaching a text model's preparation (a hub model validate could
     not read): one line, not a template error on the first image part."""
     if IMAGES in (splits.train.column_names or ()):
-        raise DataError(f"data.train: the rows have `images`, and model.name_or_path "
+        raise DataError(f"data.train: the rows have images, and model.name_or_path "
                         f"{experiment.model.name_or_path} is not a vision-language model")
 
 
