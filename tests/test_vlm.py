@@ -255,3 +255,81 @@ def collated_batch(tmp_path, overrides):
     trainer = method_trainer(Job(experiment=experiment, run_dir=run_dir, hardware=hw,
                                  tokenizer=processor, model=model, data=data, args=args))
     return next(iter(trainer.get_train_dataloader())), processor
+
+
+# LLaVA's rows (and LLaMA-Factory's): sharegpt turns with `<image>` placeholders, and
+# `image` or `images` beside (data/peer_rows.py), read as TRL's vision rows.
+def llava(value: str, *images: str) -> dict:
+    return {"conversations": [{"from": "human", "value": value}, {"from": "gpt", "value": "red"}],
+            **({"image": images[0]} if len(images) == 1 else {"images": list(images)})}
+
+
+def test_llava_placeholders_become_image_parts_where_they_stand():
+    from finetune.data import formats
+
+    roles = formats.speaker_roles({})
+    given = llava("<image>Is <image> the same as this?<image>", "a.png", "b.png", "c.png")
+    assert formats.fit_problem(given, "sharegpt", roles) is None
+    assert formats.convert_row(given, "sharegpt", "messages", roles) == {
+        "messages": [{"role": "user", "content": [
+            {"type": "image"}, {"type": "text", "text": "Is "}, {"type": "image"},
+            {"type": "text", "text": " the same as this?"}, {"type": "image"}]},
+            {"role": "assistant", "content": [{"type": "text", "text": "red"}]}],
+        "images": ["a.png", "b.png", "c.png"]}
+    two = formats.convert_row(llava("<image>\n<image>", "a.png", "b.png"), "sharegpt",
+                              "messages", roles)
+    assert two["messages"][0]["content"] == [{"type": "image"}, {"type": "text", "text": "\n"},
+                                             {"type": "image"}]
+    one = formats.convert_row(llava("<image>What is it?", "a.png"), "sharegpt", "messages",
+                              roles)
+    assert one == {"messages": row("a.png")["messages"], "images": ["a.png"]}  # `image`: one file
+
+
+def test_llava_rows_read_as_the_hand_written_vision_rows(write, tmp_path):
+    """After reading, a LLaVA file is the file of TRL's vision rows a user would write (the
+    same rows, the same schema): training takes the existing messages + images path."""
+    from finetune.data.load import ORIGIN, load_data
+
+    for side in ("written", "llava"):
+        (tmp_path / side).mkdir()
+    written = experiment(write, tmp_path / "written", [row("pic.png"), row("pic.png", "pic.png"),
+                                                       row()])
+    expected = load_data(load_experiment(written))
+    rows = [llava("<image>What is it?", "pic.png"), llava("<image><image>What is it?",
+                                                          "pic.png", "pic.png"),
+            {"conversations": [{"from": "human", "value": "What is it?"},
+                               {"from": "gpt", "value": "red"}], "images": []}]
+    read = load_data(load_experiment(experiment(write, tmp_path / "llava", rows)))
+    assert read.format == expected.format == "messages"
+    assert read.train.features == expected.train.features
+    drop = lambda ds: [{**r, "images": [p.replace("/llava/", "/written/") for p in r["images"]]}
+                       for r in ds.remove_columns(ORIGIN)]
+    assert drop(read.train) == [r for r in expected.train.remove_columns(ORIGIN)]
+    assert f"{tmp_path / 'llava' / 'data' / 'rows.jsonl'}: sharegpt rows read as messages " \
+           "(`from` names mapped to roles); in 2 row(s) with images each <image> placeholder " \
+           "as an image part of its turn (`image` as a one-item `images`), for TRL's vision " \
+           "format" in read.notes
+
+
+def test_llava_rows_with_a_wrong_count_or_a_missing_file_are_one_line(write, tmp_path):
+    data = tmp_path / "data" / "rows.jsonl"
+    path = experiment(write, tmp_path, [llava("<image>What?", "pic.png"),
+                                        llava("<image> or <image>?", "pic.png")])
+    result = run_cli("validate", str(path), cwd=tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    said = f"{data} line 2: 2 <image> placeholder(s) in the turns for 1 image file(s) in " \
+           "`image`: give one file per placeholder (read as sharegpt; tried messages: "
+    assert said in result.stderr
+    [line] = [l for l in result.stderr.splitlines() if str(data) in l]
+    assert training_error(path) == line.removeprefix("error: ").replace("line 2", "row 2")
+    experiment(write, tmp_path, [llava("<image>What?", "pic.png"),
+                                 llava("<image> or <image>?", "pic.png", "gone.png")])
+    result = run_cli("validate", str(path), cwd=tmp_path)
+    said = f"{data} line 2: images[1] 'gone.png': no such file ({data.parent / 'gone.png'})"
+    assert result.returncode == 2 and said in result.stderr
+    assert training_error(path) == said.replace("line 2", "row 2")
+    text_model = experiment(write, tmp_path, [llava("<image>What?", "pic.png")],
+                            model=TINY_MODEL)
+    with pytest.raises(DataError, match=r"line 1: the row has images, and model.name_or_path "
+                                        r".* is not a vision-language model .model_type llama"):
+        check_data(load_experiment(text_model))

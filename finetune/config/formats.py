@@ -12,7 +12,8 @@ ROLES = ("system", "user", "assistant", "tool")
 SOURCES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     # instruction [+ input] as the user turn, output as the assistant's; optional system.
     "alpaca": (("instruction", "output"), ("prompt_completion", "prompt")),
-    # conversations of {from, value} turns; optional system and tools columns.
+    # conversations of {from, value} turns; optional system and tools columns, and image
+    # or images (LLaVA's rows: `<image>` placeholders in the turns; data/peer_rows.py).
     "sharegpt": (("conversations",), ("messages",)),
     # kto rows as LLaMA-Factory writes them: a conversation whose last turn, an assistant's,
     # is labelled desirable (true) or not (false).

@@ -1,6 +1,7 @@
 """Rows in the schemas of public datasets, converted while reading into the formats the
-methods train on (data/rows.py FORMATS): alpaca and sharegpt (config/formats.py SOURCES),
-and preference rows whose `prompt` is text while `chosen`/`rejected` are message lists.
+methods train on (data/rows.py FORMATS): alpaca and sharegpt (config/formats.py SOURCES;
+sharegpt rows with images, LLaVA's, as TRL's vision rows: data/peer_rows.py), and
+preference rows whose `prompt` is text while `chosen`/`rejected` are message lists.
 Each conversion checks its rows first, so a bad one is reported as "FILE row N: problem";
 each returns a note saying what was done, for the start summary.
 
@@ -55,7 +56,8 @@ def _sharegpt_problem(row: dict[str, Any], roles: dict[str, str]) -> str | None:
                    "map it to a role with data.roles"
         if not isinstance(turn["value"], str):
             return f"`conversations[{i}].value` must be text, got {type(turn['value']).__name__}"
-    return peer_rows.tool_turns_problem(turns, roles) or _text(row, "system", optional=True)
+    return peer_rows.tool_turns_problem(turns, roles) or \
+        _text(row, "system", optional=True) or peer_rows.image_turns_problem(row, roles)
 
 
 PROBLEMS = {"alpaca": _alpaca_problem, "sharegpt": _sharegpt_problem,
@@ -84,7 +86,7 @@ def _alpaca_prompt(row: dict[str, Any]) -> list[dict[str, str]]:
 
 
 def _converted_row(row: dict[str, Any], fmt: str, target: str, roles: dict[str, str],
-                   tool_fields: bool = False) -> dict[str, Any]:
+                   tool_fields: bool = False, vision: bool = False) -> dict[str, Any]:
     if fmt == "alpaca":
         prompt = _alpaca_prompt(row)
         if target == "prompt":
@@ -92,13 +94,16 @@ def _converted_row(row: dict[str, Any], fmt: str, target: str, roles: dict[str, 
         return {"prompt": prompt, "completion": [{"role": "assistant", "content": row["output"]}]}
     if fmt == "labelled_messages":
         return peer_rows.labelled_messages_row(row)
+    if vision:  # a file with images (`image` or `images`): TRL's vision rows
+        return peer_rows.image_messages(row, roles)
     return {"messages": peer_rows.sharegpt_messages(row, roles, tool_fields)}
 
 
 def _used_columns(fmt: str, target: str, columns: Iterable[str]) -> list[str]:
     """The columns a conversion replaces; a prompt format keeps every other column
     (grpo/ppo's reward functions read them)."""
-    used = [c for c in (SOURCES[fmt][0] + ("input", "system")) if c in columns]
+    extra = peer_rows.IMAGE_COLUMNS if fmt == "sharegpt" else ()
+    used = [c for c in (SOURCES[fmt][0] + ("input", "system") + extra) if c in columns]
     return [c for c in used if c != "output"] if target == "prompt" else used
 
 
@@ -107,26 +112,29 @@ def convert_row(row: dict[str, Any], fmt: str, target: str,
     """One checked row of source format fmt as `converted` makes it: other columns kept."""
     used = _used_columns(fmt, target, row)
     kept = {k: v for k, v in row.items() if k not in used}
-    return {**kept, **_converted_row(row, fmt, target, roles)}
+    vision = fmt == "sharegpt" and peer_rows.with_images(row)
+    return {**kept, **_converted_row(row, fmt, target, roles, vision=vision)}
 
 
 def converted(label: str, ds: Dataset, fmt: str, target: str, roles: dict[str, str],
               failure: Failure) -> tuple[Dataset, str]:
     """Rows of source format fmt as rows of format target, and a note saying so."""
-    check, calls = PROBLEMS[fmt], 0
+    check, calls, pictured = PROBLEMS[fmt], 0, 0
+    vision = fmt == "sharegpt" and peer_rows.with_images(ds.column_names)
     for number, row in enumerate(ds, 1):
         problem = check(row, roles)
         if problem:
             raise DataError(failure(number, problem))
         calls += fmt == "sharegpt" and peer_rows.has_calls(row, roles)
+        pictured += vision and bool(peer_rows.given_images(row)[0])
     used = _used_columns(fmt, target, ds.column_names)
-    features = None
-    if calls:  # tool calls in some rows: every row's messages typed alike
+    features, kept = None, {k: v for k, v in ds.features.items() if k not in used}
+    if calls or vision:  # every row's messages typed alike
         from datasets import Features
 
-        features = Features({**{k: v for k, v in ds.features.items() if k not in used},
-                             "messages": peer_rows.messages_feature()})
-    out = ds.map(lambda row: _converted_row(row, fmt, target, roles, bool(calls)),
+        features = Features({**kept, **peer_rows.image_messages_features()} if vision else
+                            {**kept, "messages": peer_rows.messages_feature()})
+    out = ds.map(lambda row: _converted_row(row, fmt, target, roles, bool(calls), vision),
                  remove_columns=used, features=features, desc=f"converting {fmt} rows")
     what = {"prompt_completion": "prompt/completion messages (instruction and input as the "
                                  "user turn, output as the assistant's)",
@@ -138,6 +146,10 @@ def converted(label: str, ds: Dataset, fmt: str, target: str, roles: dict[str, s
     if calls:
         what += f"; in {calls} row(s) function_call turns as assistant tool calls and " \
                 "observation turns as tool results (`tools` to the chat template)"
+    if vision:
+        one = " (`image` as a one-item `images`)" if peer_rows.IMAGE in ds.column_names else ""
+        what += f"; in {pictured} row(s) with images each {peer_rows.PLACEHOLDER} " \
+                f"placeholder as an image part of its turn{one}, for TRL's vision format"
     return out, f"{label}: {fmt} rows read as {what}"
 
 
