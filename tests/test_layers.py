@@ -29,7 +29,8 @@ TOP = import_graph.graph(top_level=True)  # those that run when the module is im
 TORCH_SIDE = ("data", "model", "methods", "trainers", "run", "inference")
 TORCH_SIDE_MODULES = ("finetune.commands.data_view", "finetune.commands.eval_saved")
 NOT_TORCH_SIDE = ("finetune.data.files", "finetune.data.rows", "finetune.data.formats",
-                  "finetune.data.peer_rows", "finetune.data.plain_text",
+                  "finetune.data.peer_rows", "finetune.data.llava_rows",
+                  "finetune.data.plain_text",
                   "finetune.data.images", "finetune.data.scan", "finetune.data.sizes",
                   "finetune.inference.cli", "finetune.run.launched",
                   "finetune.model.chat_template")

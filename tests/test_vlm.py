@@ -258,7 +258,7 @@ def collated_batch(tmp_path, overrides):
 
 
 # LLaVA's rows (and LLaMA-Factory's): sharegpt turns with `<image>` placeholders, and
-# `image` or `images` beside (data/peer_rows.py), read as TRL's vision rows.
+# `image` or `images` beside (data/llava_rows.py), read as TRL's vision rows.
 def llava(value: str, *images: str) -> dict:
     return {"conversations": [{"from": "human", "value": value}, {"from": "gpt", "value": "red"}],
             **({"image": images[0]} if len(images) == 1 else {"images": list(images)})}

@@ -1,6 +1,6 @@
 """Rows in the schemas of public datasets, converted while reading into the formats the
 methods train on (data/rows.py FORMATS): alpaca and sharegpt (config/formats.py SOURCES;
-sharegpt rows with images, LLaVA's, as TRL's vision rows: data/peer_rows.py), and
+sharegpt rows with images, LLaVA's, as TRL's vision rows: data/llava_rows.py), and
 preference rows whose `prompt` is text while `chosen`/`rejected` are message lists.
 Each conversion checks its rows first, so a bad one is reported as "FILE row N: problem";
 each returns a note saying what was done, for the start summary.
@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from finetune.config.formats import SHAREGPT_ROLES, SOURCES, accepted
 from finetune.config.methods import method as method_record
-from finetune.data import peer_rows
+from finetune.data import llava_rows, peer_rows
 from finetune.data.rows import FORMATS, Failure, _shared_turns, check_row, parsed_tools
 from finetune.errors import DataError
 
@@ -57,7 +57,7 @@ def _sharegpt_problem(row: dict[str, Any], roles: dict[str, str]) -> str | None:
         if not isinstance(turn["value"], str):
             return f"`conversations[{i}].value` must be text, got {type(turn['value']).__name__}"
     return peer_rows.tool_turns_problem(turns, roles) or \
-        _text(row, "system", optional=True) or peer_rows.image_turns_problem(row, roles)
+        _text(row, "system", optional=True) or llava_rows.image_turns_problem(row, roles)
 
 
 PROBLEMS = {"alpaca": _alpaca_problem, "sharegpt": _sharegpt_problem,
@@ -95,14 +95,14 @@ def _converted_row(row: dict[str, Any], fmt: str, target: str, roles: dict[str, 
     if fmt == "labelled_messages":
         return peer_rows.labelled_messages_row(row)
     if vision:  # a file with images (`image` or `images`): TRL's vision rows
-        return peer_rows.image_messages(row, roles)
+        return llava_rows.image_messages(row, roles)
     return {"messages": peer_rows.sharegpt_messages(row, roles, tool_fields)}
 
 
 def _used_columns(fmt: str, target: str, columns: Iterable[str]) -> list[str]:
     """The columns a conversion replaces; a prompt format keeps every other column
     (grpo/ppo's reward functions read them)."""
-    extra = peer_rows.IMAGE_COLUMNS if fmt == "sharegpt" else ()
+    extra = llava_rows.IMAGE_COLUMNS if fmt == "sharegpt" else ()
     used = [c for c in (SOURCES[fmt][0] + ("input", "system") + extra) if c in columns]
     return [c for c in used if c != "output"] if target == "prompt" else used
 
@@ -112,7 +112,7 @@ def convert_row(row: dict[str, Any], fmt: str, target: str,
     """One checked row of source format fmt as `converted` makes it: other columns kept."""
     used = _used_columns(fmt, target, row)
     kept = {k: v for k, v in row.items() if k not in used}
-    vision = fmt == "sharegpt" and peer_rows.with_images(row)
+    vision = fmt == "sharegpt" and llava_rows.with_images(row)
     return {**kept, **_converted_row(row, fmt, target, roles, vision=vision)}
 
 
@@ -120,19 +120,19 @@ def converted(label: str, ds: Dataset, fmt: str, target: str, roles: dict[str, s
               failure: Failure) -> tuple[Dataset, str]:
     """Rows of source format fmt as rows of format target, and a note saying so."""
     check, calls, pictured = PROBLEMS[fmt], 0, 0
-    vision = fmt == "sharegpt" and peer_rows.with_images(ds.column_names)
+    vision = fmt == "sharegpt" and llava_rows.with_images(ds.column_names)
     for number, row in enumerate(ds, 1):
         problem = check(row, roles)
         if problem:
             raise DataError(failure(number, problem))
         calls += fmt == "sharegpt" and peer_rows.has_calls(row, roles)
-        pictured += vision and bool(peer_rows.given_images(row)[0])
+        pictured += vision and bool(llava_rows.given_images(row)[0])
     used = _used_columns(fmt, target, ds.column_names)
     features, kept = None, {k: v for k, v in ds.features.items() if k not in used}
     if calls or vision:  # every row's messages typed alike
         from datasets import Features
 
-        features = Features({**kept, **peer_rows.image_messages_features()} if vision else
+        features = Features({**kept, **llava_rows.image_messages_features()} if vision else
                             {**kept, "messages": peer_rows.messages_feature()})
     out = ds.map(lambda row: _converted_row(row, fmt, target, roles, bool(calls), vision),
                  remove_columns=used, features=features, desc=f"converting {fmt} rows")
@@ -147,8 +147,8 @@ def converted(label: str, ds: Dataset, fmt: str, target: str, roles: dict[str, s
         what += f"; in {calls} row(s) function_call turns as assistant tool calls and " \
                 "observation turns as tool results (`tools` to the chat template)"
     if vision:
-        one = " (`image` as a one-item `images`)" if peer_rows.IMAGE in ds.column_names else ""
-        what += f"; in {pictured} row(s) with images each {peer_rows.PLACEHOLDER} " \
+        one = " (`image` as a one-item `images`)" if llava_rows.IMAGE in ds.column_names else ""
+        what += f"; in {pictured} row(s) with images each {llava_rows.PLACEHOLDER} " \
                 f"placeholder as an image part of its turn{one}, for TRL's vision format"
     return out, f"{label}: {fmt} rows read as {what}"
 

@@ -1,7 +1,6 @@
 """Rows as other tools write them, read as their authors mean them: OpenAI's content parts
 (`content: [{type: text, text}]`), LLaMA-Factory's sharegpt tool-call turns
-(function_call, observation), LLaVA's sharegpt rows with images (`<image>` placeholders in
-the turns, `image` or `images` beside), its preference rows whose `chosen` and `rejected` are one
+(function_call, observation), its preference rows whose `chosen` and `rejected` are one
 message each, and its kto rows (a conversation and a boolean label).
 Each function takes one row and gives it in a format the methods train on, or the
 problem ("FILE row N: problem" once the caller names the row); data/load.py applies them
@@ -161,83 +160,6 @@ def sharegpt_messages(row: dict[str, Any], roles: dict[str, str],
         messages.append(message)
     messages = system + messages
     return [{k: m.get(k) for k in TOOL_FIELDS} for m in messages] if tool_fields else messages
-
-
-# LLaVA's (and LLaMA-Factory's) rows with images: sharegpt turns whose text marks each
-# image's place with this placeholder, and the files in `images`, or one in `image`.
-PLACEHOLDER = "<image>"
-IMAGE = "image"
-IMAGE_COLUMNS = (IMAGE, IMAGES)
-
-
-def given_images(row: dict[str, Any]) -> tuple[list[str] | None, str | None]:
-    """A sharegpt row's image files (`image` as a one-item list; None: the row gives none),
-    or the problem."""
-    images, image = row.get(IMAGES), row.get(IMAGE)
-    if images is not None and image is not None:
-        return None, "gives both `image` and `images`: give the files in one of them"
-    if image is not None:
-        if not isinstance(image, str) or not image:
-            return None, "`image` must be an image file path (relative to the data file)"
-        return [image], None
-    if images is not None and (not isinstance(images, list)
-                               or not all(isinstance(p, str) and p for p in images)):
-        return None, "`images` must be a list of image file paths (relative to the data file)"
-    return images, None
-
-
-def with_images(row: dict[str, Any]) -> bool:
-    """Is a raw sharegpt row one of a file with images (an `image` or `images` column)?"""
-    return any(c in row for c in IMAGE_COLUMNS)
-
-
-def image_turns_problem(row: dict[str, Any], roles: dict[str, str]) -> str | None:
-    """Why a checked sharegpt row's images and its `<image>` placeholders disagree, or
-    None."""
-    images, problem = given_images(row)
-    if problem:
-        return problem
-    if with_images(row) and has_calls(row, roles):
-        return "function_call turns in rows with images are not supported yet"
-    if images is None:
-        return None  # no files: the text as it is written
-    texts = [t["value"] for t in row["conversations"]] + [row.get("system") or ""]
-    placeholders = sum(text.count(PLACEHOLDER) for text in texts)
-    if placeholders != len(images):
-        given = "`image`" if row.get(IMAGE) is not None else "`images`"
-        return f"{placeholders} {PLACEHOLDER} placeholder(s) in the turns for " \
-               f"{len(images)} image file(s) in {given}: give one file per placeholder"
-    return None
-
-
-def placeholder_parts(text: str) -> list[dict[str, str]]:
-    """A turn's text as content parts: an image part for each `<image>` placeholder, the
-    text before, between and after it as text parts, as written (empty ones left out)."""
-    parts: list[dict[str, str]] = []
-    for i, piece in enumerate(text.split(PLACEHOLDER)):
-        if i:
-            parts.append({"type": "image"})
-        if piece:
-            parts.append({"type": "text", "text": piece})
-    return parts or [{"type": "text", "text": ""}]
-
-
-def image_messages(row: dict[str, Any], roles: dict[str, str]) -> dict[str, Any]:
-    """A checked sharegpt row of a file with images in TRL's vision format: every turn's
-    content as parts (a file's rows share one schema), its images in `images`."""
-    messages = [{"role": m["role"], "content": placeholder_parts(m["content"])}
-                for m in sharegpt_messages(row, roles)]
-    return {"messages": messages, IMAGES: given_images(row)[0]}
-
-
-def image_messages_features():
-    """The `messages` and `images` of image_messages, typed as datasets' JSON reader types a
-    file of TRL's vision rows: parts of two shapes ({type} and {type, text}) as JSON
-    objects, each kept as written."""
-    from datasets import Json, List, Value
-
-    text = Value("string")
-    return {"messages": List({"role": text, "content": List(Json())}), IMAGES: List(text)}
 
 
 def _joins_input(columns: dict[str, str]) -> bool:
