@@ -123,10 +123,16 @@ def test_huge_memory_and_sizes_answer_at_once():
     assert not estimate(exp).configured.fits
 
 
-def test_estimate_imports_no_torch():
+@pytest.mark.parametrize("config, model", [
+    (SFT_LORA, QWEN),
+    # a vision-language model: its config defaults and the VLM types are read from
+    # transformers' source, never imported
+    (REPO / "configs" / "quickstart" / "vlm.yaml", BENCH / "llava-1.5-7b"),
+])
+def test_estimate_imports_no_torch(config, model):
     code = ("import sys, io, contextlib\nfrom finetune.cli import main\n"
             "with contextlib.redirect_stdout(io.StringIO()):\n"
-            f"    assert main(['estimate', {str(SFT_LORA)!r}, 'model.name_or_path={QWEN}']) == 0\n"
+            f"    assert main(['estimate', {str(config)!r}, 'model.name_or_path={model}']) == 0\n"
             "heavy = sorted(m for m in ('torch', 'transformers', 'trl', 'peft', 'deepspeed', "
             "'bitsandbytes', 'accelerate', 'datasets') if m in sys.modules)\n"
             "assert not heavy, heavy\n")
