@@ -15,8 +15,8 @@ num_tokens is attention_mask.sum()); images/s is rows/s (one picture per row).
 
 Usage:
   python bench/vlm.py                                   # the tiny LLaVA on the CPU, ~1 min
-  python bench/vlm.py --preset gpu-llava7b --out r.json # LLaVA-1.5-7B shapes, LoRA, one GPU
-  python bench/vlm.py --preset gpu-llava7b --full       # the same, every weight trained
+  python bench/vlm.py --preset gpu-llava0.8b --out r.json # a 0.8B LLaVA, LoRA, one GPU
+  python bench/vlm.py --preset gpu-llava0.8b --full       # the same, every weight trained
 """
 
 from __future__ import annotations
@@ -44,9 +44,11 @@ PRESETS = {
     # The quickstart's tiny LLaVA (32x32 pictures, 16 image tokens), one thread.
     "cpu": dict(device="cpu", model=QUICKSTART / "tiny-vlm", precision="fp32", steps=12,
                 warmup_steps=2, batch_size=8, answer_words=48, lora=False, threads=1),
-    # LLaVA-1.5-7B's shapes (CLIP ViT-L/14 at 336 px: 576 image tokens; Vicuna-7B), LoRA
-    # r=16 on the language model (the tower frozen), bf16, one GPU.
-    "gpu-llava7b": dict(device="cuda", model=BENCH / "models" / "llava-1.5-7b",
+    # A small LLaVA (LLaVA-1.5's recipe, as TinyLLaVA builds it): CLIP ViT-L/14 at 336 px
+    # (576 image tokens per picture), its MLP projector, Qwen2.5-0.5B; 0.80B parameters.
+    # LoRA r=16 on the language model (the tower frozen), bf16, one GPU. For LLaVA-1.5-7B
+    # itself: --model models/llava-1.5-7b (random init writes a 28 GB init-model/ first).
+    "gpu-llava0.8b": dict(device="cuda", model=BENCH / "models" / "llava-clip336-qwen0.5b",
                         precision="bf16", steps=30, warmup_steps=5, batch_size=8,
                         answer_words=192, lora=True, threads=None),
 }
@@ -58,7 +60,8 @@ def parse(argv=None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="\n".join(__doc__.splitlines()[2:]))
     p.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
-    p.add_argument("--model", type=Path, help="a LLaVA config directory (random init)")
+    p.add_argument("--model", type=Path, help="a LLaVA config directory (random init; "
+                   "relative: to bench/)")
     p.add_argument("--steps", type=int)
     p.add_argument("--warmup-steps", type=int, help="first steps left out of the timing")
     p.add_argument("--batch-size", type=int)
@@ -75,6 +78,8 @@ def parse(argv=None) -> argparse.Namespace:
             setattr(args, key, value)
     if args.full:
         args.lora = False
+    if not args.model.is_absolute() and not args.model.exists():
+        args.model = BENCH / args.model
     return args
 
 

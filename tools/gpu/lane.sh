@@ -12,8 +12,8 @@
 #                  dense 20); a device call is at most 10 minutes, so give one RUN per call,
 #                  or half a preset (finetune,same then defaults,tuned) and pool the halves
 #                  here with: python bench/table.py a.json b.json --markdown
-#   vlm [lora|full] bench/vlm.py --preset gpu-llava7b: a vision-language sft run's tokens/s,
-#                  images/s and GPU memory (LLaVA-1.5-7B's shapes, random weights; LoRA default)
+#   vlm [lora|full] bench/vlm.py --preset gpu-llava0.8b: a vision-language sft run's tokens/s,
+#                  images/s and GPU memory (CLIP ViT-L/336 + Qwen2.5-0.5B, random weights; LoRA default)
 #   all            lane, then every bench run (a machine without a time limit per call)
 #
 # Everything lands in $OUT (default /tmp/finetune-gpu): environment.txt; lane.log, lane.xml
@@ -81,10 +81,10 @@ bench_one() {  # PRESET[:full|lora][:CONTENDERS]
   [ "$rc" = 0 ] || { tail -20 "$OUT/$name.log"; failed=$((failed + 1)); }
 }
 
-vlm() {  # [full|lora]: bench/vlm.py, LLaVA-1.5-7B's shapes on one GPU (issue 27)
+vlm() {  # [full|lora]: bench/vlm.py, a 0.8B LLaVA on one GPU (issue 27)
   local kind=${1:-lora} name args t0 rc
-  name="bench-vlm-llava7b-$kind"
-  args=(bench/vlm.py --preset gpu-llava7b --out "$OUT/$name.json")
+  name="bench-vlm-llava0.8b-$kind"
+  args=(bench/vlm.py --preset gpu-llava0.8b --out "$OUT/$name.json")
   [ "$kind" = full ] && args+=(--full)
   echo "== vlm $kind: $PY ${args[*]}"
   t0=$SECONDS
