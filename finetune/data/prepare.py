@@ -56,8 +56,9 @@ from finetune.data.files import content_digest
 from finetune.data import picture_stamps
 
 # Bump when what is stored changes (4: sft conversations train assistant turns by default;
-# 5: bare tool schemas wrapped and JSON-text tool-call arguments decoded for the template).
-VERSION = 5
+# 5: bare tool schemas wrapped and JSON-text tool-call arguments decoded for the template;
+# 6: the pictures rows name stamped in meta.json).
+VERSION = 6
 META = "meta.json"  # written last: its presence marks a complete entry
 # Training settings that change what preparation produces.
 SETTINGS = ("max_length", "truncation_mode", "assistant_only_loss", "completion_only_loss",
