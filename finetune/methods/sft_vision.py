@@ -14,6 +14,7 @@ from __future__ import annotations
 from trl import SFTTrainer
 
 from finetune.config.schema import Experiment
+from finetune.data.image_size import ImagesSized
 from finetune.data.images import IMAGES
 from finetune.data.load import ORIGIN, Splits
 from finetune.errors import ConfigError, DataError
@@ -74,7 +75,10 @@ def build_trainer(job: Job, assistant_only: bool) -> SFTTrainer:
     trainer = VisionSFTTrainer(model=job.model, args=args, train_dataset=job.data.train,
                                eval_dataset=job.data.eval, processing_class=job.tokenizer,
                                callbacks=job.callbacks)
-    trainer.data_collator = ImageTokensKept(trainer.data_collator, args.max_length)
+    sizes = job.experiment.vision
+    collate = ImagesSized(trainer.data_collator, sizes and sizes.max_pixels,
+                          sizes and sizes.min_pixels)  # vision.max_pixels, min_pixels
+    trainer.data_collator = ImageTokensKept(collate, args.max_length)
     return trainer
 
 

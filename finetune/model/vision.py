@@ -20,7 +20,8 @@ MODEL_CLASS = AutoModelForImageTextToText
 
 
 @functools.cache
-def _is_vision_language(name_or_path: str, revision: str | None, trusted: bool) -> bool:
+def is_vision_source(name_or_path: str, revision: str | None, trusted: bool) -> bool:
+    """A local directory or hub id (at a revision) of a vision-language model."""
     local = vision.model_type(name_or_path)
     if local is not None:
         return local in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
@@ -34,7 +35,7 @@ def _is_vision_language(name_or_path: str, revision: str | None, trusted: bool) 
 
 def is_vision_language(experiment: Experiment) -> bool:
     spec = experiment.model
-    return _is_vision_language(spec.name_or_path, spec.revision, spec.trust_remote_code)
+    return is_vision_source(spec.name_or_path, spec.revision, spec.trust_remote_code)
 
 
 def is_processor(processing_class) -> bool:

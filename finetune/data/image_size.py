@@ -1,0 +1,41 @@
+"""vision.max_pixels / min_pixels: an image outside those bounds is resized, aspect ratio
+kept, before the processor sees it, for any model (LLaMA-Factory's image_max_pixels and
+image_min_pixels; a processor's own size settings differ from model to model). Rows reach
+TRL's vision collator with image paths; within the bounds they stay paths."""
+
+from __future__ import annotations
+
+import math
+
+
+def fitted(image, max_pixels: int | None, min_pixels: int | None):
+    """The picture, scaled so that width x height lies within the bounds (rounded down
+    for the upper one, up for the lower one; at least 1 x 1)."""
+    pixels = image.width * image.height
+    if max_pixels is not None and pixels > max_pixels:
+        scale = math.sqrt(max_pixels / pixels)
+        size = (max(1, int(image.width * scale)), max(1, int(image.height * scale)))
+    elif min_pixels is not None and pixels < min_pixels:
+        scale = math.sqrt(min_pixels / pixels)
+        size = (math.ceil(image.width * scale), math.ceil(image.height * scale))
+    else:
+        return image
+    return image.resize(size)
+
+
+class ImagesSized:
+    """A collator wrapper: each row's images opened as the processor opens a path
+    (transformers' load_image: EXIF orientation, RGB) and fitted to the bounds."""
+
+    def __init__(self, collate, max_pixels: int | None, min_pixels: int | None):
+        self.collate, self.max_pixels, self.min_pixels = collate, max_pixels, min_pixels
+
+    def __call__(self, rows):
+        if self.max_pixels is None and self.min_pixels is None:
+            return self.collate(rows)
+        from transformers.image_utils import load_image
+
+        return self.collate([
+            {**row, "images": [fitted(load_image(image), self.max_pixels, self.min_pixels)
+                               for image in row.get("images") or []]}
+            for row in rows])
