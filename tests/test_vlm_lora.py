@@ -94,3 +94,142 @@ def test_all_linear_is_the_language_models_linear_layers():
         targets("peft.target_modules=[fc1]")  # CLIP's MLP
     with pytest.raises(RunError, match="only modules of the vision tower or projector"):
         targets("peft.target_modules=[linear_1]", "vision.train_projector=true")
+
+
+def lora_experiment(write, tmp_path) -> object:
+    return write("vlm-lora.yaml", f"""name: vlm-lora
+method: sft
+model: {{name_or_path: {TINY_VLM}, init: random}}
+peft: {{type: lora, r: 4}}
+data:
+  train: {{path: {DATA / 'vlm_train.jsonl'}, max_samples: 24}}
+  eval: {{path: {DATA / 'vlm_eval.jsonl'}, max_samples: 8}}
+evaluation: {{before_training: false, exact_match: true, max_new_tokens: 4, max_samples: 4}}
+output: {{plot: false}}
+training:
+  max_steps: 4
+  save_steps: 2
+  per_device_train_batch_size: 4
+  learning_rate: 1e-2
+  optim: adamw_torch
+  max_length: 64
+  activation_checkpointing: false
+  logging_steps: 1
+  seed: 0
+""")
+
+
+def losses(run) -> list:
+    return [(r["step"], r["loss"]) for r in
+            map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+
+
+@pytest.mark.slow
+def test_lora_on_the_tiny_vlm_trains_the_language_model_resumes_and_merges(write, tmp_path):
+    import torch
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from finetune.model.vision import chat_prompts
+
+    config = lora_experiment(write, tmp_path)
+    result = run_cli("train", str(config), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    run = tmp_path / "runs" / "vlm-lora"
+    adapter = load_file(run / "final" / "adapter_model.safetensors")
+    # LoRA on the language model's linear layers only: 2 layers x 7 linear layers x (A, B)
+    assert len(adapter) == 28 and all(".language_model." in k and ".lora_" in k for k in adapter)
+    summary = json.loads((run / "summary.json").read_text())
+
+    # Resumed from checkpoint-2 (the Trainer's own adapter loading), it ends where the
+    # uninterrupted run did: the same adapter, bit for bit, and the same losses after step 2
+    shutil.rmtree(run / "checkpoints" / "checkpoint-4")
+    shutil.move(run / "final", tmp_path / "first-final")
+    first_losses = losses(run)
+    (run / "summary.json").unlink()
+    again = run_cli("train", str(config), cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "checkpoint-2" in again.stdout
+    resumed = load_file(run / "final" / "adapter_model.safetensors")
+    assert all(torch.equal(resumed[k], adapter[k]) for k in adapter)
+    assert losses(run)[-2:] == [entry for entry in first_losses if entry[0] > 2]
+
+    # `finetune eval` puts the adapter on its base and scores what training reported after
+    evaluated = run_cli("eval", str(run), cwd=tmp_path)
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    scored = json.loads((run / "eval" / "vlm_eval-final.json").read_text())["metrics"]
+    for key in ("eval_loss", "eval_exact_match"):
+        assert scored[key] == pytest.approx(summary["after"][key], rel=1e-5), key
+
+    # `finetune merge`: a whole model that loads on its own with AutoModelForImageTextToText
+    # and AutoProcessor, and gives base + adapter's logits
+    merged = run_cli("merge", str(run), "--out", str(tmp_path / "merged"), cwd=tmp_path)
+    assert merged.returncode == 0, merged.stderr[-3000:]
+    rows = [json.loads(line) for line in (DATA / "vlm_eval.jsonl").read_text().splitlines()[:4]]
+    conversations = [r["messages"][:1] for r in rows]
+    pictures = [[str(DATA / p) for p in r["images"]] for r in rows]
+    batch = chat_prompts(AutoProcessor.from_pretrained(run / "final"), conversations, pictures)
+    base = AutoModelForImageTextToText.from_pretrained(run / "init-model").eval()
+    initial = {k: v.clone() for k, v in base.state_dict().items()}
+    with torch.no_grad():
+        before = base(**batch).logits
+        expected = PeftModel.from_pretrained(base, run / "final").eval()(**batch).logits
+    shutil.rmtree(run)  # nothing of the run is needed to load the merged model
+    model = AutoModelForImageTextToText.from_pretrained(tmp_path / "merged").eval()
+    processor = AutoProcessor.from_pretrained(tmp_path / "merged")
+    with torch.no_grad():
+        logits = model(**chat_prompts(processor, conversations, pictures)).logits
+    assert (logits - expected).abs().max() < 1e-5 < (expected - before).abs().max()
+    # What trained: the language model's linear layers (through LoRA); the vision tower and
+    # the projector (vision.train_projector false under LoRA) byte for byte as they started
+    weights = model.state_dict()
+    assert weights.keys() == initial.keys()
+    changed = {k for k in initial if not torch.equal(weights[k], initial[k])}
+    assert changed == {f"model.language_model.layers.{i}.{name}.weight" for i in range(2)
+                       for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                    "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj",
+                                    "mlp.down_proj")}
+
+
+@pytest.mark.slow
+def test_qlora_on_the_tiny_vlm_quantizes_the_language_model_and_trains_the_projector_whole(
+        write, tmp_path):
+    """QLoRA: the language model's linear layers in 4 bits, the vision tower, projector and
+    head left whole; vision.train_projector trains the projector whole and saves it with
+    the adapter; images fitted to vision.max_pixels (32x32 pictures to 16x16) on the way."""
+    import bitsandbytes as bnb
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoProcessor
+
+    from finetune.model.hardware import resolve_hardware
+    from finetune.run.build import starting_model
+
+    overrides = ["peft.type=qlora", "vision.train_projector=true", "vision.max_pixels=256",
+                 "training.max_steps=2", "training.save_steps=2", "evaluation.exact_match=false"]
+    config = lora_experiment(write, tmp_path)
+    result = run_cli("train", str(config), *overrides, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    saved = load_file(tmp_path / "runs" / "vlm-lora" / "final" / "adapter_model.safetensors")
+    lora = [k for k in saved if ".lora_" in k]
+    whole = sorted(k for k in saved if ".lora_" not in k)
+    assert len(lora) == 28 and all(".language_model." in k for k in lora)
+    assert whole == [f"base_model.model.model.multi_modal_projector.{layer}.{kind}"
+                     for layer in ("linear_1", "linear_2") for kind in ("bias", "weight")]
+    initial = load_file(tmp_path / "runs" / "vlm-lora" / "init-model" / "model.safetensors")
+    trained = "base_model.model.model.multi_modal_projector.linear_1.weight"
+    assert not torch.equal(saved[trained], initial["multi_modal_projector.linear_1.weight"])
+
+    # the model as training builds it (run/build.py)
+    experiment = load_experiment(config, overrides)
+    inspect = tmp_path / "inspect"
+    inspect.mkdir()
+    _, model = starting_model(experiment, resolve_hardware(experiment),
+                              AutoProcessor.from_pretrained(TINY_VLM), inspect, 0, inspect, False)
+    quantized = {n for n, m in model.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
+    assert len(quantized) == 14 and all(".language_model." in n for n in quantized)
+    trainable = {n.split(".modules_to_save.")[0] for n, p in model.named_parameters()
+                 if p.requires_grad and ".lora_" not in n}
+    assert trainable == {"base_model.model.model.multi_modal_projector"}
+
