@@ -96,6 +96,38 @@ def test_all_linear_is_the_language_models_linear_layers():
         targets("peft.target_modules=[linear_1]", "vision.train_projector=true")
 
 
+@pytest.mark.slow  # builds the model (torch), on the meta device
+def test_full_training_freezes_what_the_vision_section_says():
+    import torch
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from finetune.model import vision_parts
+
+    def trained(*overrides) -> set[str]:
+        with torch.device("meta"):
+            model = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(TINY_VLM))
+        vision_parts.freeze(model, load_experiment(VLM, list(overrides)))
+        return {n.split(".")[1] for n, p in model.named_parameters()
+                if p.requires_grad and n.startswith("model.")}
+
+    everything = {"vision_tower", "multi_modal_projector", "language_model"}
+    assert trained() == everything  # full training's defaults
+    assert trained("vision.freeze_tower=true") == everything - {"vision_tower"}
+    assert trained("vision.freeze_tower=true", "vision.train_projector=false") == \
+        {"language_model"}
+
+
+def test_a_changed_vision_setting_is_another_fingerprint():
+    """Resuming with another vision.freeze_tower would train other parameters: refused
+    as any change of what trains (an experiment without the section keeps its old one)."""
+    from finetune.rundir.fingerprint import fingerprint
+
+    plain = fingerprint(load_experiment(VLM, ["peft.type=lora"]))
+    assert not any(k.startswith("vision") for k in plain)
+    changed = fingerprint(load_experiment(VLM, ["peft.type=lora", "vision.freeze_tower=false"]))
+    assert {k for k in changed if changed[k] != plain.get(k)} == {"vision.freeze_tower"}
+
+
 def lora_experiment(write, tmp_path) -> object:
     return write("vlm-lora.yaml", f"""name: vlm-lora
 method: sft
