@@ -194,6 +194,18 @@ def test_lora_on_the_tiny_vlm_trains_the_language_model_resumes_and_merges(write
     for key in ("eval_loss", "eval_exact_match"):
         assert scored[key] == pytest.approx(summary["after"][key], rel=1e-5), key
 
+    # `finetune generate` answers image rows with the adapter as evaluation did
+    (tmp_path / "vlm_eval").symlink_to(DATA / "vlm_eval")
+    (tmp_path / "prompts.jsonl").write_text(
+        "".join((DATA / "vlm_eval.jsonl").read_text().splitlines(keepends=True)[:4]))
+    generated = run_cli("generate", str(run), "--file", "prompts.jsonl", "--batch-size", "4",
+                        "--max-new-tokens", "4", cwd=tmp_path)
+    assert generated.returncode == 0, generated.stderr[-3000:]
+    answers = [json.loads(line) for line in generated.stdout.splitlines()]
+    assert len(answers) == 4
+    assert sum(a["completion"].strip() == a["reference"] for a in answers) / 4 == \
+        summary["after"]["eval_exact_match"]
+
     # `finetune merge`: a whole model that loads on its own with AutoModelForImageTextToText
     # and AutoProcessor, and gives base + adapter's logits
     merged = run_cli("merge", str(run), "--out", str(tmp_path / "merged"), cwd=tmp_path)
@@ -252,6 +264,11 @@ def test_qlora_on_the_tiny_vlm_quantizes_the_language_model_and_trains_the_proje
     initial = load_file(tmp_path / "runs" / "vlm-lora" / "init-model" / "model.safetensors")
     trained = "base_model.model.model.multi_modal_projector.linear_1.weight"
     assert not torch.equal(saved[trained], initial["multi_modal_projector.linear_1.weight"])
+    # merged (on the unquantized base), the projector is the one trained whole
+    merged = run_cli("merge", str(tmp_path / "runs" / "vlm-lora"), cwd=tmp_path)
+    assert merged.returncode == 0, merged.stderr[-3000:]
+    weights = load_file(tmp_path / "runs" / "vlm-lora" / "merged" / "model.safetensors")
+    assert torch.equal(weights["multi_modal_projector.linear_1.weight"], saved[trained])
 
     # the model as training builds it (run/build.py)
     experiment = load_experiment(config, overrides)
