@@ -71,7 +71,10 @@ def settings(experiment: Experiment) -> VisionChoice:
 def freeze(model, experiment: Experiment) -> None:
     """Full training: the tower and the projector get no gradient where the settings say
     so (under LoRA, PEFT freezes the whole base itself)."""
-    chosen, found = settings(experiment), parts(model)
+    chosen = settings(experiment)
+    if not chosen.freeze_tower and chosen.train_projector:
+        return  # everything trains: no part needs finding
+    found = parts(model)
     frozen = ([found.tower] if chosen.freeze_tower else []) + \
         ([] if chosen.train_projector else list(found.projector))
     for name, param in model.named_parameters():
