@@ -1,8 +1,9 @@
 """LoRA and QLoRA on a vision-language model (the bundled tiny LLaVA), and the `vision:`
 section: what trains (the language model's LoRA; the tower untouched; the projector
 untouched unless vision.train_projector), a resumed adapter run ending where the
-uninterrupted one did, `finetune eval` on the adapter, and `finetune merge` writing a
-model that loads on its own with the logits of base + adapter."""
+uninterrupted one did, `finetune eval` and `finetune generate` on the adapter, and
+`finetune merge` writing a model that loads on its own with the logits of base + adapter;
+QLoRA with the language model quantized and the projector trained whole."""
 
 from __future__ import annotations
 
