@@ -28,6 +28,7 @@ import os
 import random
 import re
 import shlex
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -175,6 +176,7 @@ def main(argv=None) -> None:
     files["data"] = write_rows(args.workdir, files["image_size"],
                                args.steps * args.batch_size, args.answer_words, 0)
     run_dir = args.workdir / "run"
+    shutil.rmtree(run_dir, ignore_errors=True)  # the previous invocation's
     config = experiment(args, files, run_dir)
     script = Path(sys.executable).parent / "finetune"
     command = [str(script)] if script.exists() else [sys.executable, "-m", "finetune"]
