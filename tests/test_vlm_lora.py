@@ -54,6 +54,20 @@ def test_images_are_fitted_to_the_pixel_bounds_aspect_kept():
     assert fitted(Image.new("RGB", (30, 10)), 100, None).size == (17, 5)  # rounded down
 
 
+def test_a_rows_pictures_are_opened_and_fitted_only_within_bounds(tmp_path):
+    """What evaluation's exact match and the training collator hand the processor."""
+    from PIL import Image
+
+    from finetune.data.image_size import fit_all
+
+    Image.new("RGB", (64, 32), (200, 10, 10)).save(tmp_path / "wide.png")
+    path = str(tmp_path / "wide.png")
+    assert fit_all([path], None, None) == [path]  # no bounds: the path, opened by the processor
+    [picture] = fit_all([path], 512, None)
+    assert picture.size == (32, 16) and picture.mode == "RGB"
+    assert picture.getpixel((5, 5)) == (200, 10, 10)
+
+
 @pytest.mark.slow  # builds the model (torch), on the meta device
 def test_all_linear_is_the_language_models_linear_layers():
     import re

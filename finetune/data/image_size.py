@@ -23,6 +23,17 @@ def fitted(image, max_pixels: int | None, min_pixels: int | None):
     return image.resize(size)
 
 
+def fit_all(images: list, max_pixels: int | None, min_pixels: int | None) -> list:
+    """A row's images (paths or pictures) as the processor is to see them: within the
+    bounds, each opened as the processor opens a path (transformers' load_image: EXIF
+    orientation, RGB) and fitted; without bounds, as they are."""
+    if max_pixels is None and min_pixels is None:
+        return list(images)
+    from transformers.image_utils import load_image
+
+    return [fitted(load_image(image), max_pixels, min_pixels) for image in images]
+
+
 class ImagesSized:
     """A collator wrapper: each row's images opened as the processor opens a path
     (transformers' load_image: EXIF orientation, RGB) and fitted to the bounds."""
@@ -33,9 +44,7 @@ class ImagesSized:
     def __call__(self, rows):
         if self.max_pixels is None and self.min_pixels is None:
             return self.collate(rows)
-        from transformers.image_utils import load_image
-
         return self.collate([
-            {**row, "images": [fitted(load_image(image), self.max_pixels, self.min_pixels)
-                               for image in row.get("images") or []]}
+            {**row, "images": fit_all(row.get("images") or [], self.max_pixels,
+                                      self.min_pixels)}
             for row in rows])
