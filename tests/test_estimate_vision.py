@@ -20,7 +20,7 @@ from finetune.estimate.core import activation_bytes, regime
 from finetune.estimate.memory import model_states
 from finetune.estimate.settings import Layout, settings_of
 from finetune.estimate.shapes import parameters, read_shape
-from finetune.estimate.vision_activations import encoder_layer_bytes
+from finetune.estimate.vision.llava_activations import encoder_layer_bytes
 
 TINY_VLM = QUICKSTART / "tiny-vlm"
 VLM = QUICKSTART / "vlm.yaml"
@@ -219,10 +219,10 @@ def test_llava_7b_full_fine_tuning_on_8_gpus():
 
 def test_other_vision_language_models_are_refused_by_name(tmp_path):
     config = json.loads((LLAVA_7B / "config.json").read_text())
-    other = tmp_path / "qwen"
+    other = tmp_path / "mllama"
     other.mkdir()
-    (other / "config.json").write_text(json.dumps({**config, "model_type": "qwen2_vl"}))
-    with pytest.raises(ConfigError, match="'qwen2_vl' is a vision-language model the "
+    (other / "config.json").write_text(json.dumps({**config, "model_type": "mllama"}))
+    with pytest.raises(ConfigError, match="'mllama' is a vision-language model the "
                                           "estimator does not count yet"):
         read_shape(str(other))
     siglip = tmp_path / "siglip"

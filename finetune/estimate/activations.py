@@ -19,8 +19,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import count
+from typing import TYPE_CHECKING
 
-from finetune.estimate.shapes import Shape
+if TYPE_CHECKING:  # shapes imports the vision walks, which import this module
+    from finetune.estimate.shapes import Shape
 
 LOGIT_SAVED = 4       # fp32 log-softmax output, saved for the backward of the loss
 LOGIT_TRANSIENT = 8   # its gradient and the logits' gradient (fp32), at the start of backward

@@ -29,6 +29,22 @@ def parse_memory(text: str) -> int:
     return int(size)
 
 
+MAX_IMAGE_SIDE = 2**16  # pixels: far past any picture a processor takes
+
+
+def parse_image_size(text: str) -> tuple[int, int]:
+    """'640x480' (width x height) or '448' (a square) -> (width, height) in pixels."""
+    match = re.fullmatch(r"\s*([0-9]+)\s*(?:[xX]\s*([0-9]+))?\s*", text)
+    if match is None:
+        raise ValueError(f"cannot read {text!r} as an image size; use WIDTHxHEIGHT in "
+                         "pixels (640x480) or one number for a square")
+    width = int(match.group(1))
+    height = int(match.group(2) or width)
+    if not (0 < width <= MAX_IMAGE_SIDE and 0 < height <= MAX_IMAGE_SIDE):
+        raise ValueError(f"{text!r}: each side must be 1..{MAX_IMAGE_SIDE:,} pixels")
+    return width, height
+
+
 def human(n: int | float) -> str:
     """GiB for big numbers, MiB or KiB below one GiB, so small models do not read 0.00."""
     for unit, size in (("GiB", GiB), ("MiB", 1024 ** 2), ("KiB", 1024)):

@@ -1,7 +1,8 @@
 """Model shapes from a config.json, read as JSON: the estimator must not import torch.
 
 The parameter list mirrors what transformers builds for llama, mistral, qwen2 and qwen3,
-and for LLaVA (their language model, a CLIP vision tower and a projector: vision.py),
+and for the vision-language models of vision/ (their language model, a vision tower and a
+projector),
 names included, so a test can compare tensor by tensor; other architectures are refused
 rather than guessed.
 """
@@ -18,7 +19,6 @@ from finetune.config.vision import image_text_model_types
 from finetune.errors import ConfigError
 from finetune.estimate import vision
 from finetune.estimate.param import Param
-from finetune.estimate.vision import VisionShape
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -40,7 +40,7 @@ class Shape:
     qk_norm: bool          # qwen3: RMSNorm over head_dim on q and k
     max_positions: int | None
     source: str            # the config.json read
-    vision: VisionShape | None = None  # a vision-language model's tower and projector
+    vision: Any = None    # a vision-language model's tower and projector (vision/)
     prefix: str = "model."             # where the language model's modules are
 
     @property
@@ -128,10 +128,12 @@ def _int(config: dict[str, Any], key: str, where: str, default: int | None = Non
     return value
 
 
-def shape_of(config: dict[str, Any], where: str) -> Shape:
+def shape_of(config: dict[str, Any], where: str,
+             processor: dict[str, Any] | None = None) -> Shape:
+    """processor: a vision-language model's preprocessor_config.json, where there is one."""
     kind = config.get("model_type")
     if kind in vision.COUNTED:
-        text, tower = vision.split_config(config, where)
+        text, tower = vision.read(config, where, processor)
         language = shape_of(text, where)
         return replace(language, model_type=kind, vision=tower, prefix=vision.LANGUAGE_MODEL)
     if kind in image_text_model_types():
@@ -171,7 +173,17 @@ def read_shape(name_or_path: str, revision: str | None = None) -> Shape:
         raise ConfigError([f"{path}: cannot read as JSON: {exc}"]) from None
     if not isinstance(config, dict):
         raise ConfigError([f"{path}: expected a JSON object"])
-    return shape_of(config, str(path))
+    return shape_of(config, str(path), _processor_config(path.parent))
+
+
+def _processor_config(directory: Path) -> dict[str, Any] | None:
+    """The image processor's settings beside config.json (min/max pixels), if any."""
+    path = directory / "preprocessor_config.json"
+    try:
+        found = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return found if isinstance(found, dict) else None
 
 
 def linears(shape: Shape, head: str, num_labels: int = 1) -> list[Linear]:
@@ -216,7 +228,7 @@ def parameters(shape: Shape, head: str, num_labels: int = 1) -> list[Param]:
     embedding matrix and appears once. A vision-language model's vision tower and projector
     come first, as transformers registers them."""
     h, lm = shape.hidden, shape.prefix
-    params = vision.vision_parameters(shape.vision) if shape.vision else []
+    params = shape.vision.parameters() if shape.vision else []
     params.append(Param(f"{lm}embed_tokens.weight", shape.vocab * h, "embedding",
                         f"{lm}embed_tokens", h))
     for lin in linears(shape, head, num_labels):
