@@ -1,5 +1,5 @@
 """`finetune estimate` for the vision-language families past LLaVA (test_estimate_vision.py):
-Qwen2-VL and Qwen2.5-VL. Their published configs are written here; transformers'
+Qwen2-VL, Qwen2.5-VL and Gemma 3 (a SigLIP tower, Gemma 3's language model). Their published configs are written here; transformers'
 from_config on the meta device is the truth for the parameters, its image processor for
 the tokens an image becomes, and autograd (small towers, random weights, CPU autocast)
 for what an image saves for the backward."""
@@ -56,14 +56,29 @@ QWEN25_VL_3B = {
                       "fullatt_block_indexes": [7, 15, 23, 31], "tokens_per_second": 2,
                       "temporal_patch_size": 2},
     "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]}, "vocab_size": 151936}
+# google/gemma-3-4b-it's config.json.
+GEMMA3_4B = {
+    "architectures": ["Gemma3ForConditionalGeneration"], "boi_token_index": 255999,
+    "eoi_token_index": 256000, "eos_token_id": [1, 106], "image_token_index": 262144,
+    "initializer_range": 0.02, "mm_tokens_per_image": 256, "model_type": "gemma3",
+    "text_config": {"hidden_size": 2560, "intermediate_size": 10240,
+                    "model_type": "gemma3_text", "num_hidden_layers": 34,
+                    "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                    "sliding_window": 1024},
+    "torch_dtype": "bfloat16", "transformers_version": "4.50.0.dev0",
+    "vision_config": {"hidden_size": 1152, "image_size": 896, "intermediate_size": 4304,
+                      "model_type": "siglip_vision_model", "num_attention_heads": 16,
+                      "num_hidden_layers": 27, "patch_size": 14, "vision_use_head": False}}
 # By part, as transformers builds them (the slow test below computes them with
 # AutoModelForImageTextToText.from_config on the meta device); the totals are the model
-# cards' (2.21B, 3.75B).
+# cards' (2.21B, 3.75B, 4.3B).
 PARTS = {
     "qwen2-vl-2b": (QWEN2_VL_2B, {"language_model": 1_543_714_304, "vision_tower": 631_183_360,
                                   "projector": 34_087_936}),
     "qwen2.5-vl-3b": (QWEN25_VL_3B, {"language_model": 3_085_938_688,
                                      "vision_tower": 631_975_680, "projector": 36_708_608}),
+    "gemma-3-4b": (GEMMA3_4B, {"language_model": 3_880_263_168, "vision_tower": 416_866_032,
+                               "projector": 2_950_272}),
 }
 # Small towers of each family for autograd (2 and 3 blocks; Qwen2.5-VL's block 1 attends
 # over the whole image, the others within windows).
@@ -267,3 +282,78 @@ def test_cli_image_size_and_images_per_row(tmp_path):
     result = run_cli("estimate", str(VLM), f"model.name_or_path={model}", "--image-size",
                      "wide", cwd=tmp_path)
     assert result.returncode != 0 and "--image-size: cannot read 'wide'" in result.stderr
+
+
+# A small Gemma 3: a 2-layer SigLIP tower over 112x112 pictures (64 patches pooled to 16
+# tokens) and a 3-layer language model.
+GEMMA3_SMALL = {
+    **GEMMA3_4B, "mm_tokens_per_image": 16, "image_token_index": 299, "boi_token_index": 297,
+    "eoi_token_index": 298,
+    "text_config": {**GEMMA3_4B["text_config"], "hidden_size": 48, "intermediate_size": 64,
+                    "num_hidden_layers": 3, "num_attention_heads": 2, "num_key_value_heads": 1,
+                    "head_dim": 24, "vocab_size": 300, "sliding_window": 8},
+    "vision_config": {**GEMMA3_4B["vision_config"], "hidden_size": 64, "intermediate_size": 96,
+                      "num_hidden_layers": 2, "num_attention_heads": 4, "image_size": 112}}
+
+
+@pytest.mark.slow  # imports torch; a small model (about 2 s)
+def test_gemma3_against_autograd(tmp_path):
+    """The small Gemma 3, fp32 weights, CPU autocast. The image's tower and projector:
+    what autograd keeps equals the estimate to the byte, whole and with a frozen tower,
+    but for what a trained tower holds once per batch, not per image (its position ids and
+    the soft-token norm's 1 + weight: 768 bytes). The language model's decoder layers (Gemma's four
+    RMSNorms a layer, q/k norms, GELU-tanh MLP) on a padded batch of 2 x 16 tokens: within
+    2% (1.2% under: the rotary tables of the sliding and the full layers, not counted)."""
+    torch = pytest.importorskip("torch")
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    path = _model(tmp_path, GEMMA3_SMALL)
+    shape = read_shape(str(path))
+    vision = shape.vision
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(
+        AutoConfig.from_pretrained(path), dtype=torch.float32,
+        attn_implementation="sdpa").train()
+    storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    pixels = torch.randn(1, 3, 112, 112)
+
+    def measured(frozen_tower: bool) -> int:
+        for name, p in model.named_parameters():
+            p.requires_grad_(not (frozen_tower and name.startswith("model.vision_tower.")))
+        features, kept = _kept_by_autograd(
+            lambda: model.model.get_image_features(pixel_values=pixels).pooler_output, storages)
+        assert features.shape[1] == vision.image_tokens == 16
+        copies = sum(2 * p.numel() for name, p in model.named_parameters()
+                     if p.requires_grad and (p.dim() > 1 and "position_embedding" not in name)
+                     and name.startswith(("model.vision_tower.", "model.multi_modal_projector.")))
+        # held once per batch by a trained tower: int64 position ids, fp32 1 + weight
+        per_batch = 0 if frozen_tower else 64 * 8 + 64 * 4
+        return kept - copies + pixels.numel() * 4 - per_batch
+
+    assert measured(False) == vision.image_bytes(CPU_AUTOCAST, False)
+    assert measured(True) == vision.image_bytes(CPU_AUTOCAST, False, Training(tower=False))
+
+    for p in model.parameters():
+        p.requires_grad_(True)
+    batch, seq = 2, 16
+    ids = torch.randint(1, 297, (batch, seq), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    mask[0, :3] = 0
+    _, kept = _kept_by_autograd(lambda: model(input_ids=ids, attention_mask=mask, labels=ids,
+                                              token_type_ids=torch.zeros_like(ids)), storages)
+    experiment = load_experiment(VLM, [f"model.name_or_path={path}", "precision=bf16",
+                                       "distributed.device=cpu"])
+    settings = settings_of(experiment, max_positions=shape.max_positions).with_(
+        device="cpu", attention="sdpa", mask="padding", seq_len=seq, logit_tokens=seq)
+    from finetune.estimate.core import activation_bytes
+    from finetune.estimate.memory import model_states
+    from finetune.estimate.settings import Layout
+
+    acts = activation_bytes(shape, settings, Layout("none"), False)
+    copies = model_states(census(shape, settings), [], shape, settings, Layout("none")).autocast
+    language_copies = sum(2 * t.numel for t in census(shape, settings) if t.matmul and
+                          not t.name.startswith(("model.vision_tower.",
+                                                 "model.multi_modal_projector.")))
+    assert language_copies <= copies
+    expected = batch * (acts.layers + acts.other + acts.logits_saved) + language_copies
+    assert abs(kept - expected) <= 0.02 * kept, (kept, expected)

@@ -84,6 +84,24 @@ def _norm(w: _Walk, x: _T, rows: int, reg: Regime, trainable: bool, grad: bool =
     return w.new(x.elems, max(x.nbytes, reg.residual))
 
 
+def _gemma_norm(w: _Walk, x: _T, rows: int, trainable: bool, grad: bool = True) -> _T:
+    """Gemma's RMSNorm: x.float() * rsqrt(mean(x^2) + eps), times (1 + weight) in fp32, cast
+    back to x's dtype: saves the fp32 input and one rsqrt per row, and the fp32 normed
+    value for the weight's gradient."""
+    xf = w.cast(x, 4)
+    if grad:
+        w.save(xf, w.new(rows, 4))
+    if trainable:
+        w.save(w.new(x.elems, 4))
+    return w.new(x.elems, x.nbytes)
+
+
+def _any_norm(w: _Walk, x: _T, rows: int, reg: Regime, shape: Shape, grad: bool = True) -> _T:
+    if shape.gemma:
+        return _gemma_norm(w, x, rows, reg.base_trainable, grad)
+    return _norm(w, x, rows, reg, reg.base_trainable, grad)
+
+
 def _linear(w: _Walk, x: _T, out: int, reg: Regime, lora: bool, grad: bool = True) -> _T:
     if reg.base_trainable:
         w.save(w.cast(x, reg.compute) if reg.autocast else x)
@@ -142,23 +160,27 @@ def layer_bytes(shape: Shape, reg: Regime, targets: frozenset[str], seq: int,
     w = _Walk()
     h, i = shape.hidden, shape.intermediate
     x = w.new(h, reg.residual)
-    y = _norm(w, x, 1, reg, reg.base_trainable, grad)
+    y = _any_norm(w, x, 1, reg, shape, grad)
     q = _linear(w, y, shape.q_dim, reg, "q_proj" in targets, grad)
     k = _linear(w, y, shape.kv_dim, reg, "k_proj" in targets, grad)
     v = _linear(w, y, shape.kv_dim, reg, "v_proj" in targets, grad)
-    if shape.qk_norm:  # qwen3: RMSNorm over each head of q and k
-        q = _norm(w, q, shape.heads, reg, reg.base_trainable)
-        k = _norm(w, k, shape.kv_heads, reg, reg.base_trainable)
+    if shape.qk_norm:  # qwen3, gemma3: RMSNorm over each head of q and k
+        q = _any_norm(w, q, shape.heads, reg, shape)
+        k = _any_norm(w, k, shape.kv_heads, reg, shape)
     out = _attention(w, q, k, v, shape, reg, seq)
     o = _linear(w, out, h, reg, "o_proj" in targets)
+    if shape.gemma:  # post_attention_layernorm, on the attention's output
+        o = _gemma_norm(w, o, 1, reg.base_trainable)
     x2 = w.new(h, max(reg.residual, o.nbytes))
-    y2 = _norm(w, x2, 1, reg, reg.base_trainable)
+    y2 = _any_norm(w, x2, 1, reg, shape)
     g = _linear(w, y2, i, reg, "gate_proj" in targets)
     u = _linear(w, y2, i, reg, "up_proj" in targets)
     a = w.new(i, g.nbytes)  # silu(g) saves g
     w.save(g, u) if reg.liger else w.save(g, a, u)  # a * u saves both; Liger recomputes a
     m = w.new(i, max(a.nbytes, u.nbytes))
-    _linear(w, m, h, reg, "down_proj" in targets)
+    d = _linear(w, m, h, reg, "down_proj" in targets)
+    if shape.gemma:  # post_feedforward_layernorm, on the MLP's output
+        _gemma_norm(w, d, 1, reg.base_trainable)
     return w.total
 
 
@@ -194,7 +216,7 @@ def activations(shape: Shape, reg: Regime, layer_targets: list[frozenset[str]], 
         layers = sum(per_layer)
     w = _Walk()
     x = w.new(shape.hidden, reg.residual)
-    y = _norm(w, x, 1, reg, reg.base_trainable)
+    y = _any_norm(w, x, 1, reg, shape)
     per_token = w.total
     if reg.base_trainable:
         per_token += 8                              # int64 ids, for the embedding's gradient

@@ -18,9 +18,13 @@ from typing import Any
 from finetune.config.vision import image_text_model_types
 from finetune.errors import ConfigError
 from finetune.estimate import vision
+from finetune.estimate.defaults import with_defaults
 from finetune.estimate.param import Param
 
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+# Gemma 3's decoder (transformers models/gemma3): q/k norms, a norm after attention and
+# one before and after the MLP, Gemma's RMSNorm (x * (1 + w), in fp32), a GELU-tanh MLP.
+GEMMA = ("gemma3_text",)
 
 
 @dataclass(frozen=True)
@@ -37,11 +41,12 @@ class Shape:
     qkv_bias: bool
     o_bias: bool
     mlp_bias: bool
-    qk_norm: bool          # qwen3: RMSNorm over head_dim on q and k
+    qk_norm: bool          # qwen3, gemma3: RMSNorm over head_dim on q and k
     max_positions: int | None
     source: str            # the config.json read
     vision: Any = None    # a vision-language model's tower and projector (vision/)
     prefix: str = "model."             # where the language model's modules are
+    gemma: bool = False                # Gemma 3's decoder layer (GEMMA)
 
     @property
     def image_tokens(self) -> int:
@@ -143,6 +148,8 @@ def shape_of(config: dict[str, Any], where: str,
     if kind not in SUPPORTED:
         raise ConfigError([f"{where}: model_type {kind!r} is not supported by the estimator "
                            f"(supported: {', '.join(SUPPORTED)})"])
+    if kind in GEMMA:  # its config class's head_dim (256) is not hidden // heads
+        config = with_defaults(config, "gemma3/configuration_gemma3.py", "Gemma3TextConfig")
     hidden = _int(config, "hidden_size", where)
     heads = _int(config, "num_attention_heads", where)
     kv_heads = _int(config, "num_key_value_heads", where, default=heads)
@@ -159,7 +166,7 @@ def shape_of(config: dict[str, Any], where: str,
         tied=bool(config.get("tie_word_embeddings", False)),
         qkv_bias=qkv_bias, o_bias=o_bias,
         mlp_bias=kind == "llama" and bool(config.get("mlp_bias", False)),
-        qk_norm=kind == "qwen3",
+        qk_norm=kind in ("qwen3", *GEMMA), gemma=kind in GEMMA,
         max_positions=_int(config, "max_position_embeddings", where)
         if config.get("max_position_embeddings") is not None else None,
         source=where)
@@ -218,9 +225,17 @@ def module_names(shape: Shape, head: str) -> list[str]:
         if shape.qk_norm:
             names += [f"{p}.self_attn.q_norm", f"{p}.self_attn.k_norm"]
         names += [f"{p}.mlp", f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj", f"{p}.mlp.down_proj",
-                  f"{p}.mlp.act_fn", f"{p}.input_layernorm", f"{p}.post_attention_layernorm"]
+                  f"{p}.mlp.act_fn", *(f"{p}.{norm}" for norm in _norms(shape))]
     names += [f"{lm}norm", f"{lm}rotary_emb", "lm_head" if head == "lm" else "score"]
     return names
+
+
+def _norms(shape: Shape) -> tuple[str, ...]:
+    """A decoder layer's norms, as named_modules() lists them."""
+    if shape.gemma:
+        return ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                "post_feedforward_layernorm")
+    return ("input_layernorm", "post_attention_layernorm")
 
 
 def parameters(shape: Shape, head: str, num_labels: int = 1) -> list[Param]:
@@ -244,7 +259,7 @@ def parameters(shape: Shape, head: str, num_labels: int = 1) -> list[Param]:
         if lin.name.endswith("down_proj"):
             layer = lin.name.rsplit(".", 2)[0]
             params += [Param(f"{layer}.{norm}.weight", h, "norm", f"{layer}.{norm}")
-                       for norm in ("input_layernorm", "post_attention_layernorm")]
+                       for norm in _norms(shape)]
     params.append(Param(f"{lm}norm.weight", h, "norm", f"{lm}norm"))
     if head == "score":
         params.append(Param("score.weight", h * num_labels, "head", "score", num_labels))
