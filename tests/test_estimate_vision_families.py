@@ -1,5 +1,5 @@
 """`finetune estimate` for the vision-language families past LLaVA (test_estimate_vision.py):
-Qwen2-VL, Qwen2.5-VL and Gemma 3 (a SigLIP tower, Gemma 3's language model). Their published configs are written here; transformers'
+Qwen2-VL, Qwen2.5-VL, and the SigLIP-tower models Gemma 3 and PaliGemma (1 and 2). Their published configs are written here; transformers'
 from_config on the meta device is the truth for the parameters, its image processor for
 the tokens an image becomes, and autograd (small towers, random weights, CPU autocast)
 for what an image saves for the backward."""
@@ -69,9 +69,38 @@ GEMMA3_4B = {
     "vision_config": {"hidden_size": 1152, "image_size": 896, "intermediate_size": 4304,
                       "model_type": "siglip_vision_model", "num_attention_heads": 16,
                       "num_hidden_layers": 27, "patch_size": 14, "vision_use_head": False}}
+# google/paligemma-3b-pt-224's and google/paligemma2-3b-pt-224's config.json.
+_SIGLIP_SO400M = {"hidden_size": 1152, "intermediate_size": 4304,
+                  "model_type": "siglip_vision_model", "num_attention_heads": 16,
+                  "num_hidden_layers": 27, "num_image_tokens": 256, "patch_size": 14,
+                  "vision_use_head": False}
+PALIGEMMA_3B = {
+    "architectures": ["PaliGemmaForConditionalGeneration"], "bos_token_id": 2,
+    "eos_token_id": 1, "hidden_size": 2048, "ignore_index": -100,
+    "image_token_index": 257152, "model_type": "paligemma", "pad_token_id": 0,
+    "projection_dim": 2048,
+    "text_config": {"hidden_size": 2048, "intermediate_size": 16384, "model_type": "gemma",
+                    "num_attention_heads": 8, "num_hidden_layers": 18, "num_image_tokens": 256,
+                    "num_key_value_heads": 1, "torch_dtype": "float32", "vocab_size": 257216},
+    "torch_dtype": "float32", "transformers_version": "4.41.0.dev0",
+    "vision_config": {**_SIGLIP_SO400M, "projection_dim": 2048,
+                      "projector_hidden_act": "gelu_fast"}}
+PALIGEMMA2_3B = {
+    "architectures": ["PaliGemmaForConditionalGeneration"], "bos_token_id": 2,
+    "eos_token_id": 1, "hidden_size": 2048, "image_token_index": 257152,
+    "model_type": "paligemma", "num_hidden_layers": 26, "pad_token_id": 0,
+    "projection_dim": 2304,
+    "text_config": {"final_logit_softcapping": 30.0, "hidden_activation": "gelu_pytorch_tanh",
+                    "hidden_size": 2304, "intermediate_size": 9216, "model_type": "gemma2",
+                    "num_attention_heads": 8, "num_hidden_layers": 26, "num_image_tokens": 256,
+                    "num_key_value_heads": 4, "query_pre_attn_scalar": 256,
+                    "sliding_window": 4096, "torch_dtype": "bfloat16", "vocab_size": 257216},
+    "torch_dtype": "bfloat16", "transformers_version": "4.47.0.dev0",
+    "vision_config": {**_SIGLIP_SO400M, "num_positions": 256, "projection_dim": 2304,
+                      "torch_dtype": "bfloat16"}}
 # By part, as transformers builds them (the slow test below computes them with
 # AutoModelForImageTextToText.from_config on the meta device); the totals are the model
-# cards' (2.21B, 3.75B, 4.3B).
+# cards' (2.21B, 3.75B, 4.3B, 2.92B, 3.03B).
 PARTS = {
     "qwen2-vl-2b": (QWEN2_VL_2B, {"language_model": 1_543_714_304, "vision_tower": 631_183_360,
                                   "projector": 34_087_936}),
@@ -79,6 +108,10 @@ PARTS = {
                                      "vision_tower": 631_975_680, "projector": 36_708_608}),
     "gemma-3-4b": (GEMMA3_4B, {"language_model": 3_880_263_168, "vision_tower": 416_866_032,
                                "projector": 2_950_272}),
+    "paligemma-3b": (PALIGEMMA_3B, {"language_model": 2_508_662_784,
+                                    "vision_tower": 412_442_352, "projector": 2_361_344}),
+    "paligemma2-3b": (PALIGEMMA2_3B, {"language_model": 2_617_143_552,
+                                      "vision_tower": 412_442_352, "projector": 2_656_512}),
 }
 # Small towers of each family for autograd (2 and 3 blocks; Qwen2.5-VL's block 1 attends
 # over the whole image, the others within windows).
@@ -356,4 +389,80 @@ def test_gemma3_against_autograd(tmp_path):
                                                  "model.multi_modal_projector.")))
     assert language_copies <= copies
     expected = batch * (acts.layers + acts.other + acts.logits_saved) + language_copies
+    assert abs(kept - expected) <= 0.02 * kept, (kept, expected)
+
+
+def _small_paligemma(config: dict) -> dict:
+    """A 2-layer SigLIP tower over 112x112 pictures (64 tokens), a 3-layer language model."""
+    text = {**config["text_config"], "hidden_size": 48, "intermediate_size": 64,
+            "num_hidden_layers": 3, "num_attention_heads": 2, "num_key_value_heads": 1,
+            "head_dim": 24, "vocab_size": 300}
+    if "sliding_window" in text:
+        text["sliding_window"] = 8
+    return {**config, "image_token_index": 299, "projection_dim": 48, "text_config": text,
+            "vision_config": {**config["vision_config"], "hidden_size": 64,
+                              "intermediate_size": 96, "num_hidden_layers": 2,
+                              "num_attention_heads": 4, "image_size": 112,
+                              "projection_dim": 48}}
+
+
+@pytest.mark.slow  # imports torch; two small models (about 3 s)
+@pytest.mark.parametrize("config", [PALIGEMMA_3B, PALIGEMMA2_3B], ids=["gemma", "gemma2"])
+def test_paligemma_against_autograd(tmp_path, config):
+    """A small PaliGemma (Gemma) and PaliGemma 2 (Gemma 2: sandwich norms, capped attention
+    scores and logits; transformers runs it eagerly), fp32 weights, CPU autocast: with sdpa
+    the image's tower and projector keep what the estimate says to the byte, whole (less
+    the tower's int64 position ids, held once per batch) and with a frozen tower; the
+    language model's decoder layers on a padded 2 x 16-token batch within 2% (1.1% under
+    for both: the rotary tables)."""
+    torch = pytest.importorskip("torch")
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from finetune.estimate.core import activation_bytes
+    from finetune.estimate.settings import Layout
+
+    path = _model(tmp_path, _small_paligemma(config))
+    shape = read_shape(str(path))
+    vision = shape.vision
+    attention = "eager" if shape.attn_softcap else "sdpa"
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(
+        AutoConfig.from_pretrained(path), dtype=torch.float32,
+        attn_implementation=attention).train()
+    storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    if attention == "sdpa":
+        pixels = torch.randn(1, 3, 112, 112)
+        for frozen in (False, True):
+            for name, p in model.named_parameters():
+                p.requires_grad_(not (frozen and name.startswith("model.vision_tower.")))
+            features, kept = _kept_by_autograd(
+                lambda: model.model.get_image_features(pixel_values=pixels).pooler_output,
+                storages)
+            assert features.shape[1] == vision.image_tokens == 64
+            # the 16-bit weight copies the matmuls save (the projector's: where its input
+            # needs a gradient, under a trained tower)
+            copies = sum(2 * p.numel() for name, p in model.named_parameters()
+                         if p.requires_grad and p.dim() > 1 and "position_embedding" not in name
+                         and (name.startswith("model.vision_tower.") or (
+                             name.startswith("model.multi_modal_projector.") and not frozen)))
+            per_batch = 0 if frozen else 64 * 8
+            assert kept - copies + pixels.numel() * 4 - per_batch == vision.image_bytes(
+                CPU_AUTOCAST, False, Training(tower=not frozen))
+        for p in model.parameters():
+            p.requires_grad_(True)
+
+    batch, seq = 2, 16
+    ids = torch.randint(1, 290, (batch, seq), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    mask[0, :3] = 0
+    _, kept = _kept_by_autograd(lambda: model(input_ids=ids, attention_mask=mask, labels=ids,
+                                              token_type_ids=torch.ones_like(ids)), storages)
+    experiment = load_experiment(VLM, [f"model.name_or_path={path}", "precision=bf16",
+                                       "distributed.device=cpu"])
+    settings = settings_of(experiment, max_positions=shape.max_positions).with_(
+        device="cpu", attention=attention, mask="padding", seq_len=seq, logit_tokens=seq)
+    acts = activation_bytes(shape, settings, Layout("none"), False)
+    copies = sum(2 * t.numel for t in census(shape, settings) if t.matmul and
+                 not t.name.startswith(("model.vision_tower.", "model.multi_modal_projector.")))
+    expected = batch * (acts.layers + acts.other + acts.logits_saved) + copies
     assert abs(kept - expected) <= 0.02 * kept, (kept, expected)

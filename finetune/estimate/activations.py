@@ -145,6 +145,8 @@ def _attention(w: _Walk, q: _T, k: _T, v: _T, shape: Shape, reg: Regime, seq: in
     if reg.attention == "eager":
         keys = reg.mask_keys or seq
         w.save(w.new(heads * keys, 4), w.new(heads * keys, c))  # softmax (fp32), its cast
+        if shape.attn_softcap:  # Gemma 2: cap * tanh(scores / cap); tanh saves its output
+            w.save(w.new(heads * keys, c))
         out = w.new(q_dim, c)  # transpose(1, 2).contiguous() copies the output
         return out
     out = w.new(q_dim, c)  # kernels write (batch, seq, heads, dim): the transpose is free
@@ -169,7 +171,7 @@ def layer_bytes(shape: Shape, reg: Regime, targets: frozenset[str], seq: int,
         k = _any_norm(w, k, shape.kv_heads, reg, shape)
     out = _attention(w, q, k, v, shape, reg, seq)
     o = _linear(w, out, h, reg, "o_proj" in targets)
-    if shape.gemma:  # post_attention_layernorm, on the attention's output
+    if shape.sandwich:  # Gemma 2/3's post_attention_layernorm, on the attention's output
         o = _gemma_norm(w, o, 1, reg.base_trainable)
     x2 = w.new(h, max(reg.residual, o.nbytes))
     y2 = _any_norm(w, x2, 1, reg, shape)
@@ -179,7 +181,7 @@ def layer_bytes(shape: Shape, reg: Regime, targets: frozenset[str], seq: int,
     w.save(g, u) if reg.liger else w.save(g, a, u)  # a * u saves both; Liger recomputes a
     m = w.new(i, max(a.nbytes, u.nbytes))
     d = _linear(w, m, h, reg, "down_proj" in targets)
-    if shape.gemma:  # post_feedforward_layernorm, on the MLP's output
+    if shape.sandwich:  # post_feedforward_layernorm, on the MLP's output
         _gemma_norm(w, d, 1, reg.base_trainable)
     return w.total
 
@@ -227,8 +229,10 @@ def activations(shape: Shape, reg: Regime, layer_targets: list[frozenset[str]], 
     if head_trainable:
         head_in = y.elems * (reg.compute if reg.autocast else y.nbytes)
     vocab = shape.vocab if lm_head else 0
+    # Gemma 2's soft-capping: tanh saves its output, the logits' dtype
+    softcap = (reg.compute if reg.autocast else reg.residual) if shape.logit_softcap else 0
     return Activations(
         layers=sequences * seq * layers,
         other=sequences * (seq * per_token + head_tokens * head_in),
-        logits_saved=sequences * logit_tokens * vocab * LOGIT_SAVED,
+        logits_saved=sequences * logit_tokens * vocab * (LOGIT_SAVED + softcap),
         logits_peak=sequences * logit_tokens * vocab * LOGIT_TRANSIENT)

@@ -183,6 +183,10 @@ def estimate(experiment: Experiment, gpus: int | None = None, gpu_memory: int | 
     kernels = kernels or installed()
     settings = settings_of(experiment, gpus, seq_len, shape.max_positions, device, precision,
                            kernels, shape.model_type)
+    if shape.attn_softcap and settings.attention == "sdpa":
+        # transformers runs Gemma 2's capped attention eagerly (it refuses sdpa)
+        settings = settings.with_(attention="eager", notes=settings.notes + (
+            "attention: Gemma 2 has no sdpa attention in transformers: eager counted",))
     if shape.vision:
         _check_vision(experiment, shape)
         shape = replace(shape, vision=shape.vision.for_image(image_size))

@@ -21,10 +21,14 @@ from finetune.estimate import vision
 from finetune.estimate.defaults import with_defaults
 from finetune.estimate.param import Param
 
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
-# Gemma 3's decoder (transformers models/gemma3): q/k norms, a norm after attention and
-# one before and after the MLP, Gemma's RMSNorm (x * (1 + w), in fp32), a GELU-tanh MLP.
-GEMMA = ("gemma3_text",)
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")
+# Gemma's decoders (transformers models/gemma, gemma2, gemma3): Gemma's RMSNorm (x * (1 + w),
+# in fp32) and a GELU-tanh MLP; Gemma 2 and 3 add a norm after attention and after the MLP
+# (sandwich norms), Gemma 3 q/k norms. Their config classes' head_dim (256) is not
+# hidden // heads: read with the class's defaults.
+GEMMA = {"gemma": ("gemma/configuration_gemma.py", "GemmaConfig"),
+         "gemma2": ("gemma2/configuration_gemma2.py", "Gemma2Config"),
+         "gemma3_text": ("gemma3/configuration_gemma3.py", "Gemma3TextConfig")}
 
 
 @dataclass(frozen=True)
@@ -46,7 +50,10 @@ class Shape:
     source: str            # the config.json read
     vision: Any = None    # a vision-language model's tower and projector (vision/)
     prefix: str = "model."             # where the language model's modules are
-    gemma: bool = False                # Gemma 3's decoder layer (GEMMA)
+    gemma: bool = False                # Gemma's RMSNorm and MLP (GEMMA)
+    sandwich: bool = False             # Gemma 2/3: norms after attention and the MLP too
+    logit_softcap: bool = False        # Gemma 2: logits = cap * tanh(logits / cap)
+    attn_softcap: bool = False         # Gemma 2: the attention scores are capped so too
 
     @property
     def image_tokens(self) -> int:
@@ -148,8 +155,8 @@ def shape_of(config: dict[str, Any], where: str,
     if kind not in SUPPORTED:
         raise ConfigError([f"{where}: model_type {kind!r} is not supported by the estimator "
                            f"(supported: {', '.join(SUPPORTED)})"])
-    if kind in GEMMA:  # its config class's head_dim (256) is not hidden // heads
-        config = with_defaults(config, "gemma3/configuration_gemma3.py", "Gemma3TextConfig")
+    if kind in GEMMA:
+        config = with_defaults(config, *GEMMA[kind])
     hidden = _int(config, "hidden_size", where)
     heads = _int(config, "num_attention_heads", where)
     kv_heads = _int(config, "num_key_value_heads", where, default=heads)
@@ -166,7 +173,10 @@ def shape_of(config: dict[str, Any], where: str,
         tied=bool(config.get("tie_word_embeddings", False)),
         qkv_bias=qkv_bias, o_bias=o_bias,
         mlp_bias=kind == "llama" and bool(config.get("mlp_bias", False)),
-        qk_norm=kind in ("qwen3", *GEMMA), gemma=kind in GEMMA,
+        qk_norm=kind in ("qwen3", "gemma3_text"), gemma=kind in GEMMA,
+        sandwich=kind in ("gemma2", "gemma3_text"),
+        logit_softcap=kind in GEMMA and config.get("final_logit_softcapping") is not None,
+        attn_softcap=kind in GEMMA and config.get("attn_logit_softcapping") is not None,
         max_positions=_int(config, "max_position_embeddings", where)
         if config.get("max_position_embeddings") is not None else None,
         source=where)
@@ -232,7 +242,7 @@ def module_names(shape: Shape, head: str) -> list[str]:
 
 def _norms(shape: Shape) -> tuple[str, ...]:
     """A decoder layer's norms, as named_modules() lists them."""
-    if shape.gemma:
+    if shape.sandwich:
         return ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
                 "post_feedforward_layernorm")
     return ("input_layernorm", "post_attention_layernorm")

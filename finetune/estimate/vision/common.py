@@ -18,6 +18,8 @@ TEXT_CONFIG_CLASSES = {
     "mistral": ("mistral/configuration_mistral.py", "MistralConfig"),
     "qwen2": ("qwen2/configuration_qwen2.py", "Qwen2Config"),
     "qwen3": ("qwen3/configuration_qwen3.py", "Qwen3Config"),
+    "gemma": ("gemma/configuration_gemma.py", "GemmaConfig"),
+    "gemma2": ("gemma2/configuration_gemma2.py", "Gemma2Config"),
     "gemma3_text": ("gemma3/configuration_gemma3.py", "Gemma3TextConfig"),
 }
 PIXEL_BYTES = 4  # the processors' pixel_values are fp32
