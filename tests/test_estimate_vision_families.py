@@ -1,5 +1,6 @@
 """`finetune estimate` for the vision-language families past LLaVA (test_estimate_vision.py):
-Qwen2-VL, Qwen2.5-VL, and the SigLIP-tower models Gemma 3 and PaliGemma (1 and 2). Their published configs are written here; transformers'
+Qwen2-VL, Qwen2.5-VL, the SigLIP-tower models Gemma 3 and PaliGemma (1 and 2), and
+LLaVA-NeXT. Their published configs are written here; transformers'
 from_config on the meta device is the truth for the parameters, its image processor for
 the tokens an image becomes, and autograd (small towers, random weights, CPU autocast)
 for what an image saves for the backward."""
@@ -12,9 +13,11 @@ import weakref
 import pytest
 
 from conftest import QUICKSTART, run_cli
+from vlm_configs import (GEMMA3_4B, LLAVA_NEXT_7B, PALIGEMMA2_3B, PALIGEMMA_3B, QWEN2_VL_2B,
+                         QWEN25_VL_3B)
 from finetune.config import load_experiment
 from finetune.errors import ConfigError
-from finetune.estimate import estimate, render_text
+from finetune.estimate import estimate, parse_image_size, render_text
 from finetune.estimate.activations import Regime
 from finetune.estimate.census import census
 from finetune.estimate.settings import settings_of
@@ -23,84 +26,9 @@ from finetune.estimate.vision import Training
 from finetune.estimate.vision import qwen2_vl_activations
 
 VLM = QUICKSTART / "vlm.yaml"
-_TOKENS = {"bos_token_id": 151643, "eos_token_id": 151645, "vision_start_token_id": 151652,
-           "vision_end_token_id": 151653, "vision_token_id": 151654, "image_token_id": 151655,
-           "video_token_id": 151656}
-# Qwen/Qwen2-VL-2B-Instruct's config.json (the text settings at the top level).
-QWEN2_VL_2B = {
-    "architectures": ["Qwen2VLForConditionalGeneration"], "attention_dropout": 0.0, **_TOKENS,
-    "hidden_act": "silu", "hidden_size": 1536, "initializer_range": 0.02,
-    "intermediate_size": 8960, "max_position_embeddings": 32768, "max_window_layers": 28,
-    "model_type": "qwen2_vl", "num_attention_heads": 12, "num_hidden_layers": 28,
-    "num_key_value_heads": 2, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
-    "sliding_window": 32768, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
-    "transformers_version": "4.41.2", "use_cache": True, "use_sliding_window": False,
-    "vision_config": {"depth": 32, "embed_dim": 1280, "mlp_ratio": 4, "num_heads": 16,
-                      "in_chans": 3, "hidden_size": 1536, "patch_size": 14,
-                      "spatial_merge_size": 2, "spatial_patch_size": 14,
-                      "temporal_patch_size": 2},
-    "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]}, "vocab_size": 151936}
-# Qwen/Qwen2.5-VL-3B-Instruct's config.json.
-QWEN25_VL_3B = {
-    "architectures": ["Qwen2_5_VLForConditionalGeneration"], "attention_dropout": 0.0,
-    **_TOKENS, "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02,
-    "intermediate_size": 11008, "max_position_embeddings": 128000, "max_window_layers": 70,
-    "model_type": "qwen2_5_vl", "num_attention_heads": 16, "num_hidden_layers": 36,
-    "num_key_value_heads": 2, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
-    "sliding_window": 32768, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
-    "transformers_version": "4.41.2", "use_cache": True, "use_sliding_window": False,
-    "vision_config": {"depth": 32, "hidden_act": "silu", "hidden_size": 1280,
-                      "intermediate_size": 3420, "num_heads": 16, "in_chans": 3,
-                      "out_hidden_size": 2048, "patch_size": 14, "spatial_merge_size": 2,
-                      "spatial_patch_size": 14, "window_size": 112,
-                      "fullatt_block_indexes": [7, 15, 23, 31], "tokens_per_second": 2,
-                      "temporal_patch_size": 2},
-    "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]}, "vocab_size": 151936}
-# google/gemma-3-4b-it's config.json.
-GEMMA3_4B = {
-    "architectures": ["Gemma3ForConditionalGeneration"], "boi_token_index": 255999,
-    "eoi_token_index": 256000, "eos_token_id": [1, 106], "image_token_index": 262144,
-    "initializer_range": 0.02, "mm_tokens_per_image": 256, "model_type": "gemma3",
-    "text_config": {"hidden_size": 2560, "intermediate_size": 10240,
-                    "model_type": "gemma3_text", "num_hidden_layers": 34,
-                    "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
-                    "sliding_window": 1024},
-    "torch_dtype": "bfloat16", "transformers_version": "4.50.0.dev0",
-    "vision_config": {"hidden_size": 1152, "image_size": 896, "intermediate_size": 4304,
-                      "model_type": "siglip_vision_model", "num_attention_heads": 16,
-                      "num_hidden_layers": 27, "patch_size": 14, "vision_use_head": False}}
-# google/paligemma-3b-pt-224's and google/paligemma2-3b-pt-224's config.json.
-_SIGLIP_SO400M = {"hidden_size": 1152, "intermediate_size": 4304,
-                  "model_type": "siglip_vision_model", "num_attention_heads": 16,
-                  "num_hidden_layers": 27, "num_image_tokens": 256, "patch_size": 14,
-                  "vision_use_head": False}
-PALIGEMMA_3B = {
-    "architectures": ["PaliGemmaForConditionalGeneration"], "bos_token_id": 2,
-    "eos_token_id": 1, "hidden_size": 2048, "ignore_index": -100,
-    "image_token_index": 257152, "model_type": "paligemma", "pad_token_id": 0,
-    "projection_dim": 2048,
-    "text_config": {"hidden_size": 2048, "intermediate_size": 16384, "model_type": "gemma",
-                    "num_attention_heads": 8, "num_hidden_layers": 18, "num_image_tokens": 256,
-                    "num_key_value_heads": 1, "torch_dtype": "float32", "vocab_size": 257216},
-    "torch_dtype": "float32", "transformers_version": "4.41.0.dev0",
-    "vision_config": {**_SIGLIP_SO400M, "projection_dim": 2048,
-                      "projector_hidden_act": "gelu_fast"}}
-PALIGEMMA2_3B = {
-    "architectures": ["PaliGemmaForConditionalGeneration"], "bos_token_id": 2,
-    "eos_token_id": 1, "hidden_size": 2048, "image_token_index": 257152,
-    "model_type": "paligemma", "num_hidden_layers": 26, "pad_token_id": 0,
-    "projection_dim": 2304,
-    "text_config": {"final_logit_softcapping": 30.0, "hidden_activation": "gelu_pytorch_tanh",
-                    "hidden_size": 2304, "intermediate_size": 9216, "model_type": "gemma2",
-                    "num_attention_heads": 8, "num_hidden_layers": 26, "num_image_tokens": 256,
-                    "num_key_value_heads": 4, "query_pre_attn_scalar": 256,
-                    "sliding_window": 4096, "torch_dtype": "bfloat16", "vocab_size": 257216},
-    "torch_dtype": "bfloat16", "transformers_version": "4.47.0.dev0",
-    "vision_config": {**_SIGLIP_SO400M, "num_positions": 256, "projection_dim": 2304,
-                      "torch_dtype": "bfloat16"}}
 # By part, as transformers builds them (the slow test below computes them with
 # AutoModelForImageTextToText.from_config on the meta device); the totals are the model
-# cards' (2.21B, 3.75B, 4.3B, 2.92B, 3.03B).
+# cards' (2.21B, 3.75B, 4.3B, 2.92B, 3.03B, 7.57B).
 PARTS = {
     "qwen2-vl-2b": (QWEN2_VL_2B, {"language_model": 1_543_714_304, "vision_tower": 631_183_360,
                                   "projector": 34_087_936}),
@@ -112,6 +40,10 @@ PARTS = {
                                     "vision_tower": 412_442_352, "projector": 2_361_344}),
     "paligemma2-3b": (PALIGEMMA2_3B, {"language_model": 2_617_143_552,
                                       "vision_tower": 412_442_352, "projector": 2_656_512}),
+    # the projector with image_newline
+    "llava-v1.6-mistral-7b": (LLAVA_NEXT_7B, {"language_model": 7_242_256_384,
+                                              "vision_tower": 303_507_456,
+                                              "projector": 20_983_808}),
 }
 # Small towers of each family for autograd (2 and 3 blocks; Qwen2.5-VL's block 1 attends
 # over the whole image, the others within windows).
@@ -312,10 +244,14 @@ def test_cli_image_size_and_images_per_row(tmp_path):
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)
     assert data["model"]["image_tokens"] == 1222 and data["settings"]["images_per_row"] == 2
-    result = run_cli("estimate", str(VLM), f"model.name_or_path={model}", "--image-size",
-                     "wide", cwd=tmp_path)
-    assert result.returncode != 0 and "--image-size: cannot read 'wide'" in result.stderr
 
+
+def test_parse_image_size():
+    assert parse_image_size("1920x1080") == (1920, 1080)
+    assert parse_image_size(" 448 ") == (448, 448)
+    for bad in ("wide", "0x10", "10x", "99999x10"):
+        with pytest.raises(ValueError):
+            parse_image_size(bad)
 
 # A small Gemma 3: a 2-layer SigLIP tower over 112x112 pictures (64 patches pooled to 16
 # tokens) and a 3-layer language model.
@@ -466,3 +402,72 @@ def test_paligemma_against_autograd(tmp_path, config):
                  not t.name.startswith(("model.vision_tower.", "model.multi_modal_projector.")))
     expected = batch * (acts.layers + acts.other + acts.logits_saved) + copies
     assert abs(kept - expected) <= 0.02 * kept, (kept, expected)
+
+
+# picture -> (tiles through the tower, tokens): what LLaVA-NeXT's image processor and model
+# make of it (test_llava_next_tiles_tokens_and_activations)
+LLAVA_NEXT_IMAGES = {(640, 480): (5, 2340), (1920, 1080): (5, 1948), (300, 900): (4, 2376),
+                     (336, 336): (3, 1176), (1000, 200): (4, 1598)}
+
+
+def test_llava_next_tokens_follow_the_picture(tmp_path):
+    shape = read_shape(str(_model(tmp_path, LLAVA_NEXT_7B)))
+    for size, (tiles, tokens) in LLAVA_NEXT_IMAGES.items():
+        vision = shape.vision.for_image(size)
+        assert (vision.tiles, vision.image_tokens) == (tiles, tokens), size
+    assert shape.vision.image_tokens == 2340  # 640x480, assumed
+    text = render_text(estimate(load_experiment(
+        VLM, [f"model.name_or_path={_model(tmp_path, LLAVA_NEXT_7B)}",
+              "training.max_length=4096"])))
+    assert "each 640x480 pixels (assumed; --image-size sets it): 2x2 tiles of 336x336 " \
+           "and the whole picture, 2340 tokens an image" in text
+
+
+@pytest.mark.slow  # imports torch; a small model over 336-pixel tiles (about 4 s)
+def test_llava_next_tiles_tokens_and_activations(tmp_path):
+    """A small LLaVA-NeXT (a 3-layer CLIP tower over 336-pixel tiles, vision_feature_layer
+    -2), the pictures cut by its image processor: the tiles the tower runs on and the
+    tokens the model makes (after unpadding and newlines) equal the estimate's for five
+    sizes; what autograd keeps for a 640x480 picture (5 tiles) equals the estimate less
+    the tower's int64 position ids (held once per batch)."""
+    torch = pytest.importorskip("torch")
+    from PIL import Image
+    from transformers import AutoConfig, AutoModelForImageTextToText
+    from transformers.models.llava_next.image_processing_pil_llava_next import (
+        LlavaNextImageProcessorPil)
+
+    config = {**LLAVA_NEXT_7B, "image_token_index": 299, "vocab_size": 300,
+              "text_config": {**LLAVA_NEXT_7B["text_config"], "hidden_size": 48,
+                              "intermediate_size": 64, "num_hidden_layers": 2,
+                              "num_attention_heads": 2, "num_key_value_heads": 1,
+                              "vocab_size": 300},
+              "vision_config": {**LLAVA_NEXT_7B["vision_config"], "hidden_size": 32,
+                                "intermediate_size": 48, "num_hidden_layers": 3,
+                                "num_attention_heads": 2}}
+    path = _model(tmp_path, config)
+    shape = read_shape(str(path))
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(
+        AutoConfig.from_pretrained(path), dtype=torch.float32,
+        attn_implementation="sdpa").train()
+    processor = LlavaNextImageProcessorPil(crop_size={"height": 336, "width": 336},
+                                           size={"shortest_edge": 336})  # llava-hf's
+    storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    for size in LLAVA_NEXT_IMAGES:
+        vision = shape.vision.for_image(size)
+        made = processor(images=[Image.new("RGB", size)], return_tensors="pt")
+        pixels, sizes = made["pixel_values"], made["image_sizes"]
+        assert pixels.shape[1] == vision.tiles, size
+        features, kept = _kept_by_autograd(
+            lambda: model.model.get_image_features(pixel_values=pixels,
+                                                   image_sizes=sizes).pooler_output, storages)
+        assert features[0].shape[0] == vision.image_tokens, size
+        if size == (640, 480):
+            copies = sum(2 * p.numel() for name, p in model.named_parameters()
+                         if p.dim() > 1 and "position_embedding" not in name
+                         and name.startswith(("model.vision_tower.",
+                                              "model.multi_modal_projector."))
+                         and ".layers.2." not in name)  # past the feature layer: freed
+            position_ids = 577 * 8
+            assert kept - copies + pixels.numel() * 4 - position_ids == vision.image_bytes(
+                CPU_AUTOCAST, False)

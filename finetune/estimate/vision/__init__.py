@@ -1,6 +1,7 @@
 """A vision-language model's vision tower and projector, from its config.json (torch-free),
-one module per family: LLaVA (llava.py), Qwen2-VL and Qwen2.5-VL (qwen2_vl.py), Gemma 3
-(gemma3.py) and PaliGemma (paligemma.py), their SigLIP tower in siglip.py.
+one module per family: LLaVA (llava.py), LLaVA-NeXT (llava_next.py), Qwen2-VL and
+Qwen2.5-VL (qwen2_vl.py), Gemma 3 (gemma3.py) and PaliGemma (paligemma.py), their SigLIP
+tower in siglip.py.
 
 Each family's read(config, where, processor) returns the language model's config (read
 by shapes.shape_of as a text model's) and a vision shape that answers, for the rest of
@@ -17,16 +18,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from finetune.estimate.vision import gemma3, llava, paligemma, qwen2_vl
+from finetune.estimate.vision import gemma3, llava, llava_next, paligemma, qwen2_vl
 from finetune.estimate.vision.common import Training
 
 FAMILIES = {"llava": llava, "qwen2_vl": qwen2_vl, "qwen2_5_vl": qwen2_vl, "gemma3": gemma3,
-            "paligemma": paligemma}
+            "paligemma": paligemma, "llava_next": llava_next}
 COUNTED = tuple(FAMILIES)
 LANGUAGE_MODEL = "model.language_model."
 # Every family's tower and projector: a VLM's tp_plan is its language model's.
 VISION_PREFIXES = (llava.TOWER, llava.PROJECTOR, qwen2_vl.TOWER, gemma3.TOWER, gemma3.PROJECTOR,
-                   paligemma.TOWER, paligemma.PROJECTOR)
+                   paligemma.TOWER, paligemma.PROJECTOR, llava_next.NEWLINE)
 
 
 def read(config: dict[str, Any], where: str, processor: dict[str, Any] | None = None):

@@ -23,6 +23,9 @@ TEXT_CONFIG_CLASSES = {
     "gemma3_text": ("gemma3/configuration_gemma3.py", "Gemma3TextConfig"),
 }
 PIXEL_BYTES = 4  # the processors' pixel_values are fp32
+# A picture of this many pixels (width, height) where the tokens depend on its size and the
+# caller does not say (estimate's image_size, --image-size): COCO's usual photo.
+DEFAULT_IMAGE = (640, 480)
 
 
 @dataclass(frozen=True)

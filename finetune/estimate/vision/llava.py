@@ -120,10 +120,13 @@ class LlavaVision:
 
 
 def read(config: dict[str, Any], where: str,
-         processor: dict[str, Any] | None = None) -> tuple[dict[str, Any], LlavaVision]:
-    """(the language model's config, as transformers completes it; the vision shape)."""
+         processor: dict[str, Any] | None = None,
+         config_class: tuple[str, str] = ("llava/configuration_llava.py", "LlavaConfig"),
+         ) -> tuple[dict[str, Any], LlavaVision]:
+    """(the language model's config, as transformers completes it; the vision shape).
+    config_class: the top-level config's (LLaVA-NeXT reads its own through here)."""
     kind = config["model_type"]
-    full = with_defaults(config, "llava/configuration_llava.py", "LlavaConfig")
+    full = with_defaults(config, *config_class)
     text = text_config(full, kind, where, "llama")  # LlavaConfig's default text model
     vision = vision_config(full, kind, where)
     tower = vision.get("model_type", "clip_vision_model")

@@ -23,8 +23,8 @@ from finetune.errors import ConfigError
 from finetune.estimate.defaults import class_attribute, config_defaults, with_defaults
 from finetune.estimate.param import Param
 from finetune.estimate.vision import qwen2_vl_activations
-from finetune.estimate.vision.common import (Training, layer_norm, linear, positive,
-                                             rms_norm, vision_config)
+from finetune.estimate.vision.common import (DEFAULT_IMAGE, Training, layer_norm, linear,
+                                             positive, rms_norm, vision_config)
 
 TOWER = "model.visual."
 PROJECTOR = "model.visual.merger."
@@ -38,9 +38,6 @@ CONFIGS = {
 # Both use Qwen2-VL's image processor; its class default size is the fallback when the
 # model directory has no preprocessor_config.json.
 IMAGE_PROCESSOR = ("qwen2_vl/image_processing_qwen2_vl.py", "Qwen2VLImageProcessor")
-# An image of this many pixels (width, height) unless the caller says: COCO's usual
-# photo. The processor keeps its aspect ratio, so its tokens depend on it.
-DEFAULT_IMAGE = (640, 480)
 MAX_ASPECT = 200  # smart_resize refuses more
 
 

@@ -1,0 +1,98 @@
+"""config.json files of vision-language models as published on the hub (the repository is
+named above each; transcribed, and what transformers builds from each has the model
+card's parameter count): the estimator's tests build them on the meta device and compare
+(test_estimate_vision_families.py)."""
+
+_TOKENS = {"bos_token_id": 151643, "eos_token_id": 151645, "vision_start_token_id": 151652,
+           "vision_end_token_id": 151653, "vision_token_id": 151654, "image_token_id": 151655,
+           "video_token_id": 151656}
+# Qwen/Qwen2-VL-2B-Instruct's config.json (the text settings at the top level).
+QWEN2_VL_2B = {
+    "architectures": ["Qwen2VLForConditionalGeneration"], "attention_dropout": 0.0, **_TOKENS,
+    "hidden_act": "silu", "hidden_size": 1536, "initializer_range": 0.02,
+    "intermediate_size": 8960, "max_position_embeddings": 32768, "max_window_layers": 28,
+    "model_type": "qwen2_vl", "num_attention_heads": 12, "num_hidden_layers": 28,
+    "num_key_value_heads": 2, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
+    "sliding_window": 32768, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+    "transformers_version": "4.41.2", "use_cache": True, "use_sliding_window": False,
+    "vision_config": {"depth": 32, "embed_dim": 1280, "mlp_ratio": 4, "num_heads": 16,
+                      "in_chans": 3, "hidden_size": 1536, "patch_size": 14,
+                      "spatial_merge_size": 2, "spatial_patch_size": 14,
+                      "temporal_patch_size": 2},
+    "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]}, "vocab_size": 151936}
+# Qwen/Qwen2.5-VL-3B-Instruct's config.json.
+QWEN25_VL_3B = {
+    "architectures": ["Qwen2_5_VLForConditionalGeneration"], "attention_dropout": 0.0,
+    **_TOKENS, "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02,
+    "intermediate_size": 11008, "max_position_embeddings": 128000, "max_window_layers": 70,
+    "model_type": "qwen2_5_vl", "num_attention_heads": 16, "num_hidden_layers": 36,
+    "num_key_value_heads": 2, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
+    "sliding_window": 32768, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+    "transformers_version": "4.41.2", "use_cache": True, "use_sliding_window": False,
+    "vision_config": {"depth": 32, "hidden_act": "silu", "hidden_size": 1280,
+                      "intermediate_size": 3420, "num_heads": 16, "in_chans": 3,
+                      "out_hidden_size": 2048, "patch_size": 14, "spatial_merge_size": 2,
+                      "spatial_patch_size": 14, "window_size": 112,
+                      "fullatt_block_indexes": [7, 15, 23, 31], "tokens_per_second": 2,
+                      "temporal_patch_size": 2},
+    "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]}, "vocab_size": 151936}
+# google/gemma-3-4b-it's config.json.
+GEMMA3_4B = {
+    "architectures": ["Gemma3ForConditionalGeneration"], "boi_token_index": 255999,
+    "eoi_token_index": 256000, "eos_token_id": [1, 106], "image_token_index": 262144,
+    "initializer_range": 0.02, "mm_tokens_per_image": 256, "model_type": "gemma3",
+    "text_config": {"hidden_size": 2560, "intermediate_size": 10240,
+                    "model_type": "gemma3_text", "num_hidden_layers": 34,
+                    "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                    "sliding_window": 1024},
+    "torch_dtype": "bfloat16", "transformers_version": "4.50.0.dev0",
+    "vision_config": {"hidden_size": 1152, "image_size": 896, "intermediate_size": 4304,
+                      "model_type": "siglip_vision_model", "num_attention_heads": 16,
+                      "num_hidden_layers": 27, "patch_size": 14, "vision_use_head": False}}
+# google/paligemma-3b-pt-224's and google/paligemma2-3b-pt-224's config.json.
+_SIGLIP_SO400M = {"hidden_size": 1152, "intermediate_size": 4304,
+                  "model_type": "siglip_vision_model", "num_attention_heads": 16,
+                  "num_hidden_layers": 27, "num_image_tokens": 256, "patch_size": 14,
+                  "vision_use_head": False}
+PALIGEMMA_3B = {
+    "architectures": ["PaliGemmaForConditionalGeneration"], "bos_token_id": 2,
+    "eos_token_id": 1, "hidden_size": 2048, "ignore_index": -100,
+    "image_token_index": 257152, "model_type": "paligemma", "pad_token_id": 0,
+    "projection_dim": 2048,
+    "text_config": {"hidden_size": 2048, "intermediate_size": 16384, "model_type": "gemma",
+                    "num_attention_heads": 8, "num_hidden_layers": 18, "num_image_tokens": 256,
+                    "num_key_value_heads": 1, "torch_dtype": "float32", "vocab_size": 257216},
+    "torch_dtype": "float32", "transformers_version": "4.41.0.dev0",
+    "vision_config": {**_SIGLIP_SO400M, "projection_dim": 2048,
+                      "projector_hidden_act": "gelu_fast"}}
+PALIGEMMA2_3B = {
+    "architectures": ["PaliGemmaForConditionalGeneration"], "bos_token_id": 2,
+    "eos_token_id": 1, "hidden_size": 2048, "image_token_index": 257152,
+    "model_type": "paligemma", "num_hidden_layers": 26, "pad_token_id": 0,
+    "projection_dim": 2304,
+    "text_config": {"final_logit_softcapping": 30.0, "hidden_activation": "gelu_pytorch_tanh",
+                    "hidden_size": 2304, "intermediate_size": 9216, "model_type": "gemma2",
+                    "num_attention_heads": 8, "num_hidden_layers": 26, "num_image_tokens": 256,
+                    "num_key_value_heads": 4, "query_pre_attn_scalar": 256,
+                    "sliding_window": 4096, "torch_dtype": "bfloat16", "vocab_size": 257216},
+    "torch_dtype": "bfloat16", "transformers_version": "4.47.0.dev0",
+    "vision_config": {**_SIGLIP_SO400M, "num_positions": 256, "projection_dim": 2304,
+                      "torch_dtype": "bfloat16"}}
+# llava-hf/llava-v1.6-mistral-7b-hf's config.json.
+LLAVA_NEXT_7B = {
+    "architectures": ["LlavaNextForConditionalGeneration"], "ignore_index": -100,
+    "image_grid_pinpoints": [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]],
+    "image_token_index": 32000, "model_type": "llava_next", "projector_hidden_act": "gelu",
+    "text_config": {"_name_or_path": "mistralai/Mistral-7B-Instruct-v0.2",
+                    "architectures": ["MistralForCausalLM"], "intermediate_size": 14336,
+                    "max_position_embeddings": 32768, "model_type": "mistral",
+                    "num_key_value_heads": 8, "rms_norm_eps": 1e-05, "rope_theta": 1000000.0,
+                    "sliding_window": None, "torch_dtype": "bfloat16", "vocab_size": 32064},
+    "torch_dtype": "float16", "transformers_version": "4.39.0.dev0",
+    "use_image_newline_parameter": True,
+    "vision_config": {"hidden_size": 1024, "image_size": 336, "intermediate_size": 4096,
+                      "model_type": "clip_vision_model", "num_attention_heads": 16,
+                      "num_hidden_layers": 24, "patch_size": 14, "projection_dim": 768,
+                      "vocab_size": 32000},
+    "vision_feature_layer": -2, "vision_feature_select_strategy": "default",
+    "vocab_size": 32064}
