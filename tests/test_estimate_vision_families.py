@@ -1,6 +1,6 @@
 """`finetune estimate` for the vision-language families past LLaVA (test_estimate_vision.py):
 Qwen2-VL, Qwen2.5-VL, the SigLIP-tower models Gemma 3 and PaliGemma (1 and 2), and
-LLaVA-NeXT. Their published configs are written here; transformers'
+LLaVA-NeXT, and Idefics3/SmolVLM. Their published configs are written here; transformers'
 from_config on the meta device is the truth for the parameters, its image processor for
 the tokens an image becomes, and autograd (small towers, random weights, CPU autocast)
 for what an image saves for the backward."""
@@ -14,11 +14,11 @@ import pytest
 
 from conftest import QUICKSTART, run_cli
 from vlm_configs import (GEMMA3_4B, LLAVA_NEXT_7B, PALIGEMMA2_3B, PALIGEMMA_3B, QWEN2_VL_2B,
-                         QWEN25_VL_3B)
+                         QWEN25_VL_3B, SMOLVLM_256M, SMOLVLM_PROCESSOR)
 from finetune.config import load_experiment
 from finetune.errors import ConfigError
 from finetune.estimate import estimate, parse_image_size, render_text
-from finetune.estimate.activations import Regime
+from finetune.estimate.walk import Regime
 from finetune.estimate.census import census
 from finetune.estimate.settings import settings_of
 from finetune.estimate.shapes import parameters, read_shape
@@ -44,6 +44,8 @@ PARTS = {
     "llava-v1.6-mistral-7b": (LLAVA_NEXT_7B, {"language_model": 7_242_256_384,
                                               "vision_tower": 303_507_456,
                                               "projector": 20_983_808}),
+    "smolvlm-256m": (SMOLVLM_256M, {"language_model": 162_974_016, "vision_tower": 86_433_024,
+                                    "projector": 7_077_888}),
 }
 # Small towers of each family for autograd (2 and 3 blocks; Qwen2.5-VL's block 1 attends
 # over the whole image, the others within windows).
@@ -470,4 +472,78 @@ def test_llava_next_tiles_tokens_and_activations(tmp_path):
                          and ".layers.2." not in name)  # past the feature layer: freed
             position_ids = 577 * 8
             assert kept - copies + pixels.numel() * 4 - position_ids == vision.image_bytes(
+                CPU_AUTOCAST, False)
+
+
+# picture -> tiles through the tower for a small Idefics3 (128-pixel tiles, longest edge
+# 512, 16-pixel patches, scale_factor 2: 16 tokens a tile), as its image processor cuts it
+IDEFICS3_IMAGES = {(640, 480): 13, (1920, 1080): 13, (300, 900): 9, (100, 100): 17,
+                   (1000, 200): 5}
+IDEFICS3_SMALL = {
+    **SMOLVLM_256M, "image_token_id": 299, "scale_factor": 2,
+    "text_config": {**SMOLVLM_256M["text_config"], "hidden_size": 48, "intermediate_size": 64,
+                    "num_hidden_layers": 2, "num_attention_heads": 2,
+                    "num_key_value_heads": 1, "vocab_size": 300},
+    "vision_config": {**SMOLVLM_256M["vision_config"], "hidden_size": 32,
+                      "intermediate_size": 48, "num_hidden_layers": 2,
+                      "num_attention_heads": 2, "image_size": 128}}
+IDEFICS3_SMALL_PROCESSOR = {"size": {"longest_edge": 512}, "max_image_size": {"longest_edge": 128},
+                            "do_image_splitting": True}
+
+
+def test_idefics3_tiles_follow_the_picture_and_the_processor(tmp_path):
+    """The processor's settings come from preprocessor_config.json (else its class's)."""
+    path = tmp_path / "small"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(IDEFICS3_SMALL))
+    (path / "preprocessor_config.json").write_text(json.dumps(IDEFICS3_SMALL_PROCESSOR))
+    shape = read_shape(str(path))
+    for size, tiles in IDEFICS3_IMAGES.items():
+        vision = shape.vision.for_image(size)
+        assert (vision.tiles, vision.image_tokens) == (tiles, 16 * tiles), size
+    smol = tmp_path / "smolvlm"
+    smol.mkdir()
+    (smol / "config.json").write_text(json.dumps(SMOLVLM_256M))
+    (smol / "preprocessor_config.json").write_text(json.dumps(SMOLVLM_PROCESSOR))
+    vision = read_shape(str(smol)).vision
+    assert (vision.grid, vision.tiles, vision.image_tokens) == ((3, 4), 13, 832)  # 640x480
+
+
+@pytest.mark.slow  # imports torch; a small model over 128-pixel tiles (about 2 s)
+def test_idefics3_tiles_tokens_and_activations(tmp_path):
+    """The small Idefics3, pictures cut by its image processor: the tiles and the tokens the
+    model makes equal the estimate's for five sizes, and what autograd keeps for a 640x480
+    picture (13 tiles) equals the estimate to the byte (the pixels and their bool mask are
+    the caller's)."""
+    torch = pytest.importorskip("torch")
+    from PIL import Image
+    from transformers import AutoConfig, AutoModelForImageTextToText
+    from transformers.models.idefics3.image_processing_pil_idefics3 import (
+        Idefics3ImageProcessorPil)
+
+    path = tmp_path / "small"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(IDEFICS3_SMALL))
+    (path / "preprocessor_config.json").write_text(json.dumps(IDEFICS3_SMALL_PROCESSOR))
+    shape = read_shape(str(path))
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(
+        AutoConfig.from_pretrained(path), dtype=torch.float32,
+        attn_implementation="sdpa").train()
+    processor = Idefics3ImageProcessorPil(**IDEFICS3_SMALL_PROCESSOR)
+    storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    vision = None
+    for size in IDEFICS3_IMAGES:
+        vision = shape.vision.for_image(size)
+        made = processor(images=[[Image.new("RGB", size)]], return_tensors="pt")
+        pixels, mask = made["pixel_values"], made["pixel_attention_mask"]
+        assert pixels.shape[1] == vision.tiles, size
+        features, kept = _kept_by_autograd(lambda: model.model.get_image_features(
+            pixel_values=pixels, pixel_attention_mask=mask).pooler_output, storages)
+        assert sum(f.shape[0] for f in features) == vision.image_tokens, size  # per image
+        if size == (640, 480):
+            copies = sum(2 * p.numel() for name, p in model.named_parameters()
+                         if p.dim() > 1 and "position_embedding" not in name
+                         and name.startswith(("model.vision_model.", "model.connector.")))
+            assert kept - copies + pixels.numel() * 4 + mask.numel() == vision.image_bytes(
                 CPU_AUTOCAST, False)

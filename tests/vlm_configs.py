@@ -96,3 +96,19 @@ LLAVA_NEXT_7B = {
                       "vocab_size": 32000},
     "vision_feature_layer": -2, "vision_feature_select_strategy": "default",
     "vocab_size": 32064}
+# Shaped as HuggingFaceTB/SmolVLM-256M-Instruct's config.json (an Idefics3 model; transcribed
+# from memory, not checked against the hub file: 256,484,928 parameters, its name's 256M),
+# with that model's processor settings (tiles of 512 pixels, longest edge 2048).
+SMOLVLM_256M = {
+    "architectures": ["Idefics3ForConditionalGeneration"], "image_token_id": 49190,
+    "model_type": "idefics3", "scale_factor": 4,
+    "text_config": {"architectures": ["VLlama3ForCausalLM"], "hidden_size": 576,
+                    "intermediate_size": 1536, "max_position_embeddings": 8192,
+                    "model_type": "llama", "num_attention_heads": 9, "num_hidden_layers": 30,
+                    "num_key_value_heads": 3, "rms_norm_eps": 1e-05, "rope_theta": 100000,
+                    "tie_word_embeddings": False, "vocab_size": 49280},
+    "tie_word_embeddings": False,
+    "vision_config": {"hidden_size": 768, "image_size": 512, "intermediate_size": 3072,
+                      "model_type": "idefics3", "num_attention_heads": 12,
+                      "num_hidden_layers": 12, "patch_size": 16}}
+SMOLVLM_PROCESSOR = {"size": {"longest_edge": 2048}, "max_image_size": {"longest_edge": 512}}

@@ -147,7 +147,7 @@ def shape_of(config: dict[str, Any], where: str,
     if kind in vision.COUNTED:
         text, tower = vision.read(config, where, processor)
         language = shape_of(text, where)
-        return replace(language, model_type=kind, vision=tower, prefix=vision.LANGUAGE_MODEL)
+        return replace(language, model_type=kind, vision=tower, prefix=vision.text_prefix(kind))
     if kind in image_text_model_types():
         raise ConfigError([f"{where}: model_type {kind!r} is a vision-language model the "
                            f"estimator does not count yet (it counts "

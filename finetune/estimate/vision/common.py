@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from finetune.errors import ConfigError
-from finetune.estimate import activations as act
+from finetune.estimate import walk
 from finetune.estimate.defaults import with_defaults
 from finetune.estimate.param import Param
 
@@ -86,7 +86,7 @@ def rms_norm(name: str, size: int) -> list[Param]:
 
 # What ops save, per position (see activations.py for the walk and its dtype rules).
 
-def layer_norm_saves(w: act._Walk, x: act._T, reg: act.Regime) -> act._T:
+def layer_norm_saves(w: walk._Walk, x: walk._T, reg: walk.Regime) -> walk._T:
     """LayerNorm saves its input and a mean and rstd per row. CUDA's autocast runs it in
     fp32 (a 16-bit input is cast, the output is fp32); the CPU's runs it in the input's
     dtype, as does a run without autocast."""
@@ -96,7 +96,7 @@ def layer_norm_saves(w: act._Walk, x: act._T, reg: act.Regime) -> act._T:
     return w.new(x.elems, 4 if fp32 else x.nbytes)
 
 
-def activation_saves(w: act._Walk, x: act._T, name: str) -> act._T:
+def activation_saves(w: walk._Walk, x: walk._T, name: str) -> walk._T:
     """quick_gelu is x * sigmoid(1.702 x): the product saves x and the sigmoid (which the
     sigmoid's own backward reads too); gelu and its tanh form save their input."""
     w.save(x)
@@ -105,7 +105,7 @@ def activation_saves(w: act._Walk, x: act._T, name: str) -> act._T:
     return w.new(x.elems, x.nbytes)
 
 
-def stream_bytes(reg: act.Regime) -> int:
+def stream_bytes(reg: walk.Regime) -> int:
     """Bytes of a tower's hidden states when they leave a 16-bit matmul (a patch
     convolution under autocast) rather than an fp32 embedding: the compute dtype under
     autocast, else the weights' own."""

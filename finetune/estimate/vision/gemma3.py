@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from finetune.errors import ConfigError
-from finetune.estimate import activations as act
+from finetune.estimate import walk
 from finetune.estimate.defaults import with_defaults
 from finetune.estimate.param import Param
 from finetune.estimate.vision import siglip
@@ -75,7 +75,7 @@ class Gemma3Vision:
     def unreached(self) -> tuple[str, ...]:
         return ()
 
-    def image_bytes(self, reg: act.Regime, checkpointing: bool,
+    def image_bytes(self, reg: walk.Regime, checkpointing: bool,
                     training: Training = Training()) -> int:
         """The batch's pixels, the tower's saves (siglip.py), then the projector's: the
         average pool's input (the tower's output, per patch), and per token Gemma's
@@ -89,11 +89,11 @@ class Gemma3Vision:
         stream = reg.residual
         if training.tower:
             total += self.positions * h * stream     # avg_pool2d saves its input
-        w = act._Walk()
+        w = walk._Walk()
         pooled = w.new(h, stream)
-        normed = act._gemma_norm(w, pooled, 1, training.projector, grad=training.tower)
+        normed = walk._gemma_norm(w, pooled, 1, training.projector, grad=training.tower)
         projector = replace(reg, base_trainable=training.projector)
-        act._linear(w, normed, self.text_hidden, projector, False)
+        walk._linear(w, normed, self.text_hidden, projector, False)
         return total + self.tokens * w.total
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from finetune.errors import ConfigError
-from finetune.estimate import activations as act
+from finetune.estimate import walk
 from finetune.estimate.param import Param
 from finetune.estimate.vision import llava, llava_activations
 from finetune.estimate.vision.common import DEFAULT_IMAGE, Training
@@ -108,7 +108,7 @@ class LlavaNextVision:
     def unreached(self) -> tuple[str, ...]:
         return self.base.unreached()
 
-    def image_bytes(self, reg: act.Regime, checkpointing: bool,
+    def image_bytes(self, reg: walk.Regime, checkpointing: bool,
                     training: Training = Training()) -> int:
         """Every tile as a LLaVA image (the unpadding and newlines save nothing)."""
         return self.tiles * llava_activations.image_bytes(self.base, reg, checkpointing,

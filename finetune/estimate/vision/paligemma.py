@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from finetune.errors import ConfigError
-from finetune.estimate import activations as act
+from finetune.estimate import walk
 from finetune.estimate.defaults import with_defaults
 from finetune.estimate.param import Param
 from finetune.estimate.vision import siglip
@@ -65,7 +65,7 @@ class PaliGemmaVision:
     def unreached(self) -> tuple[str, ...]:
         return ()
 
-    def image_bytes(self, reg: act.Regime, checkpointing: bool,
+    def image_bytes(self, reg: walk.Regime, checkpointing: bool,
                     training: Training = Training()) -> int:
         """The batch's pixels, the tower's saves (siglip.py), and the projector Linear's
         input when its weight trains."""
@@ -73,8 +73,8 @@ class PaliGemmaVision:
         total = t.channels * t.image_size ** 2 * PIXEL_BYTES
         if training.tower:
             total += t.image_bytes(reg, checkpointing)
-        w = act._Walk()
-        act._linear(w, w.new(t.hidden, reg.residual),
+        w = walk._Walk()
+        walk._linear(w, w.new(t.hidden, reg.residual),
                     self.projection, replace(reg, base_trainable=training.projector), False)
         return total + self.positions * w.total
 

@@ -17,24 +17,24 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from finetune.estimate import activations as act
+from finetune.estimate import walk
 from finetune.estimate.vision.common import (PIXEL_BYTES, Training, activation_saves,
                                              layer_norm_saves, stream_bytes)
 
 
-def _norm(w: act._Walk, x: act._T, v, reg: act.Regime) -> act._T:
+def _norm(w: walk._Walk, x: walk._T, v, reg: walk.Regime) -> walk._T:
     if v.qwen25:  # Qwen2_5_VLRMSNorm: as the decoder's RMSNorm
-        return act._norm(w, x, 1, reg, reg.base_trainable)
+        return walk._norm(w, x, 1, reg, reg.base_trainable)
     return layer_norm_saves(w, x, reg)
 
 
-def block_bytes(v, reg: act.Regime, block: int) -> int:
+def block_bytes(v, reg: walk.Regime, block: int) -> int:
     """Bytes one vision block saves per patch."""
-    w = act._Walk()
+    w = walk._Walk()
     h, i = v.hidden, v.intermediate
     x = w.new(h, stream_bytes(reg))
     y = _norm(w, x, v, reg)
-    qkv = act._linear(w, y, 3 * h, reg, False)
+    qkv = walk._linear(w, y, 3 * h, reg, False)
     c = qkv.nbytes
     w.save(qkv)                                         # v is a view of the fused output
     w.save(w.new(h, c), w.new(h, c))                    # rotary q and k, cast back
@@ -44,43 +44,43 @@ def block_bytes(v, reg: act.Regime, block: int) -> int:
     else:
         w.save(w.new(h, c), w.new(v.heads, 4))          # sdpa's output and log-sum-exp
     out = w.new(h, c)                                   # the heads' outputs, concatenated
-    o = act._linear(w, out, h, reg, False)
+    o = walk._linear(w, out, h, reg, False)
     x2 = w.new(h, max(x.nbytes, o.nbytes))
     y2 = _norm(w, x2, v, reg)
     if v.qwen25:  # down(silu(gate(y)) * up(y)): silu saves gate, the product both factors
-        g = act._linear(w, y2, i, reg, False)
-        u = act._linear(w, y2, i, reg, False)
+        g = walk._linear(w, y2, i, reg, False)
+        u = walk._linear(w, y2, i, reg, False)
         a = w.new(i, g.nbytes)
         w.save(g, a, u)
-        act._linear(w, w.new(i, max(a.nbytes, u.nbytes)), h, reg, False)
+        walk._linear(w, w.new(i, max(a.nbytes, u.nbytes)), h, reg, False)
     else:
-        f = act._linear(w, y2, i, reg, False)
-        act._linear(w, activation_saves(w, f, v.act), h, reg, False)
+        f = walk._linear(w, y2, i, reg, False)
+        walk._linear(w, activation_saves(w, f, v.act), h, reg, False)
     return w.total
 
 
-def merger_bytes(v, reg: act.Regime, training: Training) -> int:
+def merger_bytes(v, reg: walk.Regime, training: Training) -> int:
     """Bytes the merger saves per image: its norm per patch, its MLP per token."""
     reg = replace(reg, base_trainable=training.projector)
-    w = act._Walk()
+    w = walk._Walk()
     x = w.new(v.hidden, stream_bytes(reg))
     if v.qwen25:  # with a frozen tower only the normed value, for the weight's gradient
-        act._norm(w, x, 1, reg, training.projector, grad=training.tower)
+        walk._norm(w, x, 1, reg, training.projector, grad=training.tower)
     else:
         layer_norm_saves(w, x, reg)
     per_patch = w.total
-    w = act._Walk()
+    w = walk._Walk()
     merged = w.new(v.hidden * v.merge ** 2, 4 if reg.autocast else x.nbytes)
-    first = act._linear(w, merged, merged.elems, reg, False)
+    first = walk._linear(w, merged, merged.elems, reg, False)
     hidden = activation_saves(w, first, "gelu")
-    act._linear(w, hidden, v.out_hidden, reg, False)
+    walk._linear(w, hidden, v.out_hidden, reg, False)
     # Qwen2.5-VL: the int64 indices that order the groups back from the windows, and
     # (for a trained tower's gradient) into them
     per_token = w.total + ((16 if training.tower else 8) if v.qwen25 else 0)
     return v.positions * per_patch + v.image_tokens * per_token
 
 
-def image_bytes(v, reg: act.Regime, checkpointing: bool,
+def image_bytes(v, reg: walk.Regime, checkpointing: bool,
                 training: Training = Training()) -> int:
     """Bytes one image keeps from the forward to the backward: its pixels, the patch
     convolution's 16-bit input, the rotary cos/sin, every block (with checkpointing its

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from finetune.errors import ConfigError
-from finetune.estimate import activations as act
+from finetune.estimate import walk
 from finetune.estimate.defaults import config_defaults
 from finetune.estimate.param import Param
 from finetune.estimate.vision.common import (PIXEL_BYTES, layer_norm, layer_norm_saves, linear,
@@ -59,7 +59,7 @@ class Siglip:
             params += linear(f"{layer}.mlp.fc2", self.intermediate, h, True)
         return params + layer_norm(f"{self.prefix}post_layernorm", h)
 
-    def image_bytes(self, reg: act.Regime, checkpointing: bool) -> int:
+    def image_bytes(self, reg: walk.Regime, checkpointing: bool) -> int:
         """What one image saves in a trained tower: the fp32 pixels' 16-bit cast (the
         pixels themselves are the caller's), every encoder layer (with checkpointing its
         input and one recomputed layer) and the post-LayerNorm. The stream is fp32 under
@@ -72,17 +72,22 @@ class Siglip:
             layers = self.layers * self.hidden * reg.residual + layer
         else:
             layers = self.layers * layer
-        w = act._Walk()
+        w = walk._Walk()
         layer_norm_saves(w, w.new(self.hidden, reg.residual), reg)  # post_layernorm
         return total + self.positions * (layers + w.total)
 
 
-def read(vision: dict[str, Any], prefix: str, where: str) -> Siglip:
-    tower = vision.get("model_type", MODEL_TYPE)
-    if tower != MODEL_TYPE:
+def read(vision: dict[str, Any], prefix: str, where: str,
+         kinds: tuple[str, ...] = (MODEL_TYPE,),
+         config_class: tuple[str, str] = ("siglip/configuration_siglip.py",
+                                          "SiglipVisionConfig")) -> Siglip:
+    """kinds, config_class: the tower's model types and config class (Idefics3's and
+    SmolVLM's are SigLIP's layout under their own names)."""
+    tower = vision.get("model_type", kinds[0])
+    if tower not in kinds:
         raise ConfigError([f"{where}: a {tower!r} vision tower is not counted by the "
-                           f"estimator here (it counts {MODEL_TYPE})"])
-    defaults = config_defaults("siglip/configuration_siglip.py", "SiglipVisionConfig")
+                           f"estimator here (it counts {', '.join(kinds)})"])
+    defaults = config_defaults(*config_class)
     vision = {**{k: v for k, v in defaults.items() if v is not None}, **vision}
     shape = Siglip(prefix=prefix, hidden=positive(vision, "hidden_size", where),
                    intermediate=positive(vision, "intermediate_size", where),
