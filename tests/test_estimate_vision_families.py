@@ -46,6 +46,12 @@ PARTS = {
                                               "projector": 20_983_808}),
     "smolvlm-256m": (SMOLVLM_256M, {"language_model": 162_974_016, "vision_tower": 86_433_024,
                                     "projector": 7_077_888}),
+    # the same under SmolVLM's own model types (transformers models/smolvlm)
+    "smolvlm-256m-as-smolvlm": (
+        {**SMOLVLM_256M, "model_type": "smolvlm",
+         "architectures": ["SmolVLMForConditionalGeneration"],
+         "vision_config": {**SMOLVLM_256M["vision_config"], "model_type": "smolvlm_vision"}},
+        {"language_model": 162_974_016, "vision_tower": 86_433_024, "projector": 7_077_888}),
 }
 # Small towers of each family for autograd (2 and 3 blocks; Qwen2.5-VL's block 1 attends
 # over the whole image, the others within windows).
