@@ -252,6 +252,7 @@ def test_cli_image_size_and_images_per_row(tmp_path):
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)
     assert data["model"]["image_tokens"] == 1222 and data["settings"]["images_per_row"] == 2
+    assert data["settings"]["image_size"] == [1920, 1080]
 
 
 def test_parse_image_size():

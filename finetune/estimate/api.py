@@ -192,7 +192,6 @@ def estimate(experiment: Experiment, gpus: int | None = None, gpu_memory: int | 
         shape = replace(shape, vision=shape.vision.for_image(image_size))
         settings = settings.with_(images_per_row=DEFAULT_IMAGES_PER_ROW
                                   if images_per_row is None else images_per_row,
-                                  image_size=image_size,
                                   vision_training=vision_training or Training())
     memory = gpu_memory or DEFAULT_GPU_MEMORY
     tensors = census(shape, settings)

@@ -82,7 +82,6 @@ class Settings:
     value_model: str               # none, separate, shared (ppo)
     notes: tuple[str, ...] = field(default_factory=tuple)
     images_per_row: int = 0        # a vision-language model's images in each row (assumed)
-    image_size: tuple[int, int] | None = None  # (width, height) of each; None: the family's
     vision_training: Training = Training()     # which vision parts train (all, by default)
 
     def with_(self, **changes: Any) -> "Settings":
