@@ -8,13 +8,13 @@ from finetune.config.derived.kernels import Kernels, installed
 from finetune.config.methods import method, names_where, spoken
 from finetune.config.schema import Experiment
 from finetune.errors import ConfigError
+from finetune.estimate import vision
 from finetune.estimate.census import census, value_census, value_head
 from finetune.estimate.core import (CUDA_CONTEXT, FRAGMENTATION, GiB, Evaluation, evaluate,
                                     ladder_layouts)
 from finetune.estimate.optimizers import model_of
 from finetune.estimate.settings import Layout, Settings, settings_of
 from finetune.estimate.shapes import Shape, read_shape
-from finetune.estimate import vision
 from finetune.estimate.vision.common import Training
 
 DEFAULT_GPU_MEMORY = 80 * GiB
