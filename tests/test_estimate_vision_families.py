@@ -8,6 +8,7 @@ for what an image saves for the backward."""
 from __future__ import annotations
 
 import json
+import re
 import weakref
 
 import pytest
@@ -554,3 +555,30 @@ def test_idefics3_tiles_tokens_and_activations(tmp_path):
                          and name.startswith(("model.vision_model.", "model.connector.")))
             assert kept - copies + pixels.numel() * 4 + mask.numel() == vision.image_bytes(
                 CPU_AUTOCAST, False)
+
+
+def _with(config: dict, **vision) -> dict:
+    return {**config, "vision_config": {**config["vision_config"], **vision}}
+
+
+@pytest.mark.parametrize("config, processor, message", [
+    (QWEN2_VL_2B, {"min_pixels": 10_000, "max_pixels": 5_000},
+     "the processor's min_pixels 10,000 is more than its max_pixels 5,000"),
+    (QWEN2_VL_2B, {"max_pixels": "many"}, "preprocessor_config.size.longest_edge must be"),
+    (_with(QWEN2_VL_2B, patch_size=[14, 14]), None, "vision_config.patch_size must be one"),
+    ({**GEMMA3_4B, "mm_tokens_per_image": 200}, None, "mm_tokens_per_image 200 is not a square"),
+    (_with(GEMMA3_4B, vision_use_head=True), None, "vision_use_head is true"),
+    ({**PALIGEMMA_3B, "projection_dim": 1000}, None, "projection_dim 1000 is not text_config"),
+    ({k: v for k, v in PALIGEMMA_3B.items() if k != "text_config"}, None,
+     "a paligemma config without a text_config object"),
+    ({**LLAVA_NEXT_7B, "image_grid_pinpoints": [[300, 600]]}, None,
+     "image_grid_pinpoints must be multiples of the tower's image_size 336"),
+    ({**SMOLVLM_256M, "scale_factor": 5}, None, "scale_factor 5 does not divide the tower's 32"),
+    (_with(SMOLVLM_256M, model_type="clip_vision_model"), None,
+     "'clip_vision_model' vision tower is not counted"),
+], ids=["qwen-pixels", "qwen-pixels-type", "qwen-patch", "gemma3-tokens", "gemma3-head",
+        "paligemma-projection", "paligemma-text", "llava-next-pinpoints", "idefics3-scale",
+        "idefics3-tower"])
+def test_bad_configs_are_one_error_naming_the_key(tmp_path, config, processor, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        read_shape(str(_model(tmp_path, config, processor)))
