@@ -1,7 +1,15 @@
-"""config.json files of vision-language models as published on the hub (the repository is
-named above each; transcribed, and what transformers builds from each has the model
-card's parameter count): the estimator's tests build them on the meta device and compare
-(test_estimate_vision_families.py)."""
+"""For the estimator's vision-language tests (test_estimate_vision_families.py,
+test_estimate_siglip_and_tiled_vlms.py): config.json files of vision-language models as
+published on the hub (the repository is named above each; transcribed, and what
+transformers builds from each has the model card's parameter count), a model directory
+to read them from, and what autograd keeps for the backward."""
+
+from __future__ import annotations
+
+import json
+import weakref
+
+from finetune.estimate.walk import Regime
 
 _TOKENS = {"bos_token_id": 151643, "eos_token_id": 151645, "vision_start_token_id": 151652,
            "vision_end_token_id": 151653, "vision_token_id": 151654, "image_token_id": 151655,
@@ -112,3 +120,44 @@ SMOLVLM_256M = {
                       "model_type": "idefics3", "num_attention_heads": 12,
                       "num_hidden_layers": 12, "patch_size": 16}}
 SMOLVLM_PROCESSOR = {"size": {"longest_edge": 2048}, "max_image_size": {"longest_edge": 512}}
+
+
+def model_dir(tmp_path, config, processor=None):
+    """A model directory with `config` (and the image processor's settings)."""
+    directory = tmp_path / config["model_type"]
+    directory.mkdir(exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config))
+    if processor is not None:
+        (directory / "preprocessor_config.json").write_text(json.dumps(processor))
+    return directory
+
+
+def kept_by_autograd(forward, parameters: set[int]):
+    """(forward()'s result under CPU autocast, bytes of what autograd saved for the backward
+    that is still alive when it returns, parameter storages left out). Saved tensors are
+    packed detached: a tensor packed with its grad_fn would tie a node that saves its own
+    output (sdpa, sigmoid) into a reference cycle and keep graphs alive that training
+    frees (a vision layer past the feature layer)."""
+    import torch
+
+    saved = []
+
+    def pack(tensor):
+        detached = tensor.detach()
+        saved.append(weakref.ref(detached))
+        return detached
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            result = forward()
+    alive = {}
+    for ref in saved:
+        tensor = ref()
+        if tensor is not None and tensor.untyped_storage().data_ptr() not in parameters:
+            alive[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+    return result, sum(alive.values())
+
+
+# fp32 weights under CPU autocast (bf16), sdpa: the regime the autograd checks run
+CPU_AUTOCAST = Regime(residual=4, compute=2, autocast=True, base_trainable=True, quantized=0,
+                      attention="sdpa", cuda=False)
