@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
+import time
 
 import pytest
 
-from conftest import QUICKSTART, TINY_MODEL, run_cli
+from conftest import QUICKSTART, REPO, TINY_MODEL, run_cli
 from finetune.config import load_experiment, vision
 from finetune.data.scan import check_data
 from finetune.errors import DataError
@@ -205,8 +208,8 @@ def test_the_tiny_vlm_learns_from_images_and_trains_only_the_answers(tmp_path):
         [str((tmp_path / "vlm_eval" / f"{i:04d}.png").resolve())] for i in range(16)]
     hits = sum(a["completion"].strip() == a["reference"] for a in answers)
     assert hits / 16 == summary["after"]["eval_exact_match"]
-    chat = run_cli("chat", str(run), cwd=tmp_path)
-    assert chat.returncode != 0 and "`finetune chat` does not take images yet" in chat.stderr
+    if shutil.which("tmux"):  # as test_inference's chat in a terminal
+        chat_with_images(run, tmp_path, [json.loads(r) for r in rows[:2]], answers[:2])
     # Resumed from step 20 (the Trainer's own resume would load none of those weights:
     # trainers/vision.py), the run ends where the uninterrupted one did.
     shutil.rmtree(run / "checkpoints" / "checkpoint-40")
@@ -234,6 +237,40 @@ def test_the_tiny_vlm_learns_from_images_and_trains_only_the_answers(tmp_path):
         assert processor.tokenizer.decode(answer) .strip() in (
             "red<|eos|>", "green<|eos|>", "blue<|eos|>", "yellow<|eos|>", "ring<|eos|>",
             "square<|eos|>", "triangle<|eos|>"), processor.tokenizer.decode(answer)
+
+
+def chat_with_images(run, tmp_path, rows: list[dict], answers: list[dict]) -> None:
+    """`finetune chat --image` in a real terminal answers each row's question about its
+    picture as `finetune generate` did; /image attaches one later; a wrong path is one
+    line and the chat goes on."""
+    from test_inference import tmux, wait_for
+
+    questions = [r["messages"][0]["content"][-1]["text"] for r in rows]
+    session, status = f"vlm-chat-{tmp_path.name}", tmp_path / "chat-status"
+    command = (f"cd {tmp_path} && PYTHONPATH={REPO} {sys.executable} -m finetune chat {run} "
+               f"--image {rows[0]['images'][0]} --max-new-tokens 8; echo $? > {status}; "
+               "sleep 60")
+    tmux("new-session", "-d", "-s", session, "-x", "200", "-y", "40", command)
+    try:
+        wait_for(session, "you> ")
+        tmux("send-keys", "-t", session, questions[0], "Enter")
+        wait_for(session, f"{questions[0]}\nassistant> {answers[0]['completion']}\nyou> ")
+        tmux("send-keys", "-t", session, "/image vlm_eval/none.png", "Enter")
+        wait_for(session, "finetune: /image vlm_eval/none.png: no such file")
+        tmux("send-keys", "-t", session, "/reset", "Enter")
+        wait_for(session, "finetune: conversation reset")
+        tmux("send-keys", "-t", session, f"/image {rows[1]['images'][0]}", "Enter")
+        wait_for(session, "image 1 attached to your next message")
+        tmux("send-keys", "-t", session, questions[1], "Enter")
+        wait_for(session, f"{questions[1]}\nassistant> {answers[1]['completion']}\nyou> ")
+        tmux("send-keys", "-t", session, "C-d")
+        screen = wait_for(session, "finetune: bye")
+        deadline = time.time() + 60
+        while not status.exists() and time.time() < deadline:
+            time.sleep(0.1)
+        assert status.read_text().strip() == "0" and "Traceback" not in screen
+    finally:
+        subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
 
 
 def collated_batch(tmp_path, overrides):

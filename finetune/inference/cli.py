@@ -165,7 +165,7 @@ def _chat(args: argparse.Namespace) -> int:
 
     return chat(args.run_dir, model_choice=args.model, system=args.system,
                 max_new_tokens=args.max_new_tokens, temperature=args.temperature or 0.0,
-                top_p=args.top_p, seed=args.seed, dtype=args.dtype)
+                top_p=args.top_p, seed=args.seed, dtype=args.dtype, images=args.image)
 
 
 def add_commands(commands) -> None:
@@ -240,5 +240,8 @@ def add_commands(commands) -> None:
     chat.add_argument("run_dir", help="the run directory")
     chat.add_argument("--model", help=MODEL_HELP)
     chat.add_argument("--system", help="a system message opening the conversation")
+    chat.add_argument("--image", action="append", metavar="PATH",
+                      help="a picture attached to your first message (repeat for more; a "
+                           "vision-language model's run); /image PATH attaches one later")
     _sampling_args(chat)
     chat.set_defaults(func=_chat)
