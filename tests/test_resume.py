@@ -36,9 +36,11 @@ STEPS = 40
 # RNG); gkd x1 (Python's restored `random` picks student or data batches). Exhaustive:
 # reward x2 (sft x2's path with a score head), orpo x2 and cpo x1 (TRL's experimental
 # preference trainers: the Trainer's restore, as sft's), kto x2 (kto x1's order and
-# reference model on sft x2's two ranks).
+# reference model on sft x2's two ranks), sft-vlm x1 (a whole VLM: its weights restored
+# through from_pretrained, trainers/vision.py; its processor in every checkpoint).
 @pytest.mark.parametrize("method,processes", [
     ("sft", 1), ("sft", 2), pytest.param("reward", 2, marks=pytest.mark.exhaustive),
+    pytest.param("sft-vlm", 1, marks=pytest.mark.exhaustive),
     ("dpo", 1), pytest.param("orpo", 2, marks=pytest.mark.exhaustive),
     pytest.param("cpo", 1, marks=pytest.mark.exhaustive), ("kto", 1),
     pytest.param("kto", 2, marks=pytest.mark.exhaustive), ("distill", 1), ("gkd", 1)])
@@ -111,6 +113,8 @@ def test_sigterm_and_sigkill_then_resume_is_bitwise_identical(method, processes,
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()
                   if not p.name.startswith("checkpoint-")) == []
     assert [s for s, *_ in losses(run_dir)] == [1, *range(3, STEPS + 1, 3)]
+    if method == "sft-vlm":  # the sealed checkpoint loads as a model with its processor
+        assert "processor_config.json" in checkpoints.read_manifest(sealed)["files"]
 
 
 # vlm: sft of the tiny LLaVA on rows with images (its processor in the checkpoint). Its
