@@ -208,6 +208,18 @@ def test_the_tiny_vlm_learns_from_images_and_trains_only_the_answers(tmp_path):
         [str((tmp_path / "vlm_eval" / f"{i:04d}.png").resolve())] for i in range(16)]
     hits = sum(a["completion"].strip() == a["reference"] for a in answers)
     assert hits / 16 == summary["after"]["eval_exact_match"]
+    # --prompt with --image: the first row's question about its picture, answered alike
+    first = json.loads(rows[0])
+    flags = run_cli("generate", str(run), "--prompt", first["messages"][0]["content"][-1]["text"],
+                    "--image", first["images"][0], "--max-new-tokens", "8", cwd=tmp_path)
+    assert flags.returncode == 0, flags.stderr[-3000:]
+    assert json.loads(flags.stdout)["completion"] == answers[0]["completion"]
+    (tmp_path / "rewards.py").write_text("def zero(completions, **kwargs):\n"
+                                         "    return [0.0 for _ in completions]\n")
+    best = run_cli("generate", str(run), "--file", "prompts.jsonl", "--best-of", "2",
+                   "--reward", "rewards.py:zero", cwd=tmp_path)
+    assert best.returncode != 0 and "Traceback" not in best.stderr
+    assert "`finetune generate --best-of` does not take images yet" in best.stderr
     if shutil.which("tmux"):  # as test_inference's chat in a terminal
         chat_with_images(run, tmp_path, [json.loads(r) for r in rows[:2]], answers[:2])
     # Resumed from step 20 (the Trainer's own resume would load none of those weights:
