@@ -13,13 +13,12 @@ prompts do (model/vision.chat_prompts), every picture so far in its turn.
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import torch
 
-from finetune.data.images import image_problem
 from finetune.errors import DataError, RunError
 from finetune.inference.generate import context_of
+from finetune.inference.prompts import checked_image
 from finetune.model.saved import (device, dtype_of, load_model, load_tokenizer, locate,
                                      require_lm)
 from finetune.model.tokenizer import render_chat
@@ -47,12 +46,13 @@ class Chat:
         and the chat goes on)."""
         if self.processor is None:
             return "/image: the model takes text only (not a vision-language model)"
-        path = Path(given).expanduser().resolve()
-        problem = image_problem(path)
-        if problem:
-            return f"/image {given}: {problem} ({path})"
-        self.pending.append(str(path))
-        return f"image {len(self.pending)} attached to your next message: {path}"
+        if not given:
+            return "/image PATH: name the picture"
+        try:
+            self.pending.append(checked_image(given, "/image"))
+        except DataError as exc:
+            return str(exc)
+        return f"image {len(self.pending)} attached to your next message: {self.pending[-1]}"
 
     def _encoded(self, messages: list[dict]) -> dict:
         """The conversation as the model's inputs, with a generation prompt."""
@@ -112,7 +112,7 @@ def _turn(chat: Chat) -> bool:
         print("finetune: conversation reset", flush=True)
         return True
     if text == "/image" or text.startswith("/image "):
-        print(f"finetune: {chat.attach(text[len('/image'):].strip() or '.')}", flush=True)
+        print(f"finetune: {chat.attach(text[len('/image'):].strip())}", flush=True)
         return True
     if text in ("/help", "/?") or text.startswith("/"):
         print(HELP + (f", {IMAGE_HELP}" if chat.processor is not None else ""), flush=True)
@@ -137,10 +137,7 @@ def chat(run_dir: str, *, model_choice: str | None, system: str | None, max_new_
         raise RunError(f"--image: {run.directory} is not a vision-language model; it takes "
                        "text only")
     for given in images or ():  # checked before the model loads
-        path = Path(given).expanduser().resolve()
-        problem = image_problem(path)
-        if problem:
-            raise RunError(f"--image {given}: {problem} ({path})")
+        checked_image(given, "--image")
     tokenizer = load_tokenizer(run)  # a vision-language model's processor
     if not text_tokenizer(tokenizer).chat_template:
         raise RunError(f"the tokenizer of {run.directory} has no chat template; use `finetune "

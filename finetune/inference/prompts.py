@@ -38,16 +38,19 @@ class Prompt:
 def from_texts(texts: list[str], images: list[str] | None = None) -> list[Prompt]:
     """--prompt texts, each with the --image pictures (paths from the working directory,
     checked: a DataError naming the flag and the path)."""
-    paths = [_image_flag(given) for given in images or ()] or None
+    paths = [checked_image(given, "--image") for given in images or ()] or None
     return [Prompt(f"--prompt {i + 1}", text=text, images=paths)
             for i, text in enumerate(texts)]
 
 
-def _image_flag(given: str) -> str:
+def checked_image(given: str, flag: str) -> str:
+    """A picture named on the command line (`generate --image`, chat's --image and /image;
+    relative to the working directory) as an absolute path; a DataError `FLAG GIVEN:
+    problem (path)` when it is no image."""
     path = Path(given).expanduser().absolute()
     problem = image_problem(path)
     if problem:
-        raise DataError(f"--image {given}: {problem} ({path})")
+        raise DataError(f"{flag} {given}: {problem} ({path})")
     return str(path.resolve())
 
 
