@@ -223,7 +223,12 @@ def test_the_tiny_vlm_learns_from_images_and_trains_only_the_answers(tmp_path):
     if shutil.which("tmux"):  # as test_inference's chat in a terminal
         chat_with_images(run, tmp_path, [json.loads(r) for r in rows[:2]], answers[:2])
     # Resumed from step 20 (the Trainer's own resume would load none of those weights:
-    # trainers/vision.py), the run ends where the uninterrupted one did.
+    # trainers/vision.py), the run ends where the uninterrupted one did. The sealed
+    # checkpoint holds the processor (it loads as a model on its own).
+    from finetune.rundir import checkpoints
+
+    sealed = checkpoints.read_manifest(run / "checkpoints" / "checkpoint-20")["files"]
+    assert {"processor_config.json", "chat_template.jinja", "tokenizer.json"} <= set(sealed)
     shutil.rmtree(run / "checkpoints" / "checkpoint-40")
     shutil.rmtree(run / "final")
     (run / "summary.json").unlink()
