@@ -68,6 +68,11 @@ def ddp_weights(tmp_path_factory):
     return launched("ddp", tmp_path_factory.mktemp("ddp"))
 
 
+@pytest.fixture(scope="module")
+def vlm_ddp_weights(tmp_path_factory):
+    return launched("ddp", tmp_path_factory.mktemp("vlm-ddp"), vlm=True)
+
+
 # zero2-offload's path (DeepSpeed's CPU Adam on offloaded optimizer states) is in
 # zero3-offload too, which offloads the parameters as well: exhaustive.
 @pytest.mark.parametrize("variant", [
@@ -81,12 +86,14 @@ def test_zero_matches_ddp(variant, ddp_weights, tmp_path):
     assert worst_difference(variant, weights, *ddp_weights) <= 1e-5
 
 
-# ZeRO-3's partitioned parameters on a vision tower and its projector: the text cases'
-# path with other modules (exhaustive). The DDP run is the VLM's own.
+# ZeRO's sharded states and (ZeRO-3) partitioned parameters on a vision tower and its
+# projector: the text cases' paths with other modules (exhaustive). The DDP run is the
+# VLM's own.
 @pytest.mark.exhaustive
-def test_zero3_matches_ddp_for_a_vision_language_model(tmp_path):
-    reference, init = launched("ddp", tmp_path, vlm=True)
-    weights, _ = launched("zero3", tmp_path, vlm=True)
+@pytest.mark.parametrize("variant", ["zero2", "zero3"])
+def test_zero_matches_ddp_for_a_vision_language_model(variant, vlm_ddp_weights, tmp_path):
+    reference, init = vlm_ddp_weights
+    weights, _ = launched(variant, tmp_path, vlm=True)
     # CLIP's key biases: a gradient of 0 but for rounding (test_data_parallel); left out
     reference = {k: v for k, v in reference.items() if not k.endswith("k_proj.bias")}
-    assert worst_difference("zero3 (VLM)", weights, reference, init) <= 1e-5
+    assert worst_difference(f"{variant} (VLM)", weights, reference, init) <= 1e-5
