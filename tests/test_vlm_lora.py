@@ -297,3 +297,39 @@ def test_qlora_on_the_tiny_vlm_quantizes_the_language_model_and_trains_the_proje
                  if p.requires_grad and ".lora_" not in n}
     assert trainable == {"base_model.model.model.multi_modal_projector"}
 
+
+
+@pytest.mark.slow  # the processor (transformers)
+def test_prompts_see_the_pictures_as_training_fits_them(tmp_path):
+    """generate, chat and exact match encode prompts through chat_prompts with the run's
+    fitter: a picture over vision.max_pixels reaches the processor as the fitted picture."""
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    from finetune.data.image_size import fitted, fitter
+    from finetune.model.vision import chat_prompts
+
+    processor = AutoProcessor.from_pretrained(TINY_VLM)
+    big = Image.effect_noise((64, 64), 60).convert("RGB")
+    big.save(tmp_path / "big.png")
+    fitted(big, 256, None).save(tmp_path / "small.png")
+    ask = [[{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "?"}]}]]
+    (tmp_path / "rows.jsonl").write_text("")
+    exp = lambda extra: load_experiment(write_experiment(tmp_path, extra))
+    fit = fitter(exp("vision: {max_pixels: 256}\n"))
+    pixels = lambda name, f=list: chat_prompts(processor, ask, [[str(tmp_path / name)]],
+                                               f)["pixel_values"]
+    assert fitter(exp("")) is list
+    assert torch_equal(pixels("big.png", fit), pixels("small.png"))
+    assert not torch_equal(pixels("big.png"), pixels("small.png"))
+
+
+def write_experiment(tmp_path, extra: str):
+    path = tmp_path / "exp.yaml"
+    path.write_text(f"method: sft\nmodel: {{name_or_path: {TINY_VLM}, init: random}}\n"
+                    f"data: {{train: {tmp_path / 'rows.jsonl'}}}\n{extra}")
+    return path
+
+
+def torch_equal(a, b) -> bool:
+    return a.shape == b.shape and bool((a == b).all())

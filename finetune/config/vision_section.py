@@ -27,8 +27,8 @@ class VisionSection(Section):
     max_pixels: int | None = Field(
         None, gt=0, le=MAX_PIXELS, description="Vision-language models: an image of more "
         "pixels (width x height) is downscaled, aspect ratio kept, to at most this many before "
-        "the processor sees it, in the training and eval batches and exact-match generation "
-        "(not yet in `finetune generate`).")
+        "the processor sees it: in training, evaluation and the run's `finetune generate` and "
+        "`chat`.")
     min_pixels: int | None = Field(
         None, gt=0, le=MAX_PIXELS, description="Vision-language models: an image of fewer "
         "pixels is upscaled, aspect ratio kept, to at least this many before the processor "

@@ -6,6 +6,7 @@ TRL's vision collator with image paths; within the bounds they stay paths."""
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 
 def fitted(image, max_pixels: int | None, min_pixels: int | None):
@@ -32,6 +33,14 @@ def fit_all(images: list, max_pixels: int | None, min_pixels: int | None) -> lis
     from transformers.image_utils import load_image
 
     return [fitted(load_image(image), max_pixels, min_pixels) for image in images]
+
+
+def fitter(experiment) -> Callable[[list], list]:
+    """fit_all with the experiment's vision.max_pixels / min_pixels (`list`: no bounds)."""
+    spec = experiment.vision
+    if spec is None or (spec.max_pixels is None and spec.min_pixels is None):
+        return list
+    return lambda images: fit_all(images, spec.max_pixels, spec.min_pixels)
 
 
 class ImagesSized:

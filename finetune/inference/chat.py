@@ -16,6 +16,7 @@ import sys
 
 import torch
 
+from finetune.data.image_size import fitter
 from finetune.errors import DataError, RunError
 from finetune.inference.generate import context_of
 from finetune.inference.prompts import checked_image
@@ -30,8 +31,8 @@ IMAGE_HELP = "/image PATH attaches a picture to your next message"
 
 class Chat:
     def __init__(self, model, tokenizer, system: str | None, max_new_tokens: int,
-                 temperature: float, top_p: float):
-        self.model = model
+                 temperature: float, top_p: float, fit=list):
+        self.model, self.fit = model, fit  # fit: vision.max_pixels (data/image_size.py)
         self.processor = tokenizer if is_processor(tokenizer) else None  # takes images
         self.tokenizer = text_tokenizer(tokenizer)
         self.start = [{"role": "system", "content": system}] if system else []
@@ -57,7 +58,8 @@ class Chat:
     def _encoded(self, messages: list[dict]) -> dict:
         """The conversation as the model's inputs, with a generation prompt."""
         if self.processor is not None:
-            return chat_prompts(self.processor, [messages], [self.images + self.pending])
+            return chat_prompts(self.processor, [messages], [self.images + self.pending],
+                                self.fit)
         ids = render_chat(self.tokenizer, messages, "the conversation", generation_prompt=True)
         input_ids = torch.tensor([ids])
         return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
@@ -149,7 +151,8 @@ def chat(run_dir: str, *, model_choice: str | None, system: str | None, max_new_
         import readline  # noqa: F401  (line editing and history for input())
     except ImportError:
         pass
-    session = Chat(model, tokenizer, system, max_new_tokens, temperature, top_p)
+    session = Chat(model, tokenizer, system, max_new_tokens, temperature, top_p,
+                   fitter(run.experiment))
     for given in images or ():
         print(f"finetune: {session.attach(given)}", flush=True)
     helps = HELP + (f", {IMAGE_HELP}" if session.processor is not None else "")

@@ -11,8 +11,7 @@ import torch
 from datasets import Dataset
 
 from finetune.model.vision import is_processor
-from finetune.config.vision_section import choice
-from finetune.data.image_size import fit_all
+from finetune.data.image_size import fitter
 from finetune.run import vision_evaluation
 
 
@@ -87,11 +86,9 @@ def evaluate(trainer, job) -> tuple[dict[str, Any], dict[str, Any] | None]:
         return results, None
     with _generating(trainer):
         if is_processor(job.tokenizer):  # a vision-language model: prompts with images
-            bounds = choice(job.experiment.vision, job.experiment.peft.type)
             scored = vision_evaluation.exact_match(
                 trainer.model, job.tokenizer, job.data.eval_examples, spec.max_new_tokens,
-                spec.max_samples, trainer.args.device,
-                fit=lambda images: fit_all(images, bounds.max_pixels, bounds.min_pixels))
+                spec.max_samples, trainer.args.device, fit=fitter(job.experiment))
         else:
             scored = exact_match(trainer.model, job.tokenizer, job.data.eval_examples,
                                  job.data.format, spec.max_new_tokens, spec.max_samples,

@@ -45,7 +45,7 @@ def exact_match(model, processor, dataset: Dataset, max_new_tokens: int, max_sam
         for start in range(0, len(triples), batch_size):
             batch = triples[start:start + batch_size]
             enc = chat_prompts(processor, [prompt for prompt, _, _ in batch],
-                               [fit(images) for _, images, _ in batch]).to(device)
+                               [images for _, images, _ in batch], fit).to(device)
             out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
                                  pad_token_id=tokenizer.pad_token_id)
             texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:],
