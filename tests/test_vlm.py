@@ -239,7 +239,7 @@ def test_the_tiny_vlm_learns_from_images_and_trains_only_the_answers(tmp_path):
     assert resumed["after"]["eval_loss"] == pytest.approx(summary["after"]["eval_loss"],
                                                           rel=1e-4)
 
-    batch, processor = collated_batch(tmp_path, steps)
+    batch, processor, _ = collated_batch(tmp_path, steps)
     image_token = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
     assistant = processor.tokenizer.convert_tokens_to_ids("<|assistant|>")
     labels, ids = batch["labels"], batch["input_ids"]
@@ -290,23 +290,53 @@ def chat_with_images(run, tmp_path, rows: list[dict], answers: list[dict]) -> No
         subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
 
 
-def collated_batch(tmp_path, overrides):
-    """A training batch as the run's trainer collates it: the experiment built the way
-    `finetune train` builds it (run/build.py), its first batch taken from the trainer's
-    own dataloader."""
+@pytest.mark.slow  # builds the model and a trainer
+def test_text_only_rows_train_beside_rows_with_images(write, tmp_path):
+    """A VLM run takes conversations without pictures too (a file with no `images` at all,
+    or rows of one with none): they collate beside rows with pictures, only the answers
+    train, and a step's gradient reaches the tower through the rows that have one."""
+    data = tmp_path / "data"
+    data.mkdir()
+    shutil.copy(PICTURE, data / "pic.png")
+    text = {"messages": [{"role": "user", "content": "Say red."},
+                         {"role": "assistant", "content": "red"}]}
+    (data / "text.jsonl").write_text(json.dumps(text) + "\n")
+    (data / "mixed.jsonl").write_text(json.dumps(row("pic.png")) + "\n" + json.dumps(text) + "\n")
+    for name, pictures in (("text", 0), ("mixed", 1)):
+        config = write(f"{name}.yaml", f"method: sft\nmodel: {{name_or_path: {TINY_VLM}, "
+                                       f"init: random}}\ndata: {{train: {data / name}.jsonl}}\n"
+                                       "training: {per_device_train_batch_size: 2}\n")
+        batch, processor, model = collated_batch(tmp_path / name, [], config)
+        image_token = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
+        counts = (batch["input_ids"] == image_token).sum(dim=1).tolist()
+        assert sorted(counts) == ([0, 16] if pictures else [0])
+        assert ("pixel_values" in batch) == bool(pictures)
+        trained = [processor.tokenizer.decode(ids[labels != -100]) for ids, labels in
+                   zip(batch["input_ids"], batch["labels"])]
+        assert all(t.strip() == "red<|eos|>" for t in trained), trained
+        loss = model(**{k: v for k, v in batch.items() if k != "weight"}).loss
+        loss.backward()
+        tower = [p.grad for n, p in model.named_parameters() if "vision_tower" in n]
+        assert any(g is not None and g.abs().sum() > 0 for g in tower) == bool(pictures)
+
+
+def collated_batch(tmp_path, overrides, config=QUICKSTART / "vlm.yaml"):
+    """(a training batch as the run's trainer collates it, the processor, the model): the
+    experiment built the way `finetune train` builds it (run/build.py), its first batch
+    taken from the trainer's own dataloader."""
     from finetune.methods import Job
     from finetune.model.hardware import resolve_hardware
     from finetune.run.build import method_trainer, starting_model, tokenizer_and_data
 
-    experiment = load_experiment(QUICKSTART / "vlm.yaml", overrides)
+    experiment = load_experiment(config, overrides)
     run_dir = tmp_path / "inspect"
-    run_dir.mkdir()
+    run_dir.mkdir(parents=True)
     hw = resolve_hardware(experiment)
     processor, data = tokenizer_and_data(experiment, run_dir)
     args, model = starting_model(experiment, hw, processor, run_dir, 0, run_dir, False)
     trainer = method_trainer(Job(experiment=experiment, run_dir=run_dir, hardware=hw,
                                  tokenizer=processor, model=model, data=data, args=args))
-    return next(iter(trainer.get_train_dataloader())), processor
+    return next(iter(trainer.get_train_dataloader())), processor, model
 
 
 # LLaVA's rows (and LLaMA-Factory's): sharegpt turns with `<image>` placeholders, and

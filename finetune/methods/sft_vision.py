@@ -39,9 +39,9 @@ def refuse_images(splits: Splits, experiment: Experiment) -> None:
 
 def _problems(splits: Splits, experiment: Experiment) -> list[str]:
     training, problems = experiment.training, []
-    if splits.format != "messages" or IMAGES not in (splits.train.column_names or ()):
-        problems.append("data.train: a vision-language model trains on conversations with "
-                        "images (`messages` with image parts, and `images`); other rows "
+    if splits.format != "messages":
+        problems.append("data.train: a vision-language model trains on conversations "
+                        "(`messages`, with image parts and `images` or text only); other rows "
                         f"(here format {splits.format}) are not supported yet")
     for key in ("packing", "padding_free"):
         if training.get(key):
@@ -66,8 +66,12 @@ def prepare(splits: Splits, experiment: Experiment, said: str | None) -> Splits:
         raise ConfigError(problems)
     if said and said not in splits.notes:
         splits.notes.append(said)
-    keep = lambda rows: rows.select_columns([c for c in (*COLUMNS, WEIGHT, ORIGIN)
-                                              if c in rows.column_names])
+    def keep(rows):
+        if IMAGES not in rows.column_names:  # text-only conversations: no pictures to collate
+            rows = rows.add_column(IMAGES, [[] for _ in range(len(rows))])
+        return rows.select_columns([c for c in (*COLUMNS, WEIGHT, ORIGIN)
+                                    if c in rows.column_names])
+
     return splits.tokenized(lambda rows, split: keep(rows))
 
 
