@@ -81,3 +81,34 @@ def test_eval_and_generate_with_images_on_cuda(vlm_run, figures):
     assert record["max_memory_allocated"] > 0
     assert len(answers) == PROMPTS and all(len(a["images"]) == 1 for a in answers)
     assert hits == pytest.approx(reported["eval_exact_match"], abs=0.15)
+
+
+@pytest.mark.parametrize("peft", ["lora", "qlora"])
+def test_vlm_adapter_trains_on_cuda(peft, gpu, tmp_path, figures):
+    """LoRA and QLoRA on the tiny LLaVA, a few steps on the GPU: finite losses, LoRA on the
+    language model's linear layers only (vision_parts: the tower and projector frozen), and
+    under QLoRA only those layers bitsandbytes 4-bit on the GPU, the tower's and the
+    projector's plain (llm_int8_skip_modules), as Trainer.train saw them."""
+    if peft == "qlora" and not gpu["bitsandbytes"]:
+        pytest.skip("bitsandbytes is not installed (tools/gpu/prepare.sh carries it)")
+    run = tmp_path / "run"
+    result, record = observed("train", VLM, CUDA, f"peft.type={peft}", "training.max_steps=5",
+                              "training.logging_steps=1", "training.save_steps=1000",
+                              "evaluation.max_samples=32", f"output.dir={run}",
+                              cwd=tmp_path, timeout=240)
+    step_losses = losses(run)
+    summary = read_json(run / "summary.json")
+    figures(losses=step_losses, seconds=summary["seconds"],
+            max_memory_allocated=record["max_memory_allocated"])
+    assert read_json(run / "environment.json")["device"] == "cuda"
+    assert len(step_losses) == 5 and all(abs(x) < float("inf") for x in step_losses)
+    assert record["max_memory_allocated"] > 0
+    bases = [m for m in record["linear"] if m["name"].endswith(".base_layer")]
+    assert bases and all(".language_model." in m["name"] for m in bases), bases
+    tower = [m for m in record["linear"] if ".vision_tower." in m["name"]
+             or ".multi_modal_projector." in m["name"]]
+    assert tower and not any(".lora_" in m["name"] for m in tower)
+    assert all(m["device"] == "cuda" for m in record["linear"])
+    if peft == "qlora":
+        assert {m["weight"] for m in bases} == {"Params4bit"}
+        assert all(m["weight"] == "Parameter" for m in tower), tower
