@@ -8,7 +8,7 @@ from finetune.config.derived.kernels import Kernels, installed
 from finetune.config.methods import method, names_where, spoken
 from finetune.config.schema import Experiment
 from finetune.errors import ConfigError
-from finetune.estimate import vision
+from finetune.estimate import vision, vision_peft
 from finetune.estimate.census import census, value_census, value_head
 from finetune.estimate.core import (CUDA_CONTEXT, FRAGMENTATION, GiB, Evaluation, evaluate,
                                     ladder_layouts)
@@ -138,19 +138,37 @@ def _vision_assumptions(settings: Settings, shape: Shape) -> list[str]:
     tokens = n * v.image_tokens
     images = f"{n} image{'s' if n != 1 else ''} per row"
     training = settings.vision_training
-    frozen = [name for name, trains in (("vision tower", training.tower),
-                                        ("projector", training.projector)) if not trains]
     out = [f"{images} (assumed; the estimate does not read the data), {v.image_note()}, "
            f"{tokens} of the {settings.seq_len} tokens of each row: the sequence length "
            "counts them, as TRL's vision collator truncates after expanding the images",
-           f"{v.tower_note()}; "
-           + (f"frozen: {' and '.join(frozen)} (no gradients, optimizer states or "
-              "activations of their own)" if frozen else
-              "the whole model trains (no part is frozen under full fine-tuning)")]
+           f"{v.tower_note()}; {_vision_training_note(settings)}"]
     if tokens > settings.seq_len:
         out.append(f"{images} is {tokens} image tokens, more than the {settings.seq_len} "
                    "tokens of a row: training refuses such rows (max_length cuts the image)")
     return out
+
+
+def _vision_training_note(settings: Settings) -> str:
+    training, peft = settings.vision_training, settings.peft.type
+    if peft == "none":
+        frozen = [name for name, trains in (("vision tower", training.tower),
+                                            ("projector", training.projector)) if not trains]
+        return (f"frozen: {' and '.join(frozen)} (no gradients, optimizer states or "
+                "activations of their own)" if frozen else
+                "the whole model trains (no part is frozen under full fine-tuning)")
+    where = "the language model's" + ("" if not training.tower else " and the vision tower's")
+    kept = "4/8-bit" if peft == "qlora" else settings.precision
+    text = (f"{peft}: adapters on {where} linear layers (vision section); the language "
+            f"model's linear weights in {kept}"
+            + (", the vision tower, projector and head unquantized (fp32 after "
+               "prepare_model_for_kbit_training)" if peft == "qlora" else "")
+            + ("; the projector trains whole (modules_to_save)" if training.projector
+               else "; the projector frozen"))
+    if settings.checkpointing:
+        text += ("; with activation checkpointing the frozen tower still runs its backward "
+                 "(enable_input_require_grads hooks its patch embedding): its activations "
+                 "counted as a trained tower's")
+    return text
 
 
 def _not_counted(settings: Settings) -> list[str]:
@@ -178,7 +196,7 @@ def estimate(experiment: Experiment, gpus: int | None = None, gpu_memory: int | 
     settings_of). A vision-language model's images_per_row (default 1), image_size
     (width, height) in pixels before the processor resizes it (default: the family's,
     where the tokens depend on it) and vision_training (which of its tower and projector
-    train; default both)."""
+    train; default: as the experiment's vision section says)."""
     shape = read_shape(experiment.model.name_or_path, experiment.model.revision)
     kernels = kernels or installed()
     settings = settings_of(experiment, gpus, seq_len, shape.max_positions, device, precision,
@@ -192,7 +210,8 @@ def estimate(experiment: Experiment, gpus: int | None = None, gpu_memory: int | 
         shape = replace(shape, vision=shape.vision.for_image(image_size))
         settings = settings.with_(images_per_row=DEFAULT_IMAGES_PER_ROW
                                   if images_per_row is None else images_per_row,
-                                  vision_training=vision_training or Training())
+                                  vision_training=vision_training
+                                  or vision_peft.training_of(experiment, shape))
     memory = gpu_memory or DEFAULT_GPU_MEMORY
     tensors = census(shape, settings)
     value = []
@@ -252,8 +271,5 @@ def _check_vision(experiment: Experiment, shape: Shape) -> None:
     if not method(experiment.method).vision:
         problems.append(f"{what} trains only with "
                         f"{spoken(names_where(lambda m: m.vision))} yet (docs/vision.md)")
-    if experiment.peft.type != "none":
-        problems.append(f"{what}: LoRA and QLoRA on one are not supported yet, so not "
-                        "estimated; train the whole model (peft.type: none)")
     if problems:
         raise ConfigError(problems)

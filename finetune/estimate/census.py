@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 
 from finetune.config.derived.effective import model_precision
 from finetune.errors import ConfigError
-from finetune.estimate import vision
+from finetune.estimate import vision, vision_peft
 from finetune.estimate.settings import Settings
 from finetune.estimate.param import Param
 from finetune.estimate.shapes import Linear, Shape, linears, module_names, parameters
@@ -63,24 +63,34 @@ def compute_dtype(settings: Settings) -> str:
     return settings.precision  # bf16, fp16 or fp32
 
 
-def lora_targets(shape: Shape, settings: Settings) -> list[Linear]:
-    """The modules peft wraps with LoRA, matched the way peft matches them."""
-    spec = settings.peft
-    saved = _modules_to_save(settings)
-    candidates = linears(shape, settings.head, settings.num_labels)
-    target = spec.target_modules
-    if isinstance(target, str) and target.lower() == "all-linear":
-        # peft: every nn.Linear except the output layer (lm_head, or the score head).
-        found = [lin for lin in candidates if lin.kind == "layer"]
-    elif isinstance(target, str):
+def matched(candidates: list[Linear], target) -> list[Linear]:
+    """The candidates peft's target_modules matches: a string as a full regex, a list by
+    name or suffix."""
+    if isinstance(target, str):
         try:
-            found = [lin for lin in candidates if re.fullmatch(target, lin.name)]
+            return [lin for lin in candidates if re.fullmatch(target, lin.name)]
         except re.error as exc:
             raise ConfigError([f"peft.target_modules: {target!r} is not a valid regex: "
                                f"{exc}"]) from None
+    return [lin for lin in candidates
+            if lin.name in target or any(lin.name.endswith(f".{key}") for key in target)]
+
+
+def lora_targets(shape: Shape, settings: Settings) -> list[Linear]:
+    """The modules peft wraps with LoRA, matched the way peft matches them (a
+    vision-language model's as finetune.model.vision_parts chooses them)."""
+    spec = settings.peft
+    saved = _modules_to_save(settings, shape)
+    candidates = linears(shape, settings.head, settings.num_labels)
+    target = spec.target_modules
+    if shape.vision:
+        found = vision_peft.lora_targets(shape, settings.vision_training, target, candidates,
+                                         vision_peft.projector_modules(shape))
+    elif isinstance(target, str) and target.lower() == "all-linear":
+        # peft: every nn.Linear except the output layer (lm_head, or the score head).
+        found = [lin for lin in candidates if lin.kind == "layer"]
     else:
-        found = [lin for lin in candidates
-                 if lin.name in target or any(lin.name.endswith(f".{key}") for key in target)]
+        found = matched(candidates, target)
     found = [lin for lin in found
              if not any(re.match(rf"(^|.*\.){m}($|\..*)", lin.name) for m in saved)]
     if not found:
@@ -89,10 +99,13 @@ def lora_targets(shape: Shape, settings: Settings) -> list[Linear]:
     return found
 
 
-def _modules_to_save(settings: Settings) -> list[str]:
+def _modules_to_save(settings: Settings, shape: Shape | None = None) -> list[str]:
     names = list(settings.peft.modules_to_save or [])
     if settings.head == "score":
         names += ["classifier", "score"]  # peft's sequence-classification default
+    if shape is not None and shape.vision and settings.vision_training.projector:
+        # vision.train_projector under LoRA: the projector trains whole (vision_parts)
+        names += [m for m in vision_peft.projector_modules(shape) if m not in names]
     return names
 
 
@@ -124,7 +137,7 @@ def _reads_output(p: Param, shape: Shape, settings: Settings) -> bool:
     """Is p the LM head's matrix, read by a matmul in the forward? (A frozen fp32 one, as
     under QLoRA, is then saved as a 16-bit copy for the backward.) A copy in
     modules_to_save replaces it."""
-    if settings.head != "lm" or "lm_head" in _modules_to_save(settings):
+    if settings.head != "lm" or "lm_head" in _modules_to_save(settings, shape):
         return False
     return p.role == "head" or (shape.tied and p.role == "embedding")
 
@@ -149,9 +162,7 @@ def _freeze_vision(tensors: list[Tensor], shape: Shape, settings: Settings) -> l
     out = []
     for t in tensors:
         part = vision.part_of(t.name, shape.vision)
-        frozen = (part == "vision_tower" and not training.tower) or (
-            part == "projector" and not training.projector)
-        if frozen:
+        if vision_peft.frozen_by_name(t.name, shape, training):
             t = replace(t, trainable=False, gradient=False,
                         matmul=t.matmul and part == "projector" and training.tower)
         out.append(t)
@@ -166,22 +177,26 @@ def census(shape: Shape, settings: Settings) -> list[Tensor]:
         return _freeze_vision(_full(params, shape, settings), shape, settings)
     c = compute_dtype(settings)
     quantized = spec.type == "qlora"
+    unused = shape.vision.unreached() if shape.vision else ()
     targets = lora_targets(shape, settings)
     target_names = {lin.name for lin in targets}
     out: list[Tensor] = []
     for p in params:
-        if quantized and p.role == "linear":
+        if quantized and p.role == "linear" and vision_peft.quantized(p.module, shape):
             dtype = "nf4" if spec.bits == 4 else "int8"
             nbytes = quantized_bytes(p.numel, p.out, spec.bits, spec.double_quant)
             out.append(Tensor(p.name, p.numel, nbytes, False, dtype, p.role))
             continue
         dtype = "fp32" if quantized else c  # prepare_model_for_kbit_training upcasts the rest
-        trains = p.role == "bias" and (spec.bias == "all" or
-                                       (spec.bias == "lora_only" and p.module in target_names))
+        # peft's bias "all": every parameter named bias (a vision tower's LayerNorms' too)
+        trains = (spec.bias == "all" and "bias" in p.name) or (
+            p.role == "bias" and spec.bias == "lora_only" and p.module in target_names)
         out.append(Tensor(p.name, p.numel, p.numel * BYTES[dtype], trains, dtype, p.role,
-                          (trains and _matmul(p)) or _reads_output(p, shape, settings)))
+                          (trains and _matmul(p)) or _reads_output(p, shape, settings),
+                          gradient=not p.name.startswith(unused)))
     for lin in targets:
-        out += _adapters(lin, spec.r, spec.use_dora)
+        out += [replace(t, gradient=not lin.name.startswith(unused))
+                for t in _adapters(lin, spec.r, spec.use_dora)]
     out += _copies(params, shape, settings, quantized)
     if quantized and settings.trl_cast:
         out = [_to_bf16(t) if t.trainable and t.role != "magnitude" else t for t in out]
@@ -190,21 +205,22 @@ def census(shape: Shape, settings: Settings) -> list[Tensor]:
 
 def _copies(params: list[Param], shape: Shape, settings: Settings, quantized: bool) -> list[Tensor]:
     """Trainable copies made by modules_to_save (peft matches module names by suffix)."""
-    keys = _modules_to_save(settings)
+    keys = _modules_to_save(settings, shape)
     if not keys:
         return []
-    matched = [name for name in module_names(shape, settings.head)
-               if any(name.endswith(key) for key in keys)]
+    names = module_names(shape, settings.head) + (
+        vision_peft.module_names(shape) if shape.vision else [])
+    found = [name for name in names if any(name.endswith(key) for key in keys)]
     # A module inside another matched one is part of that copy already.
-    matched = [m for m in matched if not any(m.startswith(o + ".") for o in matched)]
+    found = [m for m in found if not any(m.startswith(o + ".") for o in found)]
     dtype = "fp32" if quantized else compute_dtype(settings)
     out = []
-    for module in matched:
+    for module in found:
         owned = [p for p in params if p.module == module or p.module.startswith(module + ".")]
         if module == "lm_head" and shape.tied:  # the copy unties the shared matrix
             owned = [Param("lm_head.weight", shape.vocab * shape.hidden, "head", "lm_head")]
         for p in owned:
-            if quantized and p.role == "linear":
+            if quantized and p.role == "linear" and vision_peft.quantized(p.module, shape):
                 raise ConfigError([f"peft.modules_to_save: {module} holds 4/8-bit quantized "
                                    "weights; the estimator does not model training copies of them"])
             out.append(Tensor(f"{p.name} (copy)", p.numel, p.numel * BYTES[dtype], True, dtype,

@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 
 from finetune.estimate import activations as act
 from finetune.estimate.census import Tensor, lora_targets
+from finetune.estimate.vision_peft import backward_training
 from finetune.estimate.memory import States, model_states
 from finetune.estimate.settings import Layout, Settings
 from finetune.estimate.shapes import Shape
@@ -114,9 +115,12 @@ def activation_bytes(shape: Shape, settings: Settings, layout: Layout,
     if settings.fused_loss:  # Liger's fused linear cross-entropy works chunk by chunk
         policy = replace(policy, logits_saved=0, logits_peak=0)
     if shape.vision and settings.images_per_row:
+        # The tower and projector are never quantized, nor are their linears LoRA'd here
+        # (a LoRA'd tower is counted as a trained one).
+        unquantized = replace(reg, quantized=0, adapter=0, rank=0, dropout=False, dora=False)
         policy = replace(policy, vision=settings.sequences * settings.images_per_row
-                         * shape.vision.image_bytes(reg, checkpointing,
-                                                    settings.vision_training))
+                         * shape.vision.image_bytes(unquantized, checkpointing, backward_training(
+                             settings.vision_training, not full, checkpointing)))
     if settings.value_model != "separate":
         return policy
     # ppo: the separate value backbone runs its own forward, fully trained in fp32 + autocast.

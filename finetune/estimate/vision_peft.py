@@ -1,0 +1,128 @@
+"""What the experiment's `vision:` section and (Q)LoRA do to a vision-language model, as
+finetune.model.vision_parts and finetune.model.peft build it (torch-free):
+
+- full fine-tuning freezes the vision tower and/or the projector (freeze_tower,
+  train_projector);
+- under LoRA, all-linear is the language model's linear layers (the tower's too where
+  freeze_tower is false), names the user gives are matched as PEFT matches them less a
+  frozen tower and a projector that trains whole, and train_projector adds the
+  projector to modules_to_save (a trained copy);
+- under QLoRA only the language model's linear layers are quantized: the tower, the
+  projector and the head are bitsandbytes' llm_int8_skip_modules.
+
+The projector is what sits beside the tower (vision_parts.parts): Qwen2-VL's merger lives
+inside its tower, so it freezes and trains with the tower, and LLaVA-NeXT's image_newline
+is a parameter of the model itself, not a projector module (frozen only under LoRA).
+"""
+
+from __future__ import annotations
+
+from finetune.config.schema import Experiment
+from finetune.config.vision_section import choice
+from finetune.errors import ConfigError
+from finetune.estimate.shapes import Linear, Shape
+from finetune.estimate.vision.common import Training
+
+
+def _prefixes(value) -> tuple[str, ...]:
+    return value if isinstance(value, tuple) else (value,)
+
+
+def projector_modules(shape: Shape) -> list[str]:
+    """The projector's module names beside the tower (none where it sits inside it)."""
+    v = shape.vision
+    return [p.rstrip(".") for p in _prefixes(v.projector_prefix)
+            if p.endswith(".") and not p.startswith(v.tower_prefix)]
+
+
+def tower_module(shape: Shape) -> str:
+    return shape.vision.tower_prefix.rstrip(".")
+
+
+def inside(name: str, module: str) -> bool:
+    return name == module or name.startswith(module + ".")
+
+
+def training_of(experiment: Experiment, shape: Shape) -> Training:
+    """Which vision parts train, as the experiment's vision section decides (its defaults
+    by peft.type): under LoRA that is which parts get adapters or a trained copy."""
+    chosen = choice(experiment.vision, experiment.peft.type)
+    tower = not chosen.freeze_tower
+    if not projector_modules(shape):  # the projector is part of the tower
+        if experiment.peft.type != "none" and chosen.train_projector:
+            raise ConfigError([f"vision.train_projector: a {shape.model_type} model has no "
+                               "projector beside its vision tower (it sits inside the "
+                               "tower): set it to false"])
+        return Training(tower=tower, projector=tower)
+    return Training(tower=tower, projector=chosen.train_projector)
+
+
+def vision_linears(shape: Shape) -> list[Linear]:
+    """The nn.Linear modules of the tower and the projector (kind 'tower' or 'projector')."""
+    params = shape.vision.parameters()
+    biased = {p.module for p in params if p.role == "bias"}
+    tower = tower_module(shape)
+    return [Linear(p.module, p.numel // p.out, p.out, p.module in biased,
+                   "tower" if inside(p.module, tower) else "projector")
+            for p in params if p.role == "linear" and p.name == f"{p.module}.weight"]
+
+
+def lora_targets(shape: Shape, training: Training, target, candidates: list[Linear],
+                 saved: list[str]) -> list[Linear]:
+    """vision_parts.lora_targets over the language model's linears (candidates) and the
+    tower's and projector's."""
+    from finetune.estimate.census import matched  # census imports this module
+
+    everything = candidates + vision_linears(shape)
+    if isinstance(target, str) and target.lower() == "all-linear":
+        return [lin for lin in everything
+                if lin.kind == "layer" or (lin.kind == "tower" and training.tower)]
+    excluded = ([] if training.tower else [tower_module(shape)]) + (
+        saved if training.projector else [])
+    hit = matched(everything, target)
+    kept = [lin for lin in hit if not any(inside(lin.name, part) for part in excluded)]
+    if hit and not kept:
+        raise ConfigError([f"peft.target_modules {target!r} matches only modules of the "
+                           f"vision tower or projector ({hit[0].name}, ...), which "
+                           "vision.freeze_tower / vision.train_projector keep from LoRA: set "
+                           "vision.freeze_tower: false (LoRA on the tower) or "
+                           "vision.train_projector: false, or name the language model's "
+                           "modules"])
+    return kept
+
+
+def quantized(name: str, shape: Shape) -> bool:
+    """QLoRA: is this Linear weight's module quantized (the language model's only)?"""
+    if not shape.vision:
+        return True
+    return not any(inside(name, m) for m in [tower_module(shape), *projector_modules(shape)])
+
+
+def module_names(shape: Shape) -> list[str]:
+    """The projector modules (for modules_to_save) and the modules inside them."""
+    out = []
+    for module in projector_modules(shape):
+        out.append(module)
+        out += sorted({p.module for p in shape.vision.parameters()
+                       if p.module.startswith(module + ".")})
+    return out
+
+
+def frozen_by_name(name: str, shape: Shape, training: Training) -> bool:
+    """Full fine-tuning: does vision_parts.freeze freeze this parameter?"""
+    if not training.tower and inside(name, tower_module(shape)):
+        return True
+    return not training.projector and any(inside(name, m) for m in projector_modules(shape))
+
+
+def backward_training(settings_training: Training, peft: bool, checkpointing: bool) -> Training:
+    """Which vision parts save activations for the backward. Under (Q)LoRA with activation
+    checkpointing, TRL calls enable_input_require_grads, which in transformers 5 hooks the
+    input embeddings of every PreTrainedModel inside the model, the tower's patch
+    embedding too: the frozen tower's output then requires grad, so the tower and the
+    projector run their backward and save as trained ones do (counted so: an upper bound
+    by the linear inputs of the one layer recomputed at a time)."""
+    if peft and checkpointing:
+        return Training(tower=True, projector=True)
+    return settings_training
+
