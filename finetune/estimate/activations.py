@@ -108,10 +108,11 @@ class Activations:
 
 def activations(shape: Shape, reg: Regime, layer_targets: list[frozenset[str]], seq: int,
                 logit_tokens: int, sequences: int, checkpointing: bool,
-                head_trainable: bool, lm_head: bool) -> Activations:
-    """Per sample. layer_targets: the LoRA-targeted projections of each layer."""
+                head_trainable: bool, lm_head: bool, input_grad: bool = False) -> Activations:
+    """Per sample. layer_targets: the LoRA-targeted projections of each layer. input_grad:
+    the input embeddings require grad (a VLM's image features from a trained part)."""
     per_layer = [layer_bytes(shape, reg, t, seq) for t in layer_targets]
-    if not reg.base_trainable and not checkpointing:
+    if not reg.base_trainable and not checkpointing and not input_grad:
         # Under LoRA the embeddings are frozen, so nothing before the first adapter needs a
         # gradient (with checkpointing, enable_input_require_grads changes that).
         first = next((n for n, t in enumerate(layer_targets) if t), len(per_layer))

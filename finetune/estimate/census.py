@@ -180,6 +180,7 @@ def census(shape: Shape, settings: Settings) -> list[Tensor]:
     unused = shape.vision.unreached() if shape.vision else ()
     targets = lora_targets(shape, settings)
     target_names = {lin.name for lin in targets}
+    copied = _copied(shape, settings)
     out: list[Tensor] = []
     for p in params:
         if quantized and p.role == "linear" and vision_peft.quantized(p.module, shape):
@@ -189,7 +190,9 @@ def census(shape: Shape, settings: Settings) -> list[Tensor]:
             continue
         dtype = "fp32" if quantized else c  # prepare_model_for_kbit_training upcasts the rest
         # peft's bias "all": every parameter named bias (a vision tower's LayerNorms' too)
-        trains = (spec.bias == "all" and "bias" in p.name) or (
+        # but a copied module's original
+        trains = (spec.bias == "all" and "bias" in p.name
+                  and not any(p.name.startswith(m + ".") for m in copied)) or (
             p.role == "bias" and spec.bias == "lora_only" and p.module in target_names)
         out.append(Tensor(p.name, p.numel, p.numel * BYTES[dtype], trains, dtype, p.role,
                           (trains and _matmul(p)) or _reads_output(p, shape, settings),
@@ -203,8 +206,8 @@ def census(shape: Shape, settings: Settings) -> list[Tensor]:
     return out
 
 
-def _copies(params: list[Param], shape: Shape, settings: Settings, quantized: bool) -> list[Tensor]:
-    """Trainable copies made by modules_to_save (peft matches module names by suffix)."""
+def _copied(shape: Shape, settings: Settings) -> list[str]:
+    """The modules modules_to_save copies (peft matches module names by suffix)."""
     keys = _modules_to_save(settings, shape)
     if not keys:
         return []
@@ -212,7 +215,12 @@ def _copies(params: list[Param], shape: Shape, settings: Settings, quantized: bo
         vision_peft.module_names(shape) if shape.vision else [])
     found = [name for name in names if any(name.endswith(key) for key in keys)]
     # A module inside another matched one is part of that copy already.
-    found = [m for m in found if not any(m.startswith(o + ".") for o in found)]
+    return [m for m in found if not any(m.startswith(o + ".") for o in found)]
+
+
+def _copies(params: list[Param], shape: Shape, settings: Settings, quantized: bool) -> list[Tensor]:
+    """Trainable copies made by modules_to_save (peft matches module names by suffix)."""
+    found = _copied(shape, settings)
     dtype = "fp32" if quantized else compute_dtype(settings)
     out = []
     for module in found:

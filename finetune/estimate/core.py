@@ -108,19 +108,22 @@ def activation_bytes(shape: Shape, settings: Settings, layout: Layout,
     reg = regime(settings, layout)
     full = settings.peft.type == "none"
     saved_head = settings.head == "score" or "lm_head" in (settings.peft.modules_to_save or [])
+    images, tower = backward_training(settings.vision_training, not full, checkpointing)
     policy = act.activations(
         shape, reg, layer_targets(shape, settings), settings.seq_len, settings.logit_tokens,
         settings.sequences, checkpointing, head_trainable=full or saved_head,
-        lm_head=settings.head == "lm")
+        lm_head=settings.head == "lm",
+        # image features from a trained tower or projector need the gradient of the
+        # language model's input
+        input_grad=bool(shape.vision and settings.images_per_row)
+        and (images.tower or images.projector))
     if settings.fused_loss:  # Liger's fused linear cross-entropy works chunk by chunk
         policy = replace(policy, logits_saved=0, logits_peak=0)
     if shape.vision and settings.images_per_row:
-        # The tower and projector are never quantized, nor are their linears LoRA'd here
-        # (a LoRA'd tower is counted as a trained one).
-        unquantized = replace(reg, quantized=0, adapter=0, rank=0, dropout=False, dora=False)
+        # The tower and projector are never quantized (llm_int8_skip_modules).
+        unquantized = replace(reg, quantized=0, dora=False, tower=tower)
         policy = replace(policy, vision=settings.sequences * settings.images_per_row
-                         * shape.vision.image_bytes(unquantized, checkpointing, backward_training(
-                             settings.vision_training, not full, checkpointing)))
+                         * shape.vision.image_bytes(unquantized, checkpointing, images))
     if settings.value_model != "separate":
         return policy
     # ppo: the separate value backbone runs its own forward, fully trained in fp32 + autocast.

@@ -115,14 +115,19 @@ def frozen_by_name(name: str, shape: Shape, training: Training) -> bool:
     return not training.projector and any(inside(name, m) for m in projector_modules(shape))
 
 
-def backward_training(settings_training: Training, peft: bool, checkpointing: bool) -> Training:
-    """Which vision parts save activations for the backward. Under (Q)LoRA with activation
-    checkpointing, TRL calls enable_input_require_grads, which in transformers 5 hooks the
-    input embeddings of every PreTrainedModel inside the model, the tower's patch
-    embedding too: the frozen tower's output then requires grad, so the tower and the
-    projector run their backward and save as trained ones do (counted so: an upper bound
-    by the linear inputs of the one layer recomputed at a time)."""
-    if peft and checkpointing:
-        return Training(tower=True, projector=True)
-    return settings_training
+def backward_training(training: Training, peft: bool,
+                      checkpointing: bool) -> tuple[Training, str]:
+    """(the vision parts on the backward's path, the tower's weights there: trained, lora
+    or frozen; walk.Regime.tower). Under LoRA a tower that is not frozen has an adapter on
+    every linear. With activation checkpointing, TRL calls enable_input_require_grads
+    under (Q)LoRA, which in transformers 5 hooks the input embeddings of every
+    PreTrainedModel inside the model, the tower's patch embedding too: the frozen tower's
+    output then requires grad, and the backward runs through it."""
+    if not peft:
+        return training, "trained"
+    if training.tower:
+        return training, "lora"
+    if checkpointing:
+        return Training(tower=True, projector=training.projector), "frozen"
+    return training, "trained"
 

@@ -4,7 +4,7 @@ backward (see activations.py for the rules)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import count
 
 
@@ -23,6 +23,16 @@ class Regime:
     attention: str = "sdpa"
     mask_keys: int = 0     # key positions per query in the mask sdpa/eager keeps (0: none)
     liger: bool = False    # use_liger_kernel: Liger's RMSNorm and SwiGLU save less
+    # A vision tower's weights on the gradient path: trained, lora (an adapter on every
+    # linear, the base frozen) or frozen (the backward runs through it, nothing trains)
+    tower: str = "trained"
+
+    def for_tower(self) -> "Regime":
+        """The regime of a tower's own layers."""
+        return replace(self, base_trainable=self.tower == "trained")
+
+    def for_projector(self, trains: bool) -> "Regime":
+        return replace(self, base_trainable=trains, tower="trained")
 
 
 @dataclass(frozen=True)
@@ -77,6 +87,7 @@ def _gemma_norm(w: _Walk, x: _T, rows: int, trainable: bool, grad: bool = True) 
 
 
 def _linear(w: _Walk, x: _T, out: int, reg: Regime, lora: bool, grad: bool = True) -> _T:
+    lora = lora or reg.tower == "lora"
     if reg.base_trainable:
         w.save(w.cast(x, reg.compute) if reg.autocast else x)
     if reg.quantized == 4:

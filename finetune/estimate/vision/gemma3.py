@@ -11,7 +11,7 @@ bare matrix, vision width x text width) into the language model's width.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from finetune.errors import ConfigError
@@ -92,7 +92,7 @@ class Gemma3Vision:
         w = walk._Walk()
         pooled = w.new(h, stream)
         normed = walk._gemma_norm(w, pooled, 1, training.projector, grad=training.tower)
-        projector = replace(reg, base_trainable=training.projector)
+        projector = reg.for_projector(training.projector)
         walk._linear(w, normed, self.text_hidden, projector, False)
         return total + self.tokens * w.total
 

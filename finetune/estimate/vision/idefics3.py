@@ -144,7 +144,7 @@ class Idefics3Vision:
             per_tile += t.image_bytes(reg, checkpointing) + 8 * t.positions
         w = walk._Walk()
         walk._linear(w, w.new(t.hidden * self.scale ** 2, reg.residual), self.text_hidden,
-                    replace(reg, base_trainable=training.projector), False)
+                    reg.for_projector(training.projector), False)
         if training.tower or training.projector:
             per_tile += self.tile_tokens * w.total
         return self.tiles * per_tile

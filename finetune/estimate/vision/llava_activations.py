@@ -12,7 +12,6 @@ their output, so their graph is freed when the forward returns.
 
 from __future__ import annotations
 
-from dataclasses import replace
 
 from finetune.estimate import walk
 from finetune.estimate.vision.common import (PIXEL_BYTES, Training, activation_saves,
@@ -51,8 +50,8 @@ def image_bytes(v, reg: walk.Regime, checkpointing: bool,
     pixels = v.channels * v.image_size ** 2
     total = pixels * PIXEL_BYTES            # the batch's pixel_values
     if training.tower:
-        tower = replace(reg, base_trainable=True)
-        if tower.autocast or tower.residual != PIXEL_BYTES:
+        tower = reg.for_tower()
+        if tower.base_trainable and (tower.autocast or tower.residual != PIXEL_BYTES):
             total += pixels * tower.compute  # the 16-bit cast the patch convolution saves
         w = walk._Walk()
         layer_norm_saves(w, w.new(v.hidden, tower.residual), tower)  # pre_layrnorm
@@ -65,7 +64,7 @@ def image_bytes(v, reg: walk.Regime, checkpointing: bool,
         total += v.positions * (w.total + layers)
     elif not training.projector:
         return total
-    projector = replace(reg, base_trainable=training.projector)
+    projector = reg.for_projector(training.projector)
     w = walk._Walk()
     features = w.new(v.hidden * len(v.feature_layers), reg.residual)
     first = walk._linear(w, features, v.text_hidden, projector, False)

@@ -10,7 +10,7 @@ each patch's last hidden state to the language model's width: one token a patch 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from finetune.errors import ConfigError
@@ -75,7 +75,7 @@ class PaliGemmaVision:
             total += t.image_bytes(reg, checkpointing)
         w = walk._Walk()
         walk._linear(w, w.new(t.hidden, reg.residual),
-                    self.projection, replace(reg, base_trainable=training.projector), False)
+                    self.projection, reg.for_projector(training.projector), False)
         return total + self.positions * w.total
 
 

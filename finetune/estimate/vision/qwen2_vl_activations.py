@@ -61,7 +61,8 @@ def block_bytes(v, reg: walk.Regime, block: int) -> int:
 
 def merger_bytes(v, reg: walk.Regime, training: Training) -> int:
     """Bytes the merger saves per image: its norm per patch, its MLP per token."""
-    reg = replace(reg, base_trainable=training.projector)
+    # the merger is part of the tower: LoRA'd or frozen with it
+    reg = replace(reg, base_trainable=training.projector and reg.tower == "trained")
     w = walk._Walk()
     x = w.new(v.hidden, stream_bytes(reg))
     if v.qwen25:  # with a frozen tower only the normed value, for the weight's gradient
@@ -91,8 +92,8 @@ def image_bytes(v, reg: walk.Regime, checkpointing: bool,
     if not training.tower and not training.projector:
         return total
     if training.tower:
-        tower = replace(reg, base_trainable=True)
-        if tower.autocast or tower.residual != PIXEL_BYTES:
+        tower = reg.for_tower()
+        if tower.base_trainable and (tower.autocast or tower.residual != PIXEL_BYTES):
             total += pixels * tower.compute             # the convolution's 16-bit input
         total += v.positions * 2 * v.head_dim * 4       # rotary cos and sin, fp32
         blocks = [block_bytes(v, tower, n) for n in range(v.layers)]

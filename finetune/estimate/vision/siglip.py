@@ -11,7 +11,7 @@ reads, so every layer reaches the loss. A tower with the attention-pooling head
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from finetune.errors import ConfigError
@@ -64,9 +64,10 @@ class Siglip:
         pixels themselves are the caller's), every encoder layer (with checkpointing its
         input and one recomputed layer) and the post-LayerNorm. The stream is fp32 under
         autocast: the fp32 position embedding is added to the convolution's output."""
-        reg = replace(reg, base_trainable=True)
+        reg = reg.for_tower()
         pixels = self.channels * self.image_size ** 2
-        total = pixels * reg.compute if reg.autocast or reg.residual != PIXEL_BYTES else 0
+        total = pixels * reg.compute if reg.base_trainable and (
+            reg.autocast or reg.residual != PIXEL_BYTES) else 0
         layer = encoder_layer_bytes(self, reg)
         if checkpointing:
             layers = self.layers * self.hidden * reg.residual + layer

@@ -1,0 +1,143 @@
+"""`finetune estimate` for a vision-language model under the experiment's `vision:` section
+and under LoRA/QLoRA, against the model the training code builds (finetune.model.load and
+apply_peft, which put LoRA where vision_parts.lora_targets says and leave the tower,
+projector and head unquantized under QLoRA): every tensor by name (count, bytes, dtype,
+whether it trains), then one training step's gradients, AdamW states and what autograd
+keeps; published configs on the meta device; the refusals training makes, made here too."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import types
+
+import pytest
+
+from conftest import QUICKSTART, REPO
+from test_estimate import _held_bytes
+from vlm_configs import QWEN2_VL_2B, kept_by_autograd, model_dir
+from finetune.config import load_experiment
+from finetune.errors import ConfigError
+from finetune.estimate import estimate
+from finetune.estimate.census import census
+from finetune.estimate.core import activation_bytes
+from finetune.estimate.memory import model_states
+from finetune.estimate.settings import Layout
+from finetune.estimate.vision import Training
+
+TINY_VLM = QUICKSTART / "tiny-vlm"
+VLM = QUICKSTART / "vlm.yaml"
+LLAVA_7B = REPO / "bench" / "models" / "llava-1.5-7b"
+TRL_CAST = ("qlora",)  # TRL's trainers cast a quantized model's trainable weights to bf16
+
+CASES = {  # id: overrides of the quickstart VLM experiment
+    "full-frozen-tower": ["vision.freeze_tower=true"],
+    "full-frozen-projector": ["vision.train_projector=false"],
+    "lora": ["peft.type=lora", "peft.r=4"],
+    "lora-tower-projector-bias": ["peft.type=lora", "peft.r=4", "vision.freeze_tower=false",
+                                  "vision.train_projector=true", "peft.bias=all"],
+    "lora-named": ["peft.type=lora", "peft.r=4", "peft.target_modules=[q_proj,fc1]"],
+    "qlora": ["peft.type=qlora", "peft.r=4"],
+    "qlora-8bit-projector": ["peft.type=qlora", "peft.r=4", "peft.bits=8",
+                             "vision.train_projector=true"],
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_vlm(tmp_path_factory):
+    """The quickstart VLM with weights, to load as training loads a pretrained model."""
+    torch = pytest.importorskip("torch")
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    path = tmp_path_factory.mktemp("tiny-vlm-weights")
+    torch.manual_seed(0)
+    AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(TINY_VLM)) \
+        .save_pretrained(path)
+    for f in TINY_VLM.iterdir():
+        if not (path / f.name).exists():
+            shutil.copy(f, path / f.name)
+    return path
+
+
+def _estimate_name(name: str) -> str:
+    """A PEFT model's parameter name as the estimate names it."""
+    name = name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+    name = re.sub(r"\.lora_([AB])\.default\.weight$", r".lora_\1", name)
+    if ".modules_to_save.default." in name:
+        return name.replace(".modules_to_save.default.", ".") + " (copy)"
+    return name.replace(".original_module.", ".")
+
+
+def _held(param) -> tuple[int, int, str]:
+    """(logical count, bytes with quantization constants, dtype) of one parameter."""
+    import math
+
+    state = getattr(param, "quant_state", None)
+    if state is not None:
+        return math.prod(state.shape), _held_bytes(types.SimpleNamespace(
+            parameters=lambda: [param])), "nf4"
+    dtype = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.int8": "int8"}[
+        str(param.dtype)]
+    return param.numel(), _held_bytes(types.SimpleNamespace(parameters=lambda: [param])), dtype
+
+
+@pytest.mark.slow  # a tiny model loaded and stepped per case: about 1-2 s each
+@pytest.mark.parametrize("case", list(CASES))
+def test_tensors_and_a_training_step_against_the_training_code(case, tiny_vlm, tmp_path):
+    torch = pytest.importorskip("torch")
+    from transformers import AutoProcessor
+    from trl.trainer.sft_trainer import DataCollatorForVisionLanguageModeling
+    from finetune.model.hardware import Hardware
+    from finetune.model.load import load_model
+    from finetune.model.peft import apply_peft
+
+    experiment = load_experiment(VLM, ["precision=bf16", "distributed.device=cpu",
+                                       f"model.name_or_path={tiny_vlm}", "model.init=pretrained",
+                                       *CASES[case]])
+    torch.manual_seed(0)
+    model = load_model(experiment, Hardware("cpu", "bf16"), types.SimpleNamespace(pad_token_id=0),
+                       tmp_path, None)
+    model = apply_peft(model, experiment, gradient_checkpointing=False)
+    if experiment.peft.type in TRL_CAST:
+        for name, param in model.named_parameters():
+            if param.requires_grad:
+                param.data = param.data.to(torch.bfloat16)
+
+    result = estimate(experiment)
+    shape, settings = result.shape, result.settings
+    tensors = census(shape, settings)
+    real = {_estimate_name(n): (*_held(p), p.requires_grad) for n, p in model.named_parameters()}
+    counted = {t.name: (t.numel, t.nbytes, t.dtype, t.trainable) for t in tensors}
+    assert counted == real
+    states = model_states(tensors, [], shape, settings, Layout("none"))
+    assert _held_bytes(model) == states.weights + states.trainable
+
+    # One step of a batch TRL's vision collator makes: gradients, AdamW states, activations.
+    data = QUICKSTART / "data"
+    rows = [json.loads(line) for line in (data / "vlm_train.jsonl").read_text().splitlines()[:2]]
+    rows = [{**r, "images": [str(data / i) for i in r["images"]]} for r in rows]
+    batch = DataCollatorForVisionLanguageModeling(AutoProcessor.from_pretrained(TINY_VLM))(rows)
+    tokens = batch["input_ids"].shape[1]
+    params = [p for p in model.parameters()]
+    model.train()
+    out, kept = kept_by_autograd(lambda: model(**batch),
+                                 {p.untyped_storage().data_ptr() for p in params})
+    out.loss.backward()
+    grads = {_estimate_name(n) for n, p in model.named_parameters() if p.grad is not None}
+    assert grads == {t.name for t in tensors if t.trainable and t.gradient}
+    trainable = [p for p in params if p.requires_grad]
+    assert sum(p.grad.numel() * p.grad.element_size() for p in trainable
+               if p.grad is not None) == states.gradients
+    optimizer = torch.optim.AdamW(trainable, lr=1e-3)
+    optimizer.step()
+    assert states.optimizer == sum(v.numel() * v.element_size()
+                                   for state in optimizer.state.values() for v in state.values())
+
+    acts = activation_bytes(shape, settings.with_(seq_len=tokens, logit_tokens=tokens,
+                                                  attention="sdpa", mask="padding"),
+                            Layout("none"), False)
+    expected = len(rows) * (acts.layers + acts.other + acts.logits_saved + acts.vision)
+    expected += states.autocast
+    measured = kept + batch["pixel_values"].numel() * 4  # the batch's, kept by the caller
+    assert abs(measured - expected) <= 0.01 * measured, (measured, expected)
