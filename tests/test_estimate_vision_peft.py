@@ -141,3 +141,101 @@ def test_tensors_and_a_training_step_against_the_training_code(case, tiny_vlm, t
     expected += states.autocast
     measured = kept + batch["pixel_values"].numel() * 4  # the batch's, kept by the caller
     assert abs(measured - expected) <= 0.01 * measured, (measured, expected)
+
+
+@pytest.mark.slow  # the tiny VLM's tower, one forward
+def test_a_frozen_tower_under_lora_with_checkpointing_runs_its_backward(tiny_vlm, tmp_path):
+    """TRL calls enable_input_require_grads under LoRA with activation checkpointing: in
+    transformers 5 it hooks the tower's patch embedding too, so the frozen tower's layers
+    keep their inputs for a backward that trains nothing. The estimate counts that; without
+    checkpointing the frozen tower keeps nothing."""
+    torch = pytest.importorskip("torch")
+    from dataclasses import replace
+    from finetune.estimate.core import regime
+    from finetune.estimate.vision.llava_activations import encoder_layer_bytes
+    from finetune.model.hardware import Hardware
+    from finetune.model.load import load_model
+    from finetune.model.peft import apply_peft
+
+    experiment = load_experiment(VLM, ["precision=bf16", "distributed.device=cpu",
+                                       f"model.name_or_path={tiny_vlm}", "model.init=pretrained",
+                                       "peft.type=lora", "peft.r=4"])
+    model = load_model(experiment, Hardware("cpu", "bf16"), types.SimpleNamespace(pad_token_id=0),
+                       tmp_path, None)
+    model = apply_peft(model, experiment, gradient_checkpointing=True)
+    result = estimate(experiment)
+    shape, settings = result.shape, result.settings
+    assert settings.vision_training == Training(tower=False, projector=False)
+    pixels = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    features = lambda: model.base_model.model.model.get_image_features(pixel_values=pixels)
+    reg = replace(regime(settings, Layout("none")), quantized=0, dora=False)
+
+    model.train()
+    _, kept = kept_by_autograd(features, storages)
+    assert kept == 0
+    assert activation_bytes(shape, settings, Layout("none"), False).vision == \
+        shape.vision.image_bytes(reg, False, Training(False, False)) == pixels[0].numel() * 4
+
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.enable_input_require_grads()  # as TRL's trainers do under PEFT
+    _, kept = kept_by_autograd(features, storages)
+    counted = activation_bytes(shape, settings, Layout("none"), True).vision
+    frozen = replace(reg, tower="frozen")
+    assert counted == shape.vision.image_bytes(frozen, True, Training(True, False))
+    # the one layer the backward recomputes at a time is not alive at the forward's end
+    recomputed = shape.vision.positions * encoder_layer_bytes(shape.vision, frozen.for_tower())
+    measured = kept + pixels[0].numel() * 4 * 2
+    expected = 2 * (counted - recomputed)
+    assert abs(measured - expected) <= 0.01 * measured, (measured, expected)
+
+
+META_CASES = {  # id: (model directory maker, overrides)
+    "qwen2-vl-2b-lora-on-the-tower": (lambda tmp: model_dir(tmp, QWEN2_VL_2B),
+                                      ["peft.type=lora", "vision.freeze_tower=false"]),
+    "llava-1.5-7b-lora-projector": (lambda tmp: LLAVA_7B,
+                                    ["peft.type=lora", "vision.train_projector=true"]),
+}
+
+
+@pytest.mark.slow  # imports torch; the meta device builds no weights (about 2 s each)
+@pytest.mark.parametrize("case", list(META_CASES))
+def test_published_configs_under_lora_and_qlora_on_the_meta_device(case, tmp_path):
+    """LoRA as apply_peft puts it on the published architecture (bf16 base, fp32 adapters,
+    a bf16 trained copy of the projector), tensor by tensor; QLoRA's 4-bit weights exactly
+    the linears outside the modules training keeps unquantized (vision_parts.unquantized)."""
+    torch = pytest.importorskip("torch")
+    from transformers import AutoConfig, AutoModelForImageTextToText
+    from finetune.model.peft import apply_peft
+    from finetune.model.vision_parts import inside, unquantized
+
+    make, overrides = META_CASES[case]
+    path = make(tmp_path)
+    experiment = load_experiment(VLM, ["precision=bf16", f"model.name_or_path={path}",
+                                       "peft.r=2", *overrides])
+    config = AutoConfig.from_pretrained(path)
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(config, dtype=torch.bfloat16)
+        model = apply_peft(model, experiment, gradient_checkpointing=False)
+    dtypes = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+    real = {_estimate_name(n): (p.numel(), p.numel() * p.element_size(), dtypes[p.dtype],
+                                p.requires_grad) for n, p in model.named_parameters()}
+    result = estimate(experiment)
+    counted = {t.name: (t.numel, t.nbytes, t.dtype, t.trainable)
+               for t in census(result.shape, result.settings)}
+    assert counted == real
+    assert result.trainable_params == sum(p.numel() for p in model.parameters()
+                                          if p.requires_grad)
+
+    qlora = load_experiment(VLM, ["precision=bf16", f"model.name_or_path={path}",
+                                  "peft.type=qlora", "peft.r=2"])
+    skipped = unquantized(qlora, config)
+    with torch.device("meta"):
+        base = AutoModelForImageTextToText.from_config(config)
+    quantized = {f"{n}.weight" for n, m in base.named_modules()
+                 if isinstance(m, torch.nn.Linear) and not any(inside(n, s) for s in skipped)}
+    result = estimate(qlora)
+    tensors = census(result.shape, result.settings)
+    assert {t.name for t in tensors if t.dtype == "nf4"} == quantized
+    assert all(t.dtype == "fp32" for t in tensors  # prepare_model_for_kbit_training
+               if t.role not in ("lora",) and t.dtype != "nf4")
