@@ -222,13 +222,14 @@ def test_tensor_parallel_splits_only_the_language_model():
 
 
 def test_estimate_refuses_what_a_vlm_does_not_train_with():
-    """validate refuses LoRA on a local VLM; a cached hub model's config is first read by
-    the estimate, which refuses it itself (the experiment is the text quickstart's with the
-    model swapped after validation, as a hub model's would pass validate)."""
-    experiment = load_experiment(QUICKSTART / "sft.yaml", ["peft.type=lora"])
+    """validate refuses a method that does not train a local VLM; a cached hub model's
+    config is first read by the estimate, which refuses it itself (the experiment is the
+    text quickstart's with the model swapped after validation, as a hub model's would pass
+    validate)."""
+    experiment = load_experiment(QUICKSTART / "dpo.yaml")
     swapped = experiment.model_copy(update={"model": experiment.model.model_copy(
         update={"name_or_path": str(TINY_VLM)})})
-    with pytest.raises(ConfigError, match="LoRA and QLoRA on one are not supported yet"):
+    with pytest.raises(ConfigError, match="vision-language model trains only with"):
         estimate(swapped)
 
 

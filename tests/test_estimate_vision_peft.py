@@ -19,7 +19,7 @@ from test_estimate import _held_bytes
 from vlm_configs import QWEN2_VL_2B, kept_by_autograd, model_dir
 from finetune.config import load_experiment
 from finetune.errors import ConfigError
-from finetune.estimate import estimate
+from finetune.estimate import estimate, render_text
 from finetune.estimate.census import census
 from finetune.estimate.core import activation_bytes
 from finetune.estimate.memory import model_states
@@ -195,6 +195,9 @@ META_CASES = {  # id: (model directory maker, overrides)
                                       ["peft.type=lora", "vision.freeze_tower=false"]),
     "llava-1.5-7b-lora-projector": (lambda tmp: LLAVA_7B,
                                     ["peft.type=lora", "vision.train_projector=true"]),
+    # full fine-tuning (fp32): the merger inside the tower freezes with it
+    "qwen2-vl-2b-full-frozen-tower": (lambda tmp: model_dir(tmp, QWEN2_VL_2B),
+                                      ["vision.freeze_tower=true"]),
 }
 
 
@@ -202,7 +205,8 @@ META_CASES = {  # id: (model directory maker, overrides)
 @pytest.mark.parametrize("case", list(META_CASES))
 def test_published_configs_under_lora_and_qlora_on_the_meta_device(case, tmp_path):
     """LoRA as apply_peft puts it on the published architecture (bf16 base, fp32 adapters,
-    a bf16 trained copy of the projector), tensor by tensor; QLoRA's 4-bit weights exactly
+    a bf16 trained copy of the projector), and the parts it freezes under full fine-tuning,
+    tensor by tensor; QLoRA's 4-bit weights exactly
     the linears outside the modules training keeps unquantized (vision_parts.unquantized)."""
     torch = pytest.importorskip("torch")
     from transformers import AutoConfig, AutoModelForImageTextToText
@@ -211,11 +215,13 @@ def test_published_configs_under_lora_and_qlora_on_the_meta_device(case, tmp_pat
 
     make, overrides = META_CASES[case]
     path = make(tmp_path)
+    lora = ["peft.r=2"] if "peft.type=lora" in overrides else []
     experiment = load_experiment(VLM, ["precision=bf16", f"model.name_or_path={path}",
-                                       "peft.r=2", *overrides])
+                                       *lora, *overrides])
     config = AutoConfig.from_pretrained(path)
     with torch.device("meta"):
-        model = AutoModelForImageTextToText.from_config(config, dtype=torch.bfloat16)
+        model = AutoModelForImageTextToText.from_config(
+            config, dtype=torch.bfloat16 if experiment.peft.type == "lora" else torch.float32)
         model = apply_peft(model, experiment, gradient_checkpointing=False)
     dtypes = {torch.float32: "fp32", torch.bfloat16: "bf16"}
     real = {_estimate_name(n): (p.numel(), p.numel() * p.element_size(), dtypes[p.dtype],
@@ -239,3 +245,47 @@ def test_published_configs_under_lora_and_qlora_on_the_meta_device(case, tmp_pat
     assert {t.name for t in tensors if t.dtype == "nf4"} == quantized
     assert all(t.dtype == "fp32" for t in tensors  # prepare_model_for_kbit_training
                if t.role not in ("lora",) and t.dtype != "nf4")
+
+
+def test_the_vision_section_decides_what_trains():
+    """Its defaults by peft.type, as training decides them (config/vision_section.choice);
+    a vision_training the caller passes wins."""
+    cases = {(): Training(True, True), ("vision.freeze_tower=true",): Training(False, True),
+             ("peft.type=lora",): Training(False, False),
+             ("peft.type=qlora", "vision.train_projector=true"): Training(False, True),
+             ("peft.type=lora", "vision.freeze_tower=false"): Training(True, False)}
+    for overrides, training in cases.items():
+        result = estimate(load_experiment(VLM, list(overrides)))
+        assert result.settings.vision_training == training, overrides
+    frozen = estimate(load_experiment(VLM, ["vision.freeze_tower=true"]))
+    assert frozen.trainable_params == frozen.parts["language_model"] + frozen.parts["projector"]
+    lora = estimate(load_experiment(VLM, ["peft.type=lora"]))
+    text = render_text(lora)
+    assert "lora: adapters on the language model's linear layers" in text
+    assert "the projector frozen" in text
+    passed = estimate(load_experiment(VLM, ["vision.freeze_tower=true"]),
+                      vision_training=Training(True, True))
+    assert passed.trainable_params == passed.params
+
+
+def test_qwen2_vl_has_no_projector_to_train_whole(tmp_path):
+    """Its merger sits inside the tower: it freezes with it under full fine-tuning, and
+    train_projector under LoRA is refused, as training refuses it (vision_parts)."""
+    path = model_dir(tmp_path, QWEN2_VL_2B)
+    frozen = estimate(load_experiment(VLM, [f"model.name_or_path={path}",
+                                            "vision.freeze_tower=true"]))
+    assert frozen.trainable_params == frozen.parts["language_model"]
+    with pytest.raises(ConfigError, match="no projector beside its vision tower"):
+        estimate(load_experiment(VLM, [f"model.name_or_path={path}", "peft.type=lora",
+                                       "vision.train_projector=true"]))
+
+
+def test_lora_targets_only_in_a_frozen_tower_are_refused():
+    """As vision_parts.lora_targets refuses them at training."""
+    with pytest.raises(ConfigError, match="matches only modules of the vision tower"):
+        estimate(load_experiment(VLM, ["peft.type=lora", "peft.target_modules=[fc1]"]))
+    tower = estimate(load_experiment(VLM, ["peft.type=lora", "peft.target_modules=[fc1]",
+                                           "vision.freeze_tower=false"]))
+    # fc1 of the tower's two layers, 64 -> 128 features, r 16
+    assert tower.settings.peft.r == 16
+    assert tower.trainable_params == 2 * 16 * (64 + 128)

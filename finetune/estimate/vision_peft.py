@@ -109,10 +109,16 @@ def module_names(shape: Shape) -> list[str]:
 
 
 def frozen_by_name(name: str, shape: Shape, training: Training) -> bool:
-    """Full fine-tuning: does vision_parts.freeze freeze this parameter?"""
-    if not training.tower and inside(name, tower_module(shape)):
-        return True
-    return not training.projector and any(inside(name, m) for m in projector_modules(shape))
+    """Full fine-tuning: is this parameter frozen (as vision_parts.freeze freezes it)?
+    Training.projector is the projector beside the tower, else the one inside it
+    (Qwen2-VL's merger, which training_of freezes with the tower)."""
+    v = shape.vision
+    beside = [f"{m}." for m in projector_modules(shape)]
+    projector = beside or [p for p in _prefixes(v.projector_prefix)
+                           if p.startswith(v.tower_prefix)]
+    if name.startswith(tuple(projector)):
+        return not training.projector
+    return not training.tower and inside(name, tower_module(shape))
 
 
 def backward_training(training: Training, peft: bool,
