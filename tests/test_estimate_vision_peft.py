@@ -289,3 +289,19 @@ def test_lora_targets_only_in_a_frozen_tower_are_refused():
     # fc1 of the tower's two layers, 64 -> 128 features, r 16
     assert tower.settings.peft.r == 16
     assert tower.trainable_params == 2 * 16 * (64 + 128)
+
+
+def test_max_and_min_pixels_resize_the_picture_first(tmp_path):
+    """vision.max_pixels / min_pixels resize the picture before the processor, as training
+    does (data/image_size.fitted): Qwen2-VL's tokens follow the resized picture."""
+    path = model_dir(tmp_path, QWEN2_VL_2B)
+    exp = lambda *o: load_experiment(VLM, [f"model.name_or_path={path}", *o])
+    tokens = lambda result: result.shape.vision.image_tokens
+    big = estimate(exp(), image_size=(1920, 1080))
+    capped = estimate(exp("vision.max_pixels=307200"), image_size=(1920, 1080))
+    # 1920x1080 scaled to 739x415 (<= 307,200 pixels), then Qwen's resize to 28-multiples
+    assert tokens(capped) == tokens(estimate(exp(), image_size=(739, 415))) < tokens(big)
+    small = estimate(exp("vision.min_pixels=307200"), image_size=(100, 60))
+    assert tokens(small) == tokens(estimate(exp(), image_size=(716, 430)))
+    assert tokens(estimate(exp("vision.max_pixels=10000000"))) == \
+        tokens(estimate(exp())) == 391  # the 640x480 default within the bounds

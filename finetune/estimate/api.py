@@ -194,9 +194,10 @@ def estimate(experiment: Experiment, gpus: int | None = None, gpu_memory: int | 
     """Per-GPU memory of training `experiment` on `gpus` GPUs of `gpu_memory` bytes each.
     device, precision, kernels: as resolved where the run happens (else assumed,
     settings_of). A vision-language model's images_per_row (default 1), image_size
-    (width, height) in pixels before the processor resizes it (default: the family's,
-    where the tokens depend on it) and vision_training (which of its tower and projector
-    train; default: as the experiment's vision section says)."""
+    (width, height) in pixels before vision.max_pixels/min_pixels and the processor
+    resize it (default: 640x480, where the tokens depend on it) and vision_training
+    (which of its tower and projector train; default: as the experiment's vision section
+    says)."""
     shape = read_shape(experiment.model.name_or_path, experiment.model.revision)
     kernels = kernels or installed()
     settings = settings_of(experiment, gpus, seq_len, shape.max_positions, device, precision,
@@ -207,7 +208,8 @@ def estimate(experiment: Experiment, gpus: int | None = None, gpu_memory: int | 
             "attention: Gemma 2 has no sdpa attention in transformers: eager counted",))
     if shape.vision:
         _check_vision(experiment, shape)
-        shape = replace(shape, vision=shape.vision.for_image(image_size))
+        shape = replace(shape, vision=shape.vision.for_image(
+            vision_peft.picture_size(experiment, image_size)))
         settings = settings.with_(images_per_row=DEFAULT_IMAGES_PER_ROW
                                   if images_per_row is None else images_per_row,
                                   vision_training=vision_training

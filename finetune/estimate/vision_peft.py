@@ -17,11 +17,14 @@ is a parameter of the model itself, not a projector module (frozen only under Lo
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from finetune.config.schema import Experiment
 from finetune.config.vision_section import choice
+from finetune.data.image_size import fitted
 from finetune.errors import ConfigError
 from finetune.estimate.shapes import Linear, Shape
-from finetune.estimate.vision.common import Training
+from finetune.estimate.vision.common import DEFAULT_IMAGE, Training
 
 
 def _prefixes(value) -> tuple[str, ...]:
@@ -137,3 +140,19 @@ def backward_training(training: Training, peft: bool,
         return Training(tower=True, projector=training.projector), "frozen"
     return training, "trained"
 
+
+
+def picture_size(experiment: Experiment, size: tuple[int, int] | None) -> tuple[int, int] | None:
+    """The pictures' size as the processor sees them: vision.max_pixels / min_pixels
+    resize them first, as training does (data/image_size.fitted)."""
+    chosen = choice(experiment.vision, experiment.peft.type)
+    if chosen.max_pixels is None and chosen.min_pixels is None:
+        return size
+    width, height = size or DEFAULT_IMAGE
+
+    def resize(new):
+        return SimpleNamespace(width=new[0], height=new[1])
+
+    picture = fitted(SimpleNamespace(width=width, height=height, resize=resize),
+                     chosen.max_pixels, chosen.min_pixels)
+    return picture.width, picture.height
