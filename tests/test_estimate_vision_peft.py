@@ -19,7 +19,7 @@ from test_estimate import _held_bytes
 from vlm_configs import QWEN2_VL_2B, kept_by_autograd, model_dir
 from finetune.config import load_experiment
 from finetune.errors import ConfigError
-from finetune.estimate import estimate, render_text
+from finetune.estimate import as_dict, estimate, render_text
 from finetune.estimate.census import census
 from finetune.estimate.core import activation_bytes
 from finetune.estimate.memory import model_states
@@ -263,6 +263,11 @@ def test_the_vision_section_decides_what_trains():
     text = render_text(lora)
     assert "lora: adapters on the language model's linear layers" in text
     assert "the projector frozen" in text
+    assert as_dict(lora)["settings"]["vision_trains"] == {"tower": False, "projector": False}
+    checkpointed = render_text(estimate(load_experiment(
+        VLM, ["peft.type=qlora", "training.activation_checkpointing=true"])))
+    assert "4-bit, the vision tower, projector and head unquantized" in checkpointed
+    assert "a frozen tower still runs its backward" in checkpointed
     passed = estimate(load_experiment(VLM, ["vision.freeze_tower=true"]),
                       vision_training=Training(True, True))
     assert passed.trainable_params == passed.params

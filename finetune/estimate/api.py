@@ -157,17 +157,17 @@ def _vision_training_note(settings: Settings) -> str:
                 "activations of their own)" if frozen else
                 "the whole model trains (no part is frozen under full fine-tuning)")
     where = "the language model's" + ("" if not training.tower else " and the vision tower's")
-    kept = "4/8-bit" if peft == "qlora" else settings.precision
+    kept = f"{settings.peft.bits}-bit" if peft == "qlora" else settings.precision
     text = (f"{peft}: adapters on {where} linear layers (vision section); the language "
             f"model's linear weights in {kept}"
             + (", the vision tower, projector and head unquantized (fp32 after "
                "prepare_model_for_kbit_training)" if peft == "qlora" else "")
             + ("; the projector trains whole (modules_to_save)" if training.projector
                else "; the projector frozen"))
-    if settings.checkpointing:
-        text += ("; with activation checkpointing the frozen tower still runs its backward "
-                 "(enable_input_require_grads hooks its patch embedding): its activations "
-                 "counted as a trained tower's")
+    if settings.checkpointing and not training.tower:
+        text += ("; with activation checkpointing a frozen tower still runs its backward "
+                 "(TRL's enable_input_require_grads hooks its patch embedding too), so its "
+                 "checkpointed layers keep their inputs")
     return text
 
 

@@ -132,7 +132,10 @@ def as_dict(est: Estimate) -> dict[str, Any]:
                      "sequences_per_sample": s.sequences,
                      "activation_checkpointing": s.checkpointing, "gpus": s.world,
                      "gpus_per_machine": s.per_machine, "device": s.device,
-                     **({"images_per_row": s.images_per_row} if est.parts else {}),
+                     **({"images_per_row": s.images_per_row,
+                         "vision_trains": {"tower": s.vision_training.tower,
+                                           "projector": s.vision_training.projector}}
+                        if est.parts else {}),
                      # the picture's size, where the tokens depend on it (Qwen, tiles)
                      **({"image_size": list(shape.vision.image)}
                         if est.parts and hasattr(shape.vision, "image") else {})},
