@@ -32,6 +32,7 @@ NOT_TORCH_SIDE = ("finetune.data.files", "finetune.data.rows", "finetune.data.fo
                   "finetune.data.peer_rows", "finetune.data.llava_rows",
                   "finetune.data.plain_text",
                   "finetune.data.images", "finetune.data.scan", "finetune.data.sizes",
+                  "finetune.data.image_size",
                   "finetune.inference.cli", "finetune.run.launched",
                   "finetune.model.chat_template")
 # What `finetune validate/render/estimate/plot/push/eval --help/launch --dry-run` and a

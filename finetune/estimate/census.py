@@ -23,7 +23,8 @@ from finetune.errors import ConfigError
 from finetune.estimate import vision, vision_peft
 from finetune.estimate.settings import Settings
 from finetune.estimate.param import Param
-from finetune.estimate.shapes import Linear, Shape, linears, module_names, parameters
+from finetune.estimate.shapes import (Linear, Shape, linears, matched, module_names,
+                                      parameters)
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 NF4_BLOCK = 64          # bitsandbytes 4-bit blocksize
@@ -61,19 +62,6 @@ def quantized_bytes(numel: int, out: int, bits: int, double_quant: bool) -> int:
 
 def compute_dtype(settings: Settings) -> str:
     return settings.precision  # bf16, fp16 or fp32
-
-
-def matched(candidates: list[Linear], target) -> list[Linear]:
-    """The candidates peft's target_modules matches: a string as a full regex, a list by
-    name or suffix."""
-    if isinstance(target, str):
-        try:
-            return [lin for lin in candidates if re.fullmatch(target, lin.name)]
-        except re.error as exc:
-            raise ConfigError([f"peft.target_modules: {target!r} is not a valid regex: "
-                               f"{exc}"]) from None
-    return [lin for lin in candidates
-            if lin.name in target or any(lin.name.endswith(f".{key}") for key in target)]
 
 
 def lora_targets(shape: Shape, settings: Settings) -> list[Linear]:

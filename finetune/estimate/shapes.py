@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -222,6 +223,19 @@ def linears(shape: Shape, head: str, num_labels: int = 1) -> list[Linear]:
     else:
         out.append(Linear("score", h, num_labels, False, "head"))
     return out
+
+
+def matched(candidates: list[Linear], target) -> list[Linear]:
+    """The candidates peft's target_modules matches: a string as a full regex, a list by
+    name or suffix."""
+    if isinstance(target, str):
+        try:
+            return [lin for lin in candidates if re.fullmatch(target, lin.name)]
+        except re.error as exc:
+            raise ConfigError([f"peft.target_modules: {target!r} is not a valid regex: "
+                               f"{exc}"]) from None
+    return [lin for lin in candidates
+            if lin.name in target or any(lin.name.endswith(f".{key}") for key in target)]
 
 
 def module_names(shape: Shape, head: str) -> list[str]:

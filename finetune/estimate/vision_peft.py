@@ -23,7 +23,7 @@ from finetune.config.schema import Experiment
 from finetune.config.vision_section import choice
 from finetune.data.image_size import fitted
 from finetune.errors import ConfigError
-from finetune.estimate.shapes import Linear, Shape
+from finetune.estimate.shapes import Linear, Shape, matched
 from finetune.estimate.vision.common import DEFAULT_IMAGE, Training
 
 
@@ -74,8 +74,6 @@ def lora_targets(shape: Shape, training: Training, target, candidates: list[Line
                  saved: list[str]) -> list[Linear]:
     """vision_parts.lora_targets over the language model's linears (candidates) and the
     tower's and projector's."""
-    from finetune.estimate.census import matched  # census imports this module
-
     everything = candidates + vision_linears(shape)
     if isinstance(target, str) and target.lower() == "all-linear":
         return [lin for lin in everything
