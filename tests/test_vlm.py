@@ -108,6 +108,33 @@ def test_a_max_length_that_cuts_image_tokens_is_one_line():
 
 
 @pytest.mark.slow  # loads the processor (and torch)
+def test_rows_max_length_would_cut_inside_their_images_are_dropped_and_counted():
+    """The quickstart's rows: 16 image tokens end at 18; "What shape is it?" answers from
+    token 33, "What color is the shape?" from 40. max_length 36 keeps the first kind and
+    drops the second, counted; 17 cuts every picture: one line naming the setting."""
+    from finetune.data.load import load_data
+    from finetune.methods.sft import prepare
+    from finetune.model.tokenizer import load_processor
+
+    config = QUICKSTART / "vlm.yaml"
+    processor = load_processor(load_experiment(config))
+    experiment = load_experiment(config, ["training.max_length=36"])
+    splits = load_data(experiment)
+    shape_questions = sum(r["messages"][0]["content"][1]["text"] == "What shape is it?"
+                          for r in splits.train)
+    prepared = prepare(splits, processor, experiment)
+    assert 0 < shape_questions == len(prepared.train) < 2000
+    assert all(r["messages"][0]["content"][1]["text"] == "What shape is it?"
+               for r in prepared.train)
+    assert f"data.train: {2000 - shape_questions} of 2000 row(s) dropped: training.max_length " \
+           "36 would cut their image tokens or leave no trained token" in prepared.notes
+    cut = load_experiment(config, ["training.max_length=17"])
+    with pytest.raises(DataError, match="data.train: no row fits training.max_length 17 with "
+                                        "its image tokens"):
+        prepare(load_data(cut), processor, cut)
+
+
+@pytest.mark.slow  # loads the processor (and torch)
 def test_finetune_data_shows_rows_as_the_vision_collator_makes_them(write, tmp_path):
     path = experiment(write, tmp_path, [row("pic.png")])
     result = run_cli("data", str(path), cwd=tmp_path)

@@ -105,7 +105,9 @@ def prepare(splits: Splits, tokenizer, experiment: Experiment) -> Splits:
     """Tokenized (and packed, with training.packing) train and eval rows; a
     vision-language model's rows go to TRL's vision path untokenized (sft_vision.py)."""
     if is_processor(tokenizer):
-        return sft_vision.prepare(splits, experiment, trained_tokens(experiment, "messages"))
+        return sft_vision.prepare(splits, tokenizer, experiment,
+                                  trained_tokens(experiment, "messages"),
+                                  assistant_only(experiment, "messages"))
     sft_vision.refuse_images(splits, experiment)
     masking = _masking(splits, experiment)
     said = trained_tokens(experiment, splits.format)

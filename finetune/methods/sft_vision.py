@@ -15,13 +15,14 @@ from __future__ import annotations
 
 from trl import SFTTrainer
 
+from finetune.config.derived.effective import value as effective_value
 from finetune.config.schema import Experiment
-from finetune.data.image_size import ImagesSized
+from finetune.data.image_size import ImagesSized, fitter
 from finetune.data.images import IMAGES
 from finetune.data.load import ORIGIN, Splits
 from finetune.data.rows import WEIGHT
 from finetune.errors import ConfigError, DataError
-from finetune.methods import Job
+from finetune.methods import Job, vision_lengths
 from finetune.trainers.vision import VisionSFTTrainer
 from finetune.trainers.weighted import RowWeightsOnTokens, WeightedVisionSFTTrainer
 
@@ -58,21 +59,28 @@ def _problems(splits: Splits, experiment: Experiment) -> list[str]:
     return problems
 
 
-def prepare(splits: Splits, experiment: Experiment, said: str | None) -> Splits:
+def prepare(splits: Splits, processor, experiment: Experiment, said: str | None,
+            assistant_only: bool) -> Splits:
     """The checked rows as they are, with the columns the collator reads (and ORIGIN,
-    which data/prepare.py removes). said: what trains, for the start summary."""
+    which data/prepare.py removes), less those training.max_length would cut inside their
+    image tokens or leave untrained (vision_lengths.py). said: what trains, for the start
+    summary."""
     problems = _problems(splits, experiment)
     if problems:
         raise ConfigError(problems)
     if said and said not in splits.notes:
         splits.notes.append(said)
-    def keep(rows):
+    max_length, fit = effective_value(experiment, "max_length"), fitter(experiment)
+
+    def keep(rows, split):
         if IMAGES not in rows.column_names:  # text-only conversations: no pictures to collate
             rows = rows.add_column(IMAGES, [[] for _ in range(len(rows))])
+        rows = vision_lengths.kept(rows, split, processor, max_length, assistant_only, fit,
+                                   splits.notes)
         return rows.select_columns([c for c in (*COLUMNS, WEIGHT, ORIGIN)
                                     if c in rows.column_names])
 
-    return splits.tokenized(lambda rows, split: keep(rows))
+    return splits.tokenized(keep)
 
 
 def build_trainer(job: Job, assistant_only: bool) -> SFTTrainer:

@@ -1,0 +1,64 @@
+"""Rows with images against training.max_length, while the data are prepared: each row
+rendered as TRL's vision collator renders it (the processor's chat template, every image
+expanded to its tokens, the pictures fitted to vision.max_pixels), untruncated. A row
+whose image tokens reach past max_length would be cut inside them (the processor refuses
+such a batch), and one whose trained tokens all lie past it would train nothing: both are
+dropped, counted in the start summary, as text rows that train nothing after truncation
+are (data/sft_tokens.py). None left is an error naming the setting."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+from datasets import Dataset
+
+from finetune.data.images import IMAGES
+from finetune.errors import DataError
+
+
+@dataclass(frozen=True)
+class Measured:
+    length: int                 # tokens, the images' expanded
+    image_end: int              # one past the last image token (0: no image)
+    first_trained: int | None   # the first trained token (None: none)
+
+
+def measure(processor, messages: list[dict], images: list, assistant_only: bool,
+            fit=list) -> Measured:
+    from trl.data_utils import prepare_multimodal_messages
+
+    rendered = prepare_multimodal_messages(copy.deepcopy(messages), images=fit(images or []))
+    out = processor.apply_chat_template(
+        [rendered], tokenize=True, return_dict=True, return_assistant_tokens_mask=assistant_only,
+        processor_kwargs={"add_special_tokens": False})
+    ids = list(out["input_ids"][0])
+    token = getattr(processor, "image_token_id", None)
+    ends = [i + 1 for i, t in enumerate(ids) if t == token]
+    trained = list(out["assistant_masks"][0]) if assistant_only else [1] * len(ids)
+    first = next((i for i, keep in enumerate(trained) if keep), None)
+    return Measured(len(ids), max(ends, default=0), first)
+
+
+def fits(measured: Measured, max_length: int | None) -> bool:
+    if max_length is None:
+        return measured.first_trained is not None
+    return measured.image_end <= max_length and measured.first_trained is not None \
+        and measured.first_trained < max_length
+
+
+def kept(rows: Dataset, split: str, processor, max_length: int | None, assistant_only: bool,
+         fit, notes: list[str]) -> Dataset:
+    """The rows that fit; a note counting the others; a DataError when none does."""
+    keep = [fits(measure(processor, messages, images, assistant_only, fit), max_length)
+            for messages, images in zip(rows["messages"], rows[IMAGES])]
+    dropped = keep.count(False)
+    if dropped == len(keep) and keep:
+        raise DataError(f"data.{split}: no row fits training.max_length {max_length} with its "
+                        "image tokens and a trained token (`finetune data` shows every row's "
+                        "length with its image tokens): raise it")
+    if dropped:
+        notes.append(f"data.{split}: {dropped} of {len(keep)} row(s) dropped: training.max_length "
+                     f"{max_length} would cut their image tokens or leave no trained token")
+        rows = rows.select([i for i, k in enumerate(keep) if k])
+    return rows
