@@ -87,7 +87,7 @@ class Method:
     # Runs under distributed.sequence_parallel (DeepSpeed ALST/Ulysses): verified on CPU for
     # sft, whose trainer hands the Trainer's sequence-parallel loss the model's own loss.
     sequence_parallel: bool = False
-    # Trains a vision-language model on rows with images (methods/sft_vision.py).
+    # Trains a vision-language model on rows with images (methods/sft_vision.py, dpo.py).
     vision: bool = False
     # Training arguments of its own, over finetune's defaults, under the experiment's.
     defaults: dict[str, Any] = field(default_factory=dict, compare=False)
@@ -127,7 +127,7 @@ METHODS: dict[str, Method] = {m.name: m for m in (
            tokenizes=True),
     Method("dpo", ("trl", "DPOConfig"), ("preference",), "lm", "finetune.methods.dpo",
            sections=("dpo",), max_length="training.max_length", sequences=2,
-           reference=Reference(setting="dpo.ref_model"), shared_prompt=True),
+           reference=Reference(setting="dpo.ref_model"), shared_prompt=True, vision=True),
     # Reference-free preference methods (trl.experimental): the pair's own log-odds
     # (orpo) or length-normalised log-probabilities (simpo) are the implicit reward.
     # Their trainers weigh no sample, so weights are refused.
