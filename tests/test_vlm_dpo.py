@@ -1,0 +1,182 @@
+"""dpo on a vision-language model: preference rows with images (TRL's `prompt` /
+`chosen` / `rejected` + `images`) checked by validate and by training alike, one error
+naming file, row and path; pictures given as URLs (refused offline, fetched and checked
+online); a method or a model that cannot take images refused at validate; the settings
+TRL refuses for such rows refused at validate naming their YAML path. The training
+itself: tests/test_quickstart.py (configs/quickstart/vlm-dpo.yaml)."""
+
+from __future__ import annotations
+
+import functools
+import http.server
+import json
+import shutil
+import threading
+
+import pytest
+
+from conftest import QUICKSTART, TINY_MODEL, run_cli
+from finetune.config import load_experiment
+from finetune.data.scan import check_data
+from finetune.errors import ConfigError, DataError
+
+TINY_VLM = QUICKSTART / "tiny-vlm"
+PICTURE = QUICKSTART / "data" / "vlm_train" / "0000.png"
+
+
+def said(text: str) -> list[dict]:
+    return [{"role": "assistant", "content": [{"type": "text", "text": text}]}]
+
+
+def pair(*images: str, prompt: bool = True) -> dict:
+    """A question about the pictures, the right answer chosen, a wrong one rejected; with
+    `prompt`, or (prompt=False) the question as the turn chosen and rejected share."""
+    question = [{"role": "user", "content": [*({"type": "image"} for _ in images),
+                                              {"type": "text", "text": "What color is it?"}]}]
+    if not prompt:
+        return {"chosen": question + said("red"), "rejected": question + said("blue"),
+                "images": list(images)}
+    return {"prompt": question, "chosen": said("red"), "rejected": said("blue"),
+            "images": list(images)}
+
+
+def experiment(write, tmp_path, rows: list[dict], model=TINY_VLM, method="dpo",
+               extra: str = ""):
+    """The experiment, its rows in tmp_path/data/pairs.jsonl beside one real picture
+    (data/pic.png)."""
+    data = tmp_path / "data"
+    data.mkdir(exist_ok=True)
+    shutil.copy(PICTURE, data / "pic.png")
+    (data / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return write("exp.yaml", f"method: {method}\nmodel:\n  name_or_path: {model}\n"
+                             f"  init: random\ndata:\n  train: {data / 'pairs.jsonl'}\n{extra}")
+
+
+def validate_error(path) -> str:
+    with pytest.raises(DataError) as caught:
+        check_data(load_experiment(path))
+    return str(caught.value)
+
+
+def training_error(path) -> str:
+    """The error training's reader (data/load.py) gives for the experiment's data."""
+    from finetune.data.load import load_data
+
+    with pytest.raises(DataError) as caught:
+        load_data(load_experiment(path))
+    return str(caught.value)
+
+
+def test_preference_rows_with_images_validate(write, tmp_path):
+    """A given prompt with its image parts, a prompt taken from the turns chosen and
+    rejected share, text turns (TRL puts the pictures before the first user turn), and
+    a pair without pictures, in one run."""
+    text_turns = {"prompt": [{"role": "user", "content": "What color is it?"}],
+                  "chosen": [{"role": "assistant", "content": "red"}],
+                  "rejected": [{"role": "assistant", "content": "blue"}], "images": ["pic.png"]}
+    for rows in ([pair("pic.png"), pair()], [pair("pic.png", prompt=False)], [text_turns]):
+        path = experiment(write, tmp_path, rows)
+        result = run_cli("validate", str(path), cwd=tmp_path)
+        assert result.returncode == 0, result.stderr
+        assert f": {len(rows)} rows, format preference" in result.stdout
+
+
+def test_a_missing_picture_is_the_same_line_at_validate_and_at_training(write, tmp_path):
+    path = experiment(write, tmp_path, [pair("pic.png"), pair("pics/missing.png")])
+    result = run_cli("validate", str(path), cwd=tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    line = f"{tmp_path / 'data' / 'pairs.jsonl'} line 2: images[0] 'pics/missing.png': no " \
+           f"such file ({tmp_path / 'data' / 'pics' / 'missing.png'})"
+    assert line in result.stderr
+    assert training_error(path) == line.replace("line 2", "row 2")
+
+
+@pytest.mark.parametrize("rows, problem", [
+    ([pair("pic.png") | {"images": ["pic.png", "pic.png"]}],
+     "`images` gives 2 file(s) for 1 image part(s) in `prompt`"),
+    ([pair("pic.png", prompt=False) | {"images": []}],
+     "`images` gives 0 file(s) for 1 image part(s) in `the prompt turns chosen and rejected "
+     "share`"),
+    ([pair("pic.png") | {"chosen": [{"role": "assistant", "content": [
+        {"type": "image"}, {"type": "text", "text": "red"}]}]}],
+     "an image part in the answer of `chosen`: pictures belong to the prompt"),
+    ([{"prompt": "What color is it?", "chosen": "red", "rejected": "blue",
+       "images": ["pic.png"]}],
+     "`images` needs conversational rows"),
+], ids=["count", "shared-prompt count", "picture in an answer", "text rows"])
+def test_pictures_and_image_parts_must_agree(write, tmp_path, rows, problem):
+    path = experiment(write, tmp_path, rows)
+    at_validate = validate_error(path)
+    assert f"{tmp_path / 'data' / 'pairs.jsonl'} line 1: {problem}" in at_validate, at_validate
+    assert training_error(path) == at_validate.replace("line 1", "row 1")
+
+
+def test_a_url_is_refused_offline_at_validate_and_at_training(write, tmp_path):
+    url = "https://example.com/pic.png"
+    path = experiment(write, tmp_path, [pair(url)])
+    result = run_cli("validate", str(path), cwd=tmp_path)  # tests run with HF_HUB_OFFLINE=1
+    line = f"{tmp_path / 'data' / 'pairs.jsonl'} line 1: images[0] '{url}': a URL, and " \
+           "HF_HUB_OFFLINE is set: nothing is fetched offline; download the picture and " \
+           "give its path"
+    assert result.returncode == 2 and line in result.stderr, result.stderr
+    assert training_error(path) == line.replace("line 1", "row 1")
+
+
+@pytest.fixture
+def picture_server(tmp_path, monkeypatch):
+    """Online, with a web server on this machine serving tmp_path/www (one picture)."""
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    (tmp_path / "www").mkdir()
+    shutil.copy(PICTURE, tmp_path / "www" / "pic.png")
+    (tmp_path / "www" / "notes.png").write_text("not a picture\n")
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+    handler = functools.partial(Quiet, directory=str(tmp_path / "www"))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+def test_online_a_url_is_fetched_and_checked_once(write, tmp_path, picture_server):
+    from finetune.data.load import load_data
+
+    path = experiment(write, tmp_path, [pair(f"{picture_server}/pic.png")])
+    check_data(load_experiment(path))
+    splits = load_data(load_experiment(path))
+    assert splits.train["images"] == [[f"{picture_server}/pic.png"]]  # the processor fetches it
+    for name, problem in (("gone.png", "cannot be fetched (HTTPError: HTTP Error 404"),
+                          ("notes.png", "not an image Pillow can read (14 bytes of image/png)")):
+        path = experiment(write, tmp_path, [pair(f"{picture_server}/{name}")])
+        at_validate = validate_error(path)
+        assert f"line 1: images[0] '{picture_server}/{name}': {problem}" in at_validate
+        assert training_error(path) == at_validate.replace("line 1", "row 1")
+
+
+def test_pictures_need_a_vision_language_model_and_a_method_that_takes_them(write, tmp_path):
+    where = f"{tmp_path / 'data' / 'pairs.jsonl'} line 1"
+    path = experiment(write, tmp_path, [pair("pic.png")], model=TINY_MODEL)
+    assert validate_error(path).startswith(f"{where}: the row has images, and model."
+                                           f"name_or_path {TINY_MODEL} is not a vision-language")
+    path = experiment(write, tmp_path, [pair("pic.png")], model=TINY_MODEL, method="reward")
+    line = f"{where}: the row has images, and method reward does not take images; sft and " \
+           "dpo train on rows with images (docs/vision.md)"
+    assert validate_error(path) == line
+    assert training_error(path) == line.replace("line 1", "row 1")
+
+
+@pytest.mark.parametrize("setting, key", [
+    ("training:\n  truncation_mode: keep_end\n", "training.truncation_mode"),
+    ("training:\n  precompute_ref_log_probs: true\n", "training.precompute_ref_log_probs"),
+    ("data:\n  weight_column: w\n", "data.weight_column"),
+    ("training:\n  padding_free: true\n", "training.padding_free"),
+])
+def test_what_trl_refuses_for_pairs_with_images_is_refused_at_validate(write, setting, key):
+    path = write("exp.yaml", f"extends: {QUICKSTART / 'vlm-dpo.yaml'}\n{setting}")
+    with pytest.raises(ConfigError) as caught:
+        load_experiment(path)
+    [problem] = caught.value.problems
+    assert f"exp.yaml:" in problem and f": {key}: {TINY_VLM} is a vision-language model: " \
+        in problem, problem
