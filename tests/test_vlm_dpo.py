@@ -180,3 +180,14 @@ def test_what_trl_refuses_for_pairs_with_images_is_refused_at_validate(write, se
     [problem] = caught.value.problems
     assert f"exp.yaml:" in problem and f": {key}: {TINY_VLM} is a vision-language model: " \
         in problem, problem
+
+
+@pytest.mark.slow  # loads the processor (and torch)
+def test_finetune_data_shows_pairs_as_the_vision_collator_makes_them(write, tmp_path):
+    path = experiment(write, tmp_path, [pair("pic.png", prompt=False)])
+    result = run_cli("data", str(path), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    prompt = "<|bos|><|user|>" + "<image>" * 16 + " What color is it?<|end|><|assistant|>"
+    assert f"chosen: {prompt}⟦ red<|eos|>⟧" in result.stdout, result.stdout
+    assert f"rejected: {prompt}⟦ blue<|eos|>⟧" in result.stdout
+    assert "row 1 (40 tokens)" in result.stdout  # the 16 image tokens counted
