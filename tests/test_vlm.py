@@ -167,7 +167,7 @@ def test_what_a_vision_language_model_cannot_train_with_yet_is_refused_at_valida
 
     with pytest.raises(ConfigError) as caught:
         load_experiment(QUICKSTART / "vlm.yaml", ["method=kto", "data.train=x.jsonl"])
-    assert "method: " in str(caught.value) and "only sft and dpo train one yet" in str(caught.value)
+    assert "method: " in str(caught.value) and "only sft, dpo and grpo train one yet" in str(caught.value)
     with pytest.raises(ConfigError, match="peft.type.*LoRA and QLoRA on one are not supported"):
         load_experiment(QUICKSTART / "vlm.yaml", ["peft.type=lora"])
 

@@ -161,8 +161,8 @@ def test_pictures_need_a_vision_language_model_and_a_method_that_takes_them(writ
     assert validate_error(path).startswith(f"{where}: the row has images, and model."
                                            f"name_or_path {TINY_MODEL} is not a vision-language")
     path = experiment(write, tmp_path, [pair("pic.png")], model=TINY_MODEL, method="reward")
-    line = f"{where}: the row has images, and method reward does not take images; sft and " \
-           "dpo train on rows with images (docs/vision.md)"
+    line = f"{where}: the row has images, and method reward does not take images; sft, dpo " \
+           "and grpo train on rows with images (docs/vision.md)"
     assert validate_error(path) == line
     assert training_error(path) == line.replace("line 1", "row 1")
 
@@ -191,3 +191,50 @@ def test_finetune_data_shows_pairs_as_the_vision_collator_makes_them(write, tmp_
     assert f"chosen: {prompt}⟦ red<|eos|>⟧" in result.stdout, result.stdout
     assert f"rejected: {prompt}⟦ blue<|eos|>⟧" in result.stdout
     assert "row 1 (40 tokens)" in result.stdout  # the 16 image tokens counted
+
+
+# ---- grpo: prompts with images ----
+
+REWARDS = "def right(completions, answer, **kwargs):\n" \
+          "    return [float(answer[i] in str(c)) for i, c in enumerate(completions)]\n"
+
+
+def grpo_experiment(write, tmp_path, rows: list[dict], extra: str = ""):
+    """grpo on prompts with images (tmp_path/data/prompts.jsonl beside data/pic.png)."""
+    data = tmp_path / "data"
+    data.mkdir(exist_ok=True)
+    shutil.copy(PICTURE, data / "pic.png")
+    (data / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "rewards.py").write_text(REWARDS)
+    return write("grpo.yaml", f"method: grpo\nmodel:\n  name_or_path: {TINY_VLM}\n"
+                              f"  init: random\ndata:\n  train: {data / 'prompts.jsonl'}\n"
+                              f"rewards: {{functions: [rewards.py:right]}}\n{extra}")
+
+
+def question(*images: str) -> dict:
+    return {"prompt": pair(*images)["prompt"], "answer": "red", "images": list(images)}
+
+
+def test_prompts_and_their_pictures_must_agree(write, tmp_path):
+    path = grpo_experiment(write, tmp_path, [question("pic.png"),
+                                             question("pic.png") | {"images": []}])
+    at_validate = validate_error(path)
+    assert at_validate.startswith(f"{tmp_path / 'data' / 'prompts.jsonl'} line 2: `images` "
+                                  "gives 0 file(s) for 1 image part(s) in `prompt`"), at_validate
+    assert training_error(path) == at_validate.replace("line 2", "row 2")
+
+
+@pytest.mark.slow
+def test_grpo_generates_from_prompts_with_their_pictures(write, tmp_path):
+    """One step: the tiny LLaVA's processor refuses an image token without its picture,
+    so a step that ran got the pictures; and each prompt counts its 16 image tokens."""
+    path = grpo_experiment(write, tmp_path, [question("pic.png")] * 8, extra=(
+        "training:\n  max_steps: 1\n  per_device_train_batch_size: 4\n  num_generations: 4\n"
+        "  max_completion_length: 4\n  activation_checkpointing: false\n"))
+    result = run_cli("train", str(path), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    [step] = [json.loads(line) for line in
+              (tmp_path / "runs" / "grpo" / "metrics.jsonl").read_text().splitlines()
+              if '"num_tokens"' in line][:1]
+    prompt_tokens = step["num_tokens"] / 4 - step["completions/mean_length"]
+    assert prompt_tokens == 19 - 1 + 16  # the rendered question, its <image> as 16 tokens

@@ -87,7 +87,8 @@ class Method:
     # Runs under distributed.sequence_parallel (DeepSpeed ALST/Ulysses): verified on CPU for
     # sft, whose trainer hands the Trainer's sequence-parallel loss the model's own loss.
     sequence_parallel: bool = False
-    # Trains a vision-language model on rows with images (methods/sft_vision.py, dpo.py).
+    # Trains a vision-language model on rows with images (methods/sft_vision.py, dpo.py,
+    # grpo.py).
     vision: bool = False
     # Training arguments of its own, over finetune's defaults, under the experiment's.
     defaults: dict[str, Any] = field(default_factory=dict, compare=False)
@@ -156,7 +157,7 @@ METHODS: dict[str, Method] = {m.name: m for m in (
            max_length="classify.max_length", tokenizes=True),
     Method("grpo", ("trl", "GRPOConfig"), ("prompt",), "lm", "finetune.methods.grpo",
            sections=("rewards",), completion_length="training.max_completion_length",
-           reference=Reference(switch="beta"), weights=False),
+           reference=Reference(switch="beta"), weights=False, vision=True),
     # REINFORCE Leave-One-Out: grpo's data, rewards and generation; the baseline of each
     # completion is the mean reward of its prompt's other completions, and the KL to the
     # reference (beta, 0.05 by default) is subtracted from the reward.

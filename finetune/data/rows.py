@@ -164,7 +164,19 @@ def check_row(row: dict[str, Any], fmt: str, labels: list[str] | None = None) ->
             return problem
     if len({type(row[f]) for f in fields}) > 1:
         return f"mixes plain text and message lists across {', '.join(fields)}"
+    if fmt == "prompt":
+        return _prompt_images_problem(row)
     return _preference_images_problem(row) if fmt == "preference" else None
+
+
+def _prompt_images_problem(row: dict[str, Any]) -> str | None:
+    """A prompt's pictures, as GRPOTrainer reads them: one file per image part of the
+    prompt (or all at the start of its first user turn, when its turns are text)."""
+    images = row.get(IMAGES)
+    if not isinstance(row["prompt"], list):
+        return "`images` needs a conversational `prompt` (a list of messages): a text " \
+               "prompt has no place for a picture" if images else None
+    return count_problem(images, row["prompt"], "prompt")
 
 
 def _preference_images_problem(row: dict[str, Any]) -> str | None:

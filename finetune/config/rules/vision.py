@@ -1,4 +1,4 @@
-"""What a vision-language model (config/vision.py) trains with so far: sft and dpo, the
+"""What a vision-language model (config/vision.py) trains with so far: sft, dpo and grpo, the
 whole model, rows collated padded. Known from a local model's config.json; a hub model's
 is read at training (methods/sft_vision.py and methods/dpo.py refuse the same settings
 there)."""
