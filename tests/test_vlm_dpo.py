@@ -227,7 +227,8 @@ def test_prompts_and_their_pictures_must_agree(write, tmp_path):
 @pytest.mark.slow
 def test_grpo_generates_from_prompts_with_their_pictures(write, tmp_path):
     """One step: the tiny LLaVA's processor refuses an image token without its picture,
-    so a step that ran got the pictures; and each prompt counts its 16 image tokens."""
+    so a step that ran got the pictures; and each prompt counts its 16 image tokens, as
+    `finetune data` shows it."""
     path = grpo_experiment(write, tmp_path, [question("pic.png")] * 8, extra=(
         "training:\n  max_steps: 1\n  per_device_train_batch_size: 4\n  num_generations: 4\n"
         "  max_completion_length: 4\n  activation_checkpointing: false\n"))
@@ -238,3 +239,6 @@ def test_grpo_generates_from_prompts_with_their_pictures(write, tmp_path):
               if '"num_tokens"' in line][:1]
     prompt_tokens = step["num_tokens"] / 4 - step["completions/mean_length"]
     assert prompt_tokens == 19 - 1 + 16  # the rendered question, its <image> as 16 tokens
+    shown = run_cli("data", str(path), "-n", "1", cwd=tmp_path)  # as the trainer renders it
+    assert shown.returncode == 0, shown.stderr
+    assert "row 1 (34 tokens)" in shown.stdout and "<image>" * 16 + " What color" in shown.stdout

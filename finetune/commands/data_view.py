@@ -135,6 +135,18 @@ def _prompts(rows, tokenizer, experiment: Experiment, splits, split: str) -> Ite
         yield Sample(row[ORIGIN], [("prompt", ids, [False] * len(ids))])
 
 
+def _prompts_vision(rows, processor, experiment: Experiment, splits,
+                    split: str) -> Iterator[Sample]:
+    """Prompts with images as GRPOTrainer renders them to generate: each picture expanded
+    to its image tokens."""
+    from finetune.model.vision import chat_prompts
+
+    for row in rows:
+        ids = chat_prompts(processor, [row["prompt"]], [row.get("images") or []]
+                           )["input_ids"][0].tolist()
+        yield Sample(row[ORIGIN], [("prompt", ids, [False] * len(ids))])
+
+
 def _classify(rows, tokenizer, experiment: Experiment, splits, split: str) -> Iterator[Sample]:
     for row in rows:
         ids = tokenizer(row["text"])["input_ids"]
@@ -245,7 +257,8 @@ def report(experiment: Experiment, shown: int) -> list[str]:
              f"between {OPEN} and {CLOSE}"] + [f"note: {note}" for note in splits.notes]
     sample = _view(experiment)
     if vision:  # rows as the vision collators make them
-        sample = {_sft: _sft_vision, _dpo: _dpo_vision}.get(sample, sample)
+        sample = {_sft: _sft_vision, _dpo: _dpo_vision, _prompts: _prompts_vision}.get(
+            sample, sample)
     if sample in (_sft, _sft_vision):
         from finetune.methods.sft import trained_tokens
 
