@@ -144,7 +144,8 @@ def resolved(label: str, ds: Dataset, origin: str, method: str) -> Dataset:
     or a hub dataset's id (its images would be decoded images, not paths: not read yet)."""
     if IMAGES not in ds.column_names:
         return ds
-    pictured = next((where for images, where in zip(ds[IMAGES], ds[origin]) if images), None)
+    pictured = next((where for images, where in zip(ds[IMAGES], ds[origin])
+                     if images is not None), None)
     if pictured is not None:
         require_images_method(method, pictured)
     data_file = Path(label)

@@ -236,7 +236,7 @@ class FileCheck:
             problem = self._preference(where, row, raw)
         if problem:
             raise self._fail(where, problem, raw)
-        if row.get(IMAGES):  # the files, as training resolves them (load.py)
+        if row.get(IMAGES) is not None:  # the files, as training resolves them (load.py)
             self.vision_model = self.vision_model or images.require_vision_model(
                 self.experiment, where)
             images.resolved_paths(row[IMAGES], Path(self.label), where)
