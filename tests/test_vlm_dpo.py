@@ -242,3 +242,16 @@ def test_grpo_generates_from_prompts_with_their_pictures(write, tmp_path):
     shown = run_cli("data", str(path), "-n", "1", cwd=tmp_path)  # as the trainer renders it
     assert shown.returncode == 0, shown.stderr
     assert "row 1 (34 tokens)" in shown.stdout and "<image>" * 16 + " What color" in shown.stdout
+
+
+@pytest.mark.slow  # imports TRL (and torch)
+def test_training_refuses_what_validate_refuses_for_a_hub_model():
+    """A hub vision-language model is known as one at training only: methods/dpo.py
+    refuses there the settings config/rules/vision.py refuses for a local one."""
+    from finetune.methods.dpo import vision_problems
+
+    overrides = ["training.truncation_mode=keep_end", "training.precompute_ref_log_probs=true",
+                 "data.weight_column=w"]
+    experiment = load_experiment(QUICKSTART / "dpo.yaml", overrides)  # a text model: valid
+    assert [p.split(":")[0] for p in vision_problems(experiment)] == [
+        "training.truncation_mode", "training.precompute_ref_log_probs", "data.weight_column"]
