@@ -2,13 +2,14 @@
 parts ({"type": "image"}, {"type": "text", "text": ...}), and `images`, one image file
 per image part, in order, each path relative to the data file; or every turn's content
 text, the images then placed before the first user turn's text (TRL's
-prepare_multimodal_messages).
+prepare_multimodal_messages). Preference pairs and prompts carry them the same way in
+their prompt (rows.py).
 
 The checks of a row's parts and images (rows.py calls them), and the image files: found
 next to the data file, opened and verified (the header, and for PNG the checksums; the
-pixels are decoded where training collates them). validate (scan.py) and training
-(load.py) check them alike; a bad one is one error naming the file, row and path.
-Without torch: validate imports this."""
+pixels are decoded where training collates them); a URL refused offline, else fetched
+once and verified. validate (scan.py) and training (load.py) check them alike; a bad one
+is one error naming the file, row and path. Without torch: validate imports this."""
 
 from __future__ import annotations
 
