@@ -210,14 +210,20 @@ def _estimate(args: argparse.Namespace) -> int:
 
     from finetune.config import load_experiment
     from finetune.errors import ConfigError
-    from finetune.estimate import as_dict, estimate, parse_memory, render_text
+    from finetune.estimate import (as_dict, estimate, parse_image_size, parse_memory,
+                                   render_text)
 
     try:
         memory = parse_memory(args.gpu_memory)
     except ValueError as exc:
         raise ConfigError([f"--gpu-memory: {exc}"]) from None
+    try:
+        image = parse_image_size(args.image_size) if args.image_size else None
+    except ValueError as exc:
+        raise ConfigError([f"--image-size: {exc}"]) from None
     experiment = load_experiment(args.config, args.overrides)
-    result = estimate(experiment, gpus=args.gpus, gpu_memory=memory, seq_len=args.seq_len)
+    result = estimate(experiment, gpus=args.gpus, gpu_memory=memory, seq_len=args.seq_len,
+                      images_per_row=args.images_per_row, image_size=image)
     if args.json:
         print(json.dumps(as_dict(result), indent=1))
     else:
@@ -326,6 +332,12 @@ def build_parser() -> argparse.ArgumentParser:
     estimate.add_argument("--seq-len", type=whole(1, MAX_LENGTH),
                           help="tokens per sequence (default: training.max_length, "
                                "classify.max_length, or 512 prompt + completion tokens)")
+    estimate.add_argument("--images-per-row", type=whole(0, MAX_LENGTH),
+                          help="a vision-language model's images in each row (default 1)")
+    estimate.add_argument("--image-size",
+                          help="a vision-language model's pictures, WIDTHxHEIGHT pixels "
+                               "before the processor resizes them, where the tokens depend "
+                               "on it (Qwen2-VL; default 640x480)")
     estimate.add_argument("--json", action="store_true", help="print JSON instead of a table")
     estimate.set_defaults(func=_estimate)
 

@@ -69,8 +69,11 @@ OVERRIDES = (
            users="finetune.trainers.weighted:WeightedRewardTrainer"),
     Member("trl:DPOTrainer", "_set_signature_columns_if_needed",
            users="finetune.trainers.weighted:WeightedDPOTrainer"),
+    Member("trl:SFTTrainer", "_set_signature_columns_if_needed",
+           users="finetune.trainers.weighted:WeightedVisionSFTTrainer"),
     Member("transformers:Trainer", "_get_num_items_in_batch", ("batch_samples", "device"),
            users="finetune.trainers.weighted:WeightedSFTTrainer "
+                 "finetune.trainers.weighted:WeightedVisionSFTTrainer "
                  "finetune.trainers.weighted:WeightedRewardTrainer "
                  "finetune.trainers.weighted:WeightedDPOTrainer "
                  "finetune.trainers.classify:ClassifyTrainer"),

@@ -22,7 +22,7 @@ from conftest import DATA, TINY_MODEL, warm_interpreter, free_port
 from warm import WarmProcess
 from finetune.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED
 
-DATASETS = {"sft": "sft_train", "reward": "pref_train", "dpo": "pref_train",
+DATASETS = {"sft": "sft_train", "sft-vlm": "vlm_train", "reward": "pref_train", "dpo": "pref_train",
             "orpo": "pref_train", "cpo": "pref_train", "simpo": "pref_train",
             "distill": "sft_train", "kto": "pref_train", "gkd": "sft_train"}
 
@@ -32,7 +32,8 @@ def experiment(name: str, method: str, *, processes: int = 1, steps: int = 40,
                port: int | None = None, zero_stage: int | None = None,
                logging_steps: int = 1) -> str:
     """fp32 CPU, fixed seed, a checkpoint every 4 steps, several epochs (24 samples);
-    DDP over `processes`, or DeepSpeed ZeRO at `zero_stage`; a free port unless given."""
+    DDP over `processes`, or DeepSpeed ZeRO at `zero_stage`; a free port unless given.
+    method sft-vlm: sft of the tiny LLaVA (whole) on rows with images."""
     if port is None:
         port = free_port()
     strategy = "ddp" if zero_stage is None else \
@@ -40,8 +41,9 @@ def experiment(name: str, method: str, *, processes: int = 1, steps: int = 40,
     distributed = (f"distributed: {{strategy: {strategy}, num_processes: {processes}, "
                    f"device: cpu, main_process_port: {port}}}\n" if processes > 1 else "")
     peft = "peft: {type: lora, r: 4, dropout: 0.1}\n" if method == "sft" else ""
-    return (f"name: {name}\nmethod: {method}\nmodel: {{name_or_path: {TINY_MODEL}, "
-            f"init: random}}\n{peft}"
+    model = TINY_MODEL.parent / "tiny-vlm" if method == "sft-vlm" else TINY_MODEL
+    return (f"name: {name}\nmethod: {method.removesuffix('-vlm')}\nmodel: {{name_or_path: "
+            f"{model}, init: random}}\n{peft}"
             f"data:\n  train: {{path: {DATA}/{DATASETS[method]}.jsonl, max_samples: {samples}}}\n"
             f"{distributed}evaluation: {{before_training: false}}\noutput: {{plot: false}}\n"
             f"training:\n  max_steps: {steps}\n  per_device_train_batch_size: {batch}\n"

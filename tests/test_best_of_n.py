@@ -171,6 +171,7 @@ def test_bad_flags_exit_2_naming_the_flag_and_outputs_are_kept(runs, tmp_path):
     base = ("generate", sft, "--file", prompts)
     cases = [
         (("--reward", reward), "error: --reward: only with --best-of N"),
+        (("--image", prompts), "error: --image: with --prompt only"),
         (("--best-of", 2, "--temperature", 0, "--reward", reward), "error: --temperature 0"),
         (("--best-of", 2, "--reward", tmp_path / "nowhere"), "no such directory"),
         (("--best-of", 2, "--reward", sft), "is a sft run, not a `method: reward` run"),

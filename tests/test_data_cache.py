@@ -361,3 +361,41 @@ def test_a_cache_that_cannot_be_written_is_one_error(config, tmp_path):
                                        r"data\.cache: false"):
         prepared_data(experiment, load_tokenizer(experiment), preparation(experiment),
                       tmp_path / "runs" / "a", 0.0)
+
+
+def test_a_picture_changed_in_place_makes_the_entry_out_of_date(tmp_path, capsys):
+    """The key hashes the data file, not the pictures its rows name: each picture is
+    stamped in the entry, and one changed or broken since is seen at the next run."""
+    from conftest import QUICKSTART
+    from finetune.errors import DataError
+    from finetune.model.tokenizer import load_processor
+
+    pictures = QUICKSTART / "data" / "vlm_train"
+    for name in ("0000.png", "0001.png"):
+        shutil.copy(pictures / name, tmp_path / name)
+    rows = [{"messages": [{"role": "user", "content": [{"type": "image"},
+                                                      {"type": "text", "text": "Color?"}]},
+                          {"role": "assistant", "content": "red"}],
+             "images": [f"000{i % 2}.png"]} for i in range(4)]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "exp.yaml").write_text(
+        f"method: sft\nmodel: {{name_or_path: {QUICKSTART / 'tiny-vlm'}, init: random}}\n"
+        f"data: {{train: {tmp_path / 'rows.jsonl'}}}\n")
+    experiment = load_experiment(tmp_path / "exp.yaml")
+    processor, run_dir = load_processor(experiment), tmp_path / "runs" / "a"
+    run_dir.mkdir(parents=True)
+    prepare = lambda: prepared_data(experiment, processor, preparation(experiment), run_dir,
+                                    time.time(), {})
+    prepare()
+    prepare()
+    assert "data loaded from the cache" in capsys.readouterr().out
+    shutil.copy(pictures / "0002.png", tmp_path / "0001.png")  # another picture, same name
+    assert len(prepare().train) == 4
+    out = capsys.readouterr().out
+    assert f"is out of date (picture {tmp_path / '0001.png'} changed since it was cached); " \
+           "preparing it again" in out, out
+    prepare()
+    assert "data loaded from the cache" in capsys.readouterr().out
+    (tmp_path / "0000.png").write_text("no longer a picture\n")
+    with pytest.raises(DataError, match=r"images\[0\] '0000.png': not an image"):
+        prepare()

@@ -7,11 +7,11 @@ command's table and refusals."""
 from __future__ import annotations
 
 import json
-import weakref
 
 import pytest
 
 from conftest import QUICKSTART, REPO, run_cli
+from vlm_configs import kept_by_autograd
 from finetune.config import load_experiment
 from finetune.errors import ConfigError
 from finetune.estimate import as_dict, estimate, render_text
@@ -20,7 +20,7 @@ from finetune.estimate.core import activation_bytes, regime
 from finetune.estimate.memory import model_states
 from finetune.estimate.settings import Layout, settings_of
 from finetune.estimate.shapes import parameters, read_shape
-from finetune.estimate.vision_activations import encoder_layer_bytes
+from finetune.estimate.vision.llava_activations import encoder_layer_bytes
 
 TINY_VLM = QUICKSTART / "tiny-vlm"
 VLM = QUICKSTART / "vlm.yaml"
@@ -73,32 +73,6 @@ def test_image_tokens_are_what_the_processor_makes():
     assert read_shape(str(LLAVA_7B)).image_tokens == 576
 
 
-def _kept_by_autograd(forward, parameters: set[int]):
-    """(forward()'s result under CPU autocast, bytes of what autograd saved for the backward
-    that is still alive when it returns, parameter storages left out). Saved tensors are
-    packed detached: a tensor packed with its grad_fn would tie a node that saves its own
-    output (sdpa, sigmoid) into a reference cycle and keep graphs alive that training
-    frees (a vision layer past the feature layer)."""
-    import torch
-
-    saved = []
-
-    def pack(tensor):
-        detached = tensor.detach()
-        saved.append(weakref.ref(detached))
-        return detached
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            result = forward()
-    alive = {}
-    for ref in saved:
-        tensor = ref()
-        if tensor is not None and tensor.untyped_storage().data_ptr() not in parameters:
-            alive[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
-    return result, sum(alive.values())
-
-
 @pytest.mark.slow  # a training step / a CLI process: seconds
 def test_model_states_and_activations_against_a_training_step(tmp_path):
     """The tiny VLM as full fine-tuning holds it (fp32, every parameter trainable), one
@@ -131,7 +105,7 @@ def test_model_states_and_activations_against_a_training_step(tmp_path):
     tokens = batch["input_ids"].shape[1]
     storages = {p.untyped_storage().data_ptr() for p in params}
     model.train()
-    out, kept = _kept_by_autograd(lambda: model(**batch), storages)
+    out, kept = kept_by_autograd(lambda: model(**batch), storages)
     loss = out.loss
     loss.backward()
     with_grad = [p for p in params if p.grad is not None]
@@ -154,7 +128,7 @@ def test_model_states_and_activations_against_a_training_step(tmp_path):
     assert abs(measured - expected) <= 0.01 * measured, (measured, expected)
 
     # The images' part alone (a few % of the above): the tower and projector by themselves.
-    features, kept = _kept_by_autograd(
+    features, kept = kept_by_autograd(
         lambda: model.model.get_image_features(pixel_values=batch["pixel_values"]), storages)
     # Less the 16-bit weight copies the matmuls save (counted in the autocast row).
     copies = sum(2 * t.numel for t in census(shape, settings) if t.role in ("linear", "conv")
@@ -165,7 +139,7 @@ def test_model_states_and_activations_against_a_training_step(tmp_path):
     # With activation checkpointing the encoder layers keep only their inputs; the one
     # layer recomputed at a time in the backward is not alive yet at the forward's end.
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    features, kept = _kept_by_autograd(
+    features, kept = kept_by_autograd(
         lambda: model.model.get_image_features(pixel_values=batch["pixel_values"]), storages)
     outside = sum(2 * t.numel for t in census(shape, settings) if t.role in ("linear", "conv")
                   and t.name.startswith(("model.vision_tower.embeddings.",
@@ -219,10 +193,10 @@ def test_llava_7b_full_fine_tuning_on_8_gpus():
 
 def test_other_vision_language_models_are_refused_by_name(tmp_path):
     config = json.loads((LLAVA_7B / "config.json").read_text())
-    other = tmp_path / "qwen"
+    other = tmp_path / "mllama"
     other.mkdir()
-    (other / "config.json").write_text(json.dumps({**config, "model_type": "qwen2_vl"}))
-    with pytest.raises(ConfigError, match="'qwen2_vl' is a vision-language model the "
+    (other / "config.json").write_text(json.dumps({**config, "model_type": "mllama"}))
+    with pytest.raises(ConfigError, match="'mllama' is a vision-language model the "
                                           "estimator does not count yet"):
         read_shape(str(other))
     siglip = tmp_path / "siglip"
@@ -289,7 +263,7 @@ def test_layers_past_the_feature_layer_keep_nothing_and_get_no_gradient(tmp_path
                                                     attn_implementation="sdpa").train()
     storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
     pixels = torch.randn(2, 3, 32, 32)
-    features, kept = _kept_by_autograd(
+    features, kept = kept_by_autograd(
         lambda: model.model.get_image_features(pixel_values=pixels).pooler_output, storages)
     kept_copies = sum(2 * t.numel for t in tensors if t.role in ("linear", "conv")
                       and t.name.startswith(("model.vision_tower.", "model.multi_modal_projector."))
@@ -322,7 +296,7 @@ def test_llava_15_tower_activations_at_full_size():
     storages = {p.untyped_storage().data_ptr()
                 for module in (tower, projector) for p in module.parameters()}
     pixels = torch.randn(1, 3, 336, 336)
-    features, kept = _kept_by_autograd(
+    features, kept = kept_by_autograd(
         lambda: projector(tower(pixel_values=pixels, output_hidden_states=True)
                           .hidden_states[-2][:, 1:]), storages)
     shape = read_shape(str(LLAVA_7B))

@@ -421,6 +421,9 @@ def wait_for(session: str, text: str, timeout: float = 120) -> str:
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")
 def test_chat_in_a_terminal(full_sft, tmp_path):
+    refused = run_cli("chat", str(full_sft), "--image", "pic.png", cwd=tmp_path)
+    assert refused.returncode != 0 and "Traceback" not in refused.stderr
+    assert f"--image: {full_sft / 'final'} is not a vision-language model" in refused.stderr
     answers = recorded_answers(full_sft)
     users = [a["prompt"].split("<|user|>")[1].split("<|end|>")[0] for a in answers]
     session = f"finetune-chat-{tmp_path.name}"
@@ -439,6 +442,8 @@ def test_chat_in_a_terminal(full_sft, tmp_path):
         wait_for(session, f"assistant>  {answers[1]['generated']}\nyou> ")
         tmux("send-keys", "-t", session, "/help", "Enter")
         wait_for(session, "commands: /reset starts again")
+        tmux("send-keys", "-t", session, "/image pic.png", "Enter")  # one line, chat goes on
+        wait_for(session, "finetune: /image: the model takes text only")
         tmux("send-keys", "-t", session, "C-d")
         screen = wait_for(session, "finetune: bye")
         deadline = time.time() + 60

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from conftest import DATA, TINY_MODEL, run_cli
+from conftest import DATA, QUICKSTART, TINY_MODEL, run_cli
 from finetune.rundir import checkpoints
 from resumable import (Run, assert_continues, assert_identical, experiment, final_weights,
                        losses, stopped_by_ctrl_c, stopped_by_sigterm, wait_for_step)
@@ -36,9 +36,11 @@ STEPS = 40
 # RNG); gkd x1 (Python's restored `random` picks student or data batches). Exhaustive:
 # reward x2 (sft x2's path with a score head), orpo x2 and cpo x1 (TRL's experimental
 # preference trainers: the Trainer's restore, as sft's), kto x2 (kto x1's order and
-# reference model on sft x2's two ranks).
+# reference model on sft x2's two ranks), sft-vlm x1 (a whole VLM: its weights restored
+# through from_pretrained, trainers/vision.py; its processor in every checkpoint).
 @pytest.mark.parametrize("method,processes", [
     ("sft", 1), ("sft", 2), pytest.param("reward", 2, marks=pytest.mark.exhaustive),
+    pytest.param("sft-vlm", 1, marks=pytest.mark.exhaustive),
     ("dpo", 1), pytest.param("orpo", 2, marks=pytest.mark.exhaustive),
     pytest.param("cpo", 1, marks=pytest.mark.exhaustive), ("kto", 1),
     pytest.param("kto", 2, marks=pytest.mark.exhaustive), ("distill", 1), ("gkd", 1)])
@@ -111,14 +113,23 @@ def test_sigterm_and_sigkill_then_resume_is_bitwise_identical(method, processes,
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()
                   if not p.name.startswith("checkpoint-")) == []
     assert [s for s, *_ in losses(run_dir)] == [1, *range(3, STEPS + 1, 3)]
+    if method == "sft-vlm":  # the sealed checkpoint loads as a model with its processor
+        assert "processor_config.json" in checkpoints.read_manifest(sealed)["files"]
 
 
-def test_deepspeed_zero3_checkpoint_then_resume_is_bitwise_identical(write, tmp_path):
+# vlm: sft of the tiny LLaVA on rows with images (its processor in the checkpoint). Its
+# ZeRO-3 resume is the Trainer's own DeepSpeed loading, the text case's path
+# (trainers/vision.py): exhaustive.
+@pytest.mark.parametrize("model", ["text", pytest.param("vlm", marks=pytest.mark.exhaustive)])
+def test_deepspeed_zero3_checkpoint_then_resume_is_bitwise_identical(model, write, tmp_path):
     """ZeRO-3 checkpoints are written by every rank (sharded states): sealed only once all
     are on disk, and resumed bitwise. Near 60 s: two 2-rank DeepSpeed launches (the
     reference; a run resumed from its checkpoint-8), each rank importing DeepSpeed cold."""
     text = experiment("z3", "sft", processes=2, steps=24, zero_stage=3).replace(
         "peft: {type: lora, r: 4, dropout: 0.1}\n", "")
+    if model == "vlm":
+        text = text.replace(str(TINY_MODEL), str(QUICKSTART / "tiny-vlm")).replace(
+            "sft_train.jsonl", "vlm_train.jsonl")
     reference = write("z3ref.yaml", text.replace("name: z3", "name: z3ref"))
     assert Run("launch", reference, tmp_path, 0).wait() == 0
     sealed = tmp_path / "runs" / "z3ref" / "checkpoints" / "checkpoint-8"
@@ -130,6 +141,9 @@ def test_deepspeed_zero3_checkpoint_then_resume_is_bitwise_identical(write, tmp_
     assert second.wait() == 0, second.text()[-3000:]
     assert f"resuming from {sealed}" in second.text()
     assert_continues(tmp_path / "runs" / "z3", tmp_path / "runs" / "z3ref", 8, "ZeRO-3")
+    if model == "vlm":  # the checkpoint loads as a model with its processor
+        assert (sealed / "processor_config.json").is_file()
+        assert "processor_config.json" in checkpoints.read_manifest(sealed)["files"]
 
 
 def _unsealed(run_dir) -> list:

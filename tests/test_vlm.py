@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
+import time
 
 import pytest
 
-from conftest import QUICKSTART, TINY_MODEL, run_cli
+from conftest import QUICKSTART, REPO, TINY_MODEL, run_cli
 from finetune.config import load_experiment, vision
 from finetune.data.scan import check_data
 from finetune.errors import DataError
@@ -168,8 +171,6 @@ def test_what_a_vision_language_model_cannot_train_with_yet_is_refused_at_valida
     with pytest.raises(ConfigError) as caught:
         load_experiment(QUICKSTART / "vlm.yaml", ["method=kto", "data.train=x.jsonl"])
     assert "method: " in str(caught.value) and "only sft, dpo and grpo train one yet" in str(caught.value)
-    with pytest.raises(ConfigError, match="peft.type.*LoRA and QLoRA on one are not supported"):
-        load_experiment(QUICKSTART / "vlm.yaml", ["peft.type=lora"])
 
 
 @pytest.mark.slow
@@ -207,10 +208,27 @@ def test_the_tiny_vlm_learns_from_images_and_trains_only_the_answers(tmp_path):
         [str((tmp_path / "vlm_eval" / f"{i:04d}.png").resolve())] for i in range(16)]
     hits = sum(a["completion"].strip() == a["reference"] for a in answers)
     assert hits / 16 == summary["after"]["eval_exact_match"]
-    chat = run_cli("chat", str(run), cwd=tmp_path)
-    assert chat.returncode != 0 and "`finetune chat` does not take images yet" in chat.stderr
+    # --prompt with --image: the first row's question about its picture, answered alike
+    first = json.loads(rows[0])
+    flags = run_cli("generate", str(run), "--prompt", first["messages"][0]["content"][-1]["text"],
+                    "--image", first["images"][0], "--max-new-tokens", "8", cwd=tmp_path)
+    assert flags.returncode == 0, flags.stderr[-3000:]
+    assert json.loads(flags.stdout)["completion"] == answers[0]["completion"]
+    (tmp_path / "rewards.py").write_text("def zero(completions, **kwargs):\n"
+                                         "    return [0.0 for _ in completions]\n")
+    best = run_cli("generate", str(run), "--file", "prompts.jsonl", "--best-of", "2",
+                   "--reward", "rewards.py:zero", cwd=tmp_path)
+    assert best.returncode != 0 and "Traceback" not in best.stderr
+    assert "`finetune generate --best-of` does not take images yet" in best.stderr
+    if shutil.which("tmux"):  # as test_inference's chat in a terminal
+        chat_with_images(run, tmp_path, [json.loads(r) for r in rows[:2]], answers[:2])
     # Resumed from step 20 (the Trainer's own resume would load none of those weights:
-    # trainers/vision.py), the run ends where the uninterrupted one did.
+    # trainers/vision.py), the run ends where the uninterrupted one did. The sealed
+    # checkpoint holds the processor (it loads as a model on its own).
+    from finetune.rundir import checkpoints
+
+    sealed = checkpoints.read_manifest(run / "checkpoints" / "checkpoint-20")["files"]
+    assert {"processor_config.json", "chat_template.jinja", "tokenizer.json"} <= set(sealed)
     shutil.rmtree(run / "checkpoints" / "checkpoint-40")
     shutil.rmtree(run / "final")
     (run / "summary.json").unlink()
@@ -221,7 +239,7 @@ def test_the_tiny_vlm_learns_from_images_and_trains_only_the_answers(tmp_path):
     assert resumed["after"]["eval_loss"] == pytest.approx(summary["after"]["eval_loss"],
                                                           rel=1e-4)
 
-    batch, processor = collated_batch(tmp_path, steps)
+    batch, processor, _ = collated_batch(tmp_path, steps)
     image_token = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
     assistant = processor.tokenizer.convert_tokens_to_ids("<|assistant|>")
     labels, ids = batch["labels"], batch["input_ids"]
@@ -238,23 +256,87 @@ def test_the_tiny_vlm_learns_from_images_and_trains_only_the_answers(tmp_path):
             "square<|eos|>", "triangle<|eos|>"), processor.tokenizer.decode(answer)
 
 
-def collated_batch(tmp_path, overrides):
-    """A training batch as the run's trainer collates it: the experiment built the way
-    `finetune train` builds it (run/build.py), its first batch taken from the trainer's
-    own dataloader."""
+def chat_with_images(run, tmp_path, rows: list[dict], answers: list[dict]) -> None:
+    """`finetune chat --image` in a real terminal answers each row's question about its
+    picture as `finetune generate` did; /image attaches one later; a wrong path is one
+    line and the chat goes on."""
+    from test_inference import tmux, wait_for
+
+    questions = [r["messages"][0]["content"][-1]["text"] for r in rows]
+    session, status = f"vlm-chat-{tmp_path.name}", tmp_path / "chat-status"
+    command = (f"cd {tmp_path} && PYTHONPATH={REPO} {sys.executable} -m finetune chat {run} "
+               f"--image {rows[0]['images'][0]} --max-new-tokens 8; echo $? > {status}; "
+               "sleep 60")
+    tmux("new-session", "-d", "-s", session, "-x", "200", "-y", "40", command)
+    try:
+        wait_for(session, "you> ")
+        tmux("send-keys", "-t", session, questions[0], "Enter")
+        wait_for(session, f"{questions[0]}\nassistant> {answers[0]['completion']}\nyou> ")
+        tmux("send-keys", "-t", session, "/image vlm_eval/none.png", "Enter")
+        wait_for(session, "finetune: /image vlm_eval/none.png: no such file")
+        tmux("send-keys", "-t", session, "/reset", "Enter")
+        wait_for(session, "finetune: conversation reset")
+        tmux("send-keys", "-t", session, f"/image {rows[1]['images'][0]}", "Enter")
+        wait_for(session, "image 1 attached to your next message")
+        tmux("send-keys", "-t", session, questions[1], "Enter")
+        wait_for(session, f"{questions[1]}\nassistant> {answers[1]['completion']}\nyou> ")
+        tmux("send-keys", "-t", session, "C-d")
+        screen = wait_for(session, "finetune: bye")
+        deadline = time.time() + 60
+        while not status.exists() and time.time() < deadline:
+            time.sleep(0.1)
+        assert status.read_text().strip() == "0" and "Traceback" not in screen
+    finally:
+        subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
+
+
+@pytest.mark.slow  # builds the model and a trainer
+def test_text_only_rows_train_beside_rows_with_images(write, tmp_path):
+    """A VLM run takes conversations without pictures too (a file with no `images` at all,
+    or rows of one with none): they collate beside rows with pictures, only the answers
+    train, and a step's gradient reaches the tower through the rows that have one."""
+    data = tmp_path / "data"
+    data.mkdir()
+    shutil.copy(PICTURE, data / "pic.png")
+    text = {"messages": [{"role": "user", "content": "Say red."},
+                         {"role": "assistant", "content": "red"}]}
+    (data / "text.jsonl").write_text(json.dumps(text) + "\n")
+    (data / "mixed.jsonl").write_text(json.dumps(row("pic.png")) + "\n" + json.dumps(text) + "\n")
+    for name, pictures in (("text", 0), ("mixed", 1)):
+        config = write(f"{name}.yaml", f"method: sft\nmodel: {{name_or_path: {TINY_VLM}, "
+                                       f"init: random}}\ndata: {{train: {data / name}.jsonl}}\n"
+                                       "training: {per_device_train_batch_size: 2}\n")
+        batch, processor, model = collated_batch(tmp_path / name, [], config)
+        image_token = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
+        counts = (batch["input_ids"] == image_token).sum(dim=1).tolist()
+        assert sorted(counts) == ([0, 16] if pictures else [0])
+        assert ("pixel_values" in batch) == bool(pictures)
+        trained = [processor.tokenizer.decode(ids[labels != -100]) for ids, labels in
+                   zip(batch["input_ids"], batch["labels"])]
+        assert all(t.strip() == "red<|eos|>" for t in trained), trained
+        loss = model(**{k: v for k, v in batch.items() if k != "weight"}).loss
+        loss.backward()
+        tower = [p.grad for n, p in model.named_parameters() if "vision_tower" in n]
+        assert any(g is not None and g.abs().sum() > 0 for g in tower) == bool(pictures)
+
+
+def collated_batch(tmp_path, overrides, config=QUICKSTART / "vlm.yaml"):
+    """(a training batch as the run's trainer collates it, the processor, the model): the
+    experiment built the way `finetune train` builds it (run/build.py), its first batch
+    taken from the trainer's own dataloader."""
     from finetune.methods import Job
     from finetune.model.hardware import resolve_hardware
     from finetune.run.build import method_trainer, starting_model, tokenizer_and_data
 
-    experiment = load_experiment(QUICKSTART / "vlm.yaml", overrides)
+    experiment = load_experiment(config, overrides)
     run_dir = tmp_path / "inspect"
-    run_dir.mkdir()
+    run_dir.mkdir(parents=True)
     hw = resolve_hardware(experiment)
     processor, data = tokenizer_and_data(experiment, run_dir)
     args, model = starting_model(experiment, hw, processor, run_dir, 0, run_dir, False)
     trainer = method_trainer(Job(experiment=experiment, run_dir=run_dir, hardware=hw,
                                  tokenizer=processor, model=model, data=data, args=args))
-    return next(iter(trainer.get_train_dataloader())), processor
+    return next(iter(trainer.get_train_dataloader())), processor, model
 
 
 # LLaVA's rows (and LLaMA-Factory's): sharegpt turns with `<image>` placeholders, and

@@ -224,6 +224,15 @@ def test_prompts_and_their_pictures_must_agree(write, tmp_path):
     assert training_error(path) == at_validate.replace("line 2", "row 2")
 
 
+def test_grpo_refuses_picture_bounds_it_would_not_apply(write, tmp_path):
+    path = grpo_experiment(write, tmp_path, [question("pic.png")],
+                           extra="vision:\n  max_pixels: 4096\n")
+    with pytest.raises(ConfigError) as caught:
+        load_experiment(path)
+    [problem] = caught.value.problems
+    assert ": vision.max_pixels: not supported for grpo yet" in problem, problem
+
+
 @pytest.mark.slow
 def test_grpo_generates_from_prompts_with_their_pictures(write, tmp_path):
     """One step: the tiny LLaVA's processor refuses an image token without its picture,

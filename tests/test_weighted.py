@@ -15,13 +15,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
-from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification,
-                          AutoTokenizer)
+from transformers import (AutoModelForCausalLM, AutoModelForImageTextToText,
+                          AutoModelForSequenceClassification, AutoProcessor, AutoTokenizer)
+from trl.data_utils import prepare_multimodal_messages
 
-from conftest import TINY_MODEL, free_port, run_cli
+from conftest import DATA, QUICKSTART, TINY_MODEL, free_port, run_cli
 
 pytestmark = pytest.mark.slow  # training runs in every layout
 
+TINY_VLM = QUICKSTART / "tiny-vlm"
 LAYOUTS = {"single-1x8": (1, 8, 1), "accum-1x2x4": (1, 2, 4), "ddp-2x2x2": (2, 2, 2)}
 WORDS = "apple cat dog sun moon tree hat lamp van egg owl pen".split()
 LABELS = ["warm", "neutral", "cool"]
@@ -43,6 +45,21 @@ def sft_rows() -> list[dict]:
     return rows
 
 
+def vlm_rows() -> list[dict]:
+    """The quickstart's rows with images (absolute paths), every other one with a second
+    exchange: rows of other lengths."""
+    rows = [json.loads(line) for line in
+            (DATA / "vlm_train.jsonl").read_text().splitlines()[:8]]
+    for i, row in enumerate(rows):
+        row["images"] = [str(DATA / path) for path in row["images"]]
+        if i % 2:
+            row["messages"] += [{"role": "user", "content": [{"type": "text", "text": "and?"}]},
+                                {"role": "assistant",
+                                 "content": [{"type": "text", "text": _words(i, 1 + i % 3)}]}]
+        row["w"] = [1.0, 2.0, 0.0, 0.25][i % 4] + (i == 3)
+    return rows
+
+
 def classify_rows() -> list[dict]:
     return [{"text": _words(i, 2 + i % 5), "label": LABELS[i % 3],
              "w": [1.0, 0.5, 2.0, 0.0][i % 4]} for i in range(8)]
@@ -54,7 +71,8 @@ def reward_rows() -> list[dict]:
             for i in range(8)]
 
 
-ROWS = {"sft": sft_rows, "classify": classify_rows, "reward": reward_rows, "dpo": reward_rows}
+ROWS = {"sft": sft_rows, "sft-vlm": vlm_rows, "classify": classify_rows, "reward": reward_rows,
+        "dpo": reward_rows}
 EXTRA = {"classify": "classify: {labels: [warm, neutral, cool], class_weights: [1, 2, 3], "
                      "focal_gamma: 2.0, label_smoothing: 0.1}\n"}
 
@@ -62,14 +80,16 @@ EXTRA = {"classify": "classify: {labels: [warm, neutral, cool], class_weights: [
 def experiment(method: str, data: str, processes: int, batch: int, accumulation: int) -> str:
     distributed = (f"distributed: {{strategy: ddp, num_processes: {processes}, device: cpu, "
                    f"main_process_port: {free_port()}}}\n" if processes > 1 else "")
-    return (f"method: {method}\nmodel: {{name_or_path: {TINY_MODEL}, init: random}}\n"
+    model = TINY_VLM if method == "sft-vlm" else TINY_MODEL
+    return (f"method: {method.removesuffix('-vlm')}\nmodel: {{name_or_path: {model}, "
+            f"init: random}}\n"
             f"data: {{train: {data}, eval: {data}, weight_column: w}}\n{EXTRA.get(method, '')}"
             f"{distributed}evaluation: {{before_training: false}}\noutput: {{plot: false}}\n"
             f"training:\n  max_steps: 1\n  per_device_train_batch_size: {batch}\n"
             f"  gradient_accumulation_steps: {accumulation}\n  optim: sgd\n"
             "  learning_rate: 1.0\n  lr_scheduler_type: constant\n  weight_decay: 0.0\n"
             "  max_grad_norm: 0.0\n  logging_steps: 1\n  save_strategy: 'no'\n  seed: 5\n"
-            + ("  assistant_only_loss: true\n" if method == "sft" else ""))
+            + ("  assistant_only_loss: true\n" if method.startswith("sft") else ""))
 
 
 def sft_loss(model, tokenizer, rows) -> torch.Tensor:
@@ -89,6 +109,24 @@ def sft_loss(model, tokenizer, rows) -> torch.Tensor:
         logits = model(input_ids=ids[None]).logits[0, :-1]
         losses = F.cross_entropy(logits, ids[1:], reduction="none")
         weights = torch.tensor(weights[1:])
+        numerator = numerator + (losses * weights).sum()
+        denominator += weights.sum()
+    return numerator / denominator
+
+
+def vlm_loss(model, processor, rows) -> torch.Tensor:
+    """Each row through the processor alone (its images, the template's {% generation %}
+    markers), the row's weight on every assistant token."""
+    numerator = denominator = 0
+    for row in rows:
+        messages = prepare_multimodal_messages(row["messages"], images=row["images"])
+        encoded = processor.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                                return_tensors="pt",
+                                                return_assistant_tokens_mask=True)
+        ids = encoded["input_ids"][0]
+        logits = model(input_ids=ids[None], pixel_values=encoded["pixel_values"]).logits[0, :-1]
+        losses = F.cross_entropy(logits, ids[1:], reduction="none")
+        weights = row["w"] * encoded["assistant_masks"][0, 1:].float()
         numerator = numerator + (losses * weights).sum()
         denominator += weights.sum()
     return numerator / denominator
@@ -143,6 +181,7 @@ def dpo_loss(model, tokenizer, rows, beta: float = 0.1) -> torch.Tensor:
 
 
 HAND = {"dpo": (AutoModelForCausalLM, dpo_loss),"sft": (AutoModelForCausalLM, sft_loss),
+        "sft-vlm": (AutoModelForImageTextToText, vlm_loss),
         "classify": (AutoModelForSequenceClassification, classify_loss),
         "reward": (AutoModelForSequenceClassification, reward_loss)}
 
@@ -150,12 +189,25 @@ HAND = {"dpo": (AutoModelForCausalLM, dpo_loss),"sft": (AutoModelForCausalLM, sf
 def hand_gradient(method: str, init_dir, rows) -> dict[str, torch.Tensor]:
     auto_class, loss_fn = HAND[method]
     model = auto_class.from_pretrained(init_dir, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL)
+    tokenizer = AutoProcessor.from_pretrained(TINY_VLM) if method == "sft-vlm" else \
+        AutoTokenizer.from_pretrained(TINY_MODEL)
     loss_fn(model, tokenizer, rows).backward()
-    return {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+    # CLIP's key biases (sft-vlm) are left out: a key's bias adds the same to every score
+    # of a query, which softmax cancels, so their gradient is 0 but for rounding
+    return {name: p.grad for name, p in model.named_parameters()
+            if p.grad is not None and not name.endswith("k_proj.bias")}
 
 
-@pytest.mark.parametrize("method", ["sft", "classify", "reward", "dpo"])
+def saved_weights(method: str, directory) -> dict[str, torch.Tensor]:
+    """By the module's parameter names: a VLM's files hold its checkpoint's key names,
+    which only from_pretrained maps back."""
+    if method != "sft-vlm":
+        return load_file(directory / "model.safetensors")
+    return AutoModelForImageTextToText.from_pretrained(directory, dtype=torch.float32).state_dict()
+
+
+# sft-vlm: the tiny LLaVA on rows with images, a weight per row (TRL's vision collator)
+@pytest.mark.parametrize("method", ["sft", "sft-vlm", "classify", "reward", "dpo"])
 def test_weighted_gradient_matches_hand_computation_in_every_layout(method, write, tmp_path):
     rows = ROWS[method]()
     data = write(f"{method}.jsonl", "\n".join(json.dumps(r) for r in rows))
@@ -168,8 +220,7 @@ def test_weighted_gradient_matches_hand_computation_in_every_layout(method, writ
         run = tmp_path / "runs" / f"{method}-{layout}"
         if expected is None:
             expected = hand_gradient(method, run / "init-model", rows)
-        final = load_file(run / "final" / "model.safetensors")
-        start = load_file(run / "init-model" / "model.safetensors")
+        final, start = (saved_weights(method, run / name) for name in ("final", "init-model"))
         errors = {name: (start[name] - final[name]) - grad  # the step is lr x gradient, lr 1
                   for name, grad in expected.items()}
         total = (sum(e.norm() ** 2 for e in errors.values())
@@ -185,3 +236,20 @@ def test_weighted_gradient_matches_hand_computation_in_every_layout(method, writ
         # evaluation passes no divisor: each eval batch is normalised by its own weights
         after = json.loads((run / "summary.json").read_text())["after"]
         assert math.isfinite(after["eval_loss"]) and after["eval_loss"] > 0
+
+
+def test_per_turn_weights_on_rows_with_images_are_one_line(write, tmp_path):
+    """A VLM weighs whole rows (data.weight_column) only: a `weight` on a message of a row
+    with images is refused when the rows are prepared, not ignored."""
+    from finetune.config import load_experiment
+    from finetune.data.load import load_data
+    from finetune.errors import ConfigError
+    from finetune.methods import sft_vision
+
+    rows = vlm_rows()[:2]
+    rows[1]["messages"][1]["weight"] = 2.0
+    data = write("turns.jsonl", "\n".join(json.dumps(r) for r in rows))
+    loaded = load_experiment(write("turns.yaml", experiment("sft-vlm", str(data), 1, 2, 1)))
+    with pytest.raises(ConfigError, match=r"data.train: `weight` on messages \(per-turn loss "
+                                          r"weights\) is not supported for rows with images"):
+        sft_vision.prepare(load_data(loaded), loaded, None)

@@ -115,7 +115,11 @@ def _dpo_vision(rows, processor, experiment: Experiment, splits, split: str) -> 
     from trl.data_utils import extract_prompt
     from trl.trainer.dpo_trainer import DataCollatorForVisionPreference
 
-    collate = DataCollatorForVisionPreference(processor=processor)
+    from finetune.data.image_size import ImagesSized
+
+    sizes = experiment.vision  # vision.max_pixels, min_pixels: fitted as in training
+    collate = ImagesSized(DataCollatorForVisionPreference(processor=processor),
+                          sizes and sizes.max_pixels, sizes and sizes.min_pixels)
     for row in rows:
         if row.get("prompt") is None:
             row = {**row, **extract_prompt(row)}

@@ -18,6 +18,7 @@ from finetune.config import formats as source_formats
 from finetune.config.inputs import Input, Output
 from finetune.config.method_sections import (ClassifySection, DistillSection, DPOSection,
                                              KTOSection, PPOSection, RewardsSection)
+from finetune.config.vision_section import VisionSection
 from finetune.config.script_values import (MAX_LENGTH, MAX_MACHINES, MAX_PROCESSES,
                                     MAX_PROCESSES_PER_MACHINE, host_problem)
 from finetune.errors import clip, shown
@@ -342,6 +343,9 @@ class Experiment(Section):
     tokenizer: TokenizerSection = Field(default_factory=TokenizerSection)
     peft: PeftSection = Field(default_factory=PeftSection)
     data: DataSection
+    vision: VisionSection | None = Field(
+        None, description="Vision-language models only: the tower, the projector, the image "
+        "sizes (docs/vision.md).")
     precision: Literal["auto", "bf16", "fp16", "fp32"] = Field(
         "auto", description="Mixed precision for the whole run. 'auto': bf16 where the GPU "
         "supports it, fp16 on older GPUs, fp32 on CPU.")

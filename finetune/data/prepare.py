@@ -5,7 +5,8 @@ others check their rows.
 
 The cache entry's key hashes everything the result depends on: the data files (path and
 content, as data/files.content_digest hashes it; a hub dataset: its id, subset, split
-and revision), the tokenizer's saved files, the method, the data section, the settings
+and revision; the pictures rows name are stamped instead, data/picture_stamps.py), the
+tokenizer's saved files, the method, the data section, the settings
 that change tokenization (for generating methods, the prompt length the model's context
 leaves), and the library versions.
 A second run with the same key loads the entry instead of preparing again.
@@ -52,10 +53,12 @@ from finetune.config.rules import is_local
 from finetune.config.schema import Experiment
 from finetune.errors import FAILED_MARKER, DataError, RunError, first_line, one_line
 from finetune.data.files import content_digest
+from finetune.data import picture_stamps
 
 # Bump when what is stored changes (4: sft conversations train assistant turns by default;
-# 5: bare tool schemas wrapped and JSON-text tool-call arguments decoded for the template).
-VERSION = 5
+# 5: bare tool schemas wrapped and JSON-text tool-call arguments decoded for the template;
+# 6: the pictures rows name stamped in meta.json).
+VERSION = 6
 META = "meta.json"  # written last: its presence marks a complete entry
 # Training settings that change what preparation produces.
 SETTINGS = ("max_length", "truncation_mode", "assistant_only_loss", "completion_only_loss",
@@ -279,7 +282,7 @@ def _save(splits: Splits, entry: Path) -> None:
         meta = {"format": splits.format, "notes": splits.notes,
                 "parts": [n for n, d in parts.items() if d is not None],
                 "rows": {n: len(d) for n, d in parts.items() if d is not None},
-                "mix": splits.mix,
+                "mix": splits.mix, "pictures": picture_stamps.stamps(parts.values()),
                 "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "files": _listing(staging)}
         (staging / META).write_text(json.dumps(meta, indent=1))
         try:
@@ -336,17 +339,23 @@ def _wait(entry: Path, run_dir: Path, launched: float, rank: int,
 
 
 def _cached(entry: Path) -> tuple[Splits | None, str | None]:
-    """(splits, None) from a sound entry, (None, why) from a damaged one, (None, None)
-    when there is none."""
+    """(splits, None) from a sound entry, (None, why not) from a damaged or out-of-date
+    one ("is damaged (...)"), (None, None) when there is none."""
     if not os.path.lexists(entry):
         return None, None
     damage = entry_problem(entry)
     if damage is None:
         try:
-            return _read(entry), None
+            splits = _read(entry)
         except LOAD_ERRORS as exc:
             damage = f"cannot be loaded ({_failure(exc)})"
-    return None, damage
+        else:
+            meta = json.loads((entry / META).read_text())
+            stale = picture_stamps.changed(meta.get("pictures"))
+            if stale is None:
+                return splits, None
+            return None, f"is out of date ({stale} since it was cached)"
+    return None, f"is damaged ({damage})"
 
 
 def prepared_data(experiment: Experiment, tokenizer, method_prepare: MethodPrepare,
@@ -375,8 +384,8 @@ def prepared_data(experiment: Experiment, tokenizer, method_prepare: MethodPrepa
             print(f"finetune: data loaded from the cache {entry}", flush=True)
         return splits
     if damage is not None:
-        print(f"finetune: the data cache entry {entry} is damaged ({damage}); preparing it "
-              "again", flush=True)
+        print(f"finetune: the data cache entry {entry} {damage}; preparing it again",
+              flush=True)
         _discard(entry)
     splits = prepare(experiment, tokenizer, method_prepare)
     try:

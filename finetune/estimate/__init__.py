@@ -5,6 +5,7 @@ second. See docs/estimate.md for the formulas, the assumptions and how they were
 """
 
 from finetune.estimate.api import Estimate, estimate
-from finetune.estimate.report import as_dict, parse_memory, render_text
+from finetune.estimate.report import as_dict, parse_image_size, parse_memory, render_text
 
-__all__ = ["Estimate", "as_dict", "estimate", "parse_memory", "render_text"]
+__all__ = ["Estimate", "as_dict", "estimate", "parse_image_size", "parse_memory",
+           "render_text"]

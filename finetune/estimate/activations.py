@@ -18,92 +18,18 @@ The walk saves a tensor once however many ops save it, as autograd does.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import count
 
 from finetune.estimate.shapes import Shape
+from finetune.estimate.walk import Regime, _gemma_norm, _linear, _norm, _T, _Walk
 
 LOGIT_SAVED = 4       # fp32 log-softmax output, saved for the backward of the loss
 LOGIT_TRANSIENT = 8   # its gradient and the logits' gradient (fp32), at the start of backward
 
 
-@dataclass(frozen=True)
-class Regime:
-    residual: int          # bytes of the residual stream, embeddings and norm weights
-    compute: int           # bytes of matmul inputs/outputs
-    autocast: bool
-    base_trainable: bool   # full fine-tuning: the layer weights get gradients
-    quantized: int         # 4 or 8: bitsandbytes base linears (4-bit returns the input's dtype)
-    adapter: int = 0       # bytes of LoRA weights (0: no LoRA)
-    rank: int = 0
-    dropout: bool = False
-    dora: bool = False
-    cuda: bool = True      # CUDA: bool dropout masks, and peft's autocast test sees autocast
-    attention: str = "sdpa"
-    mask_keys: int = 0     # key positions per query in the mask sdpa/eager keeps (0: none)
-    liger: bool = False    # use_liger_kernel: Liger's RMSNorm and SwiGLU save less
-
-
-@dataclass(frozen=True)
-class _T:
-    elems: int   # per token
-    nbytes: int  # per element
-    ident: int   # which tensor: ops that save the same one save it once
-
-
-class _Walk:
-    def __init__(self) -> None:
-        self.saved: dict[int, int] = {}
-        self._ids = count()
-
-    def new(self, elems: int, nbytes: int) -> _T:
-        return _T(elems, nbytes, next(self._ids))
-
-    def save(self, *tensors: _T) -> None:
-        for t in tensors:
-            self.saved[t.ident] = t.elems * t.nbytes
-
-    def cast(self, t: _T, nbytes: int) -> _T:
-        return t if t.nbytes == nbytes else self.new(t.elems, nbytes)
-
-    @property
-    def total(self) -> int:
-        return sum(self.saved.values())
-
-
-def _norm(w: _Walk, x: _T, rows: int, reg: Regime, trainable: bool, grad: bool = True) -> _T:
-    """RMSNorm: x.float(), x * rsqrt(mean(x^2) + eps), weight * that.to(x.dtype).
-    grad: whether x requires grad (not so for the first layer's input under LoRA)."""
-    xf = w.cast(x, 4)
-    if grad:
-        w.save(xf, w.new(rows, 4))  # the fp32 input and one rsqrt per row
-    normed = w.cast(w.new(x.elems, 4), x.nbytes)
-    if trainable and not reg.liger:  # Liger's kernel saves only x and the rsqrt per row
-        w.save(normed)
-    return w.new(x.elems, max(x.nbytes, reg.residual))
-
-
-def _linear(w: _Walk, x: _T, out: int, reg: Regime, lora: bool, grad: bool = True) -> _T:
-    if reg.base_trainable:
-        w.save(w.cast(x, reg.compute) if reg.autocast else x)
-    if reg.quantized == 4:
-        result = w.new(out, x.nbytes)  # Linear4bit casts its output back to the input dtype
-    else:
-        result = w.new(out, reg.compute if reg.autocast else x.nbytes)
-    if lora:
-        # peft casts x to the adapter dtype, except on quantized layers when it sees CUDA
-        # autocast on (torch.is_autocast_enabled() asks about CUDA).
-        skip = bool(reg.quantized) and reg.autocast and reg.cuda
-        xa = x if skip else w.cast(x, reg.adapter)
-        if reg.dropout:
-            if grad:  # the mask: bool on CUDA, the input's dtype on the CPU
-                w.save(w.new(x.elems, 1 if reg.cuda else xa.nbytes))
-            xa = w.new(x.elems, xa.nbytes)
-        a_in = w.cast(xa, reg.compute) if reg.autocast else xa
-        mid = reg.compute if reg.autocast else xa.nbytes
-        w.save(a_in, w.new(reg.rank, mid))
-        if reg.dora:  # approximate: DoRA also keeps the base and the adapter outputs
-            w.save(w.new(out, result.nbytes), w.new(out, mid))
-    return result
+def _any_norm(w: _Walk, x: _T, rows: int, reg: Regime, shape: Shape, grad: bool = True) -> _T:
+    if shape.gemma:
+        return _gemma_norm(w, x, rows, reg.base_trainable, grad)
+    return _norm(w, x, rows, reg, reg.base_trainable, grad)
 
 
 def _attention(w: _Walk, q: _T, k: _T, v: _T, shape: Shape, reg: Regime, seq: int) -> _T:
@@ -125,6 +51,8 @@ def _attention(w: _Walk, q: _T, k: _T, v: _T, shape: Shape, reg: Regime, seq: in
     if reg.attention == "eager":
         keys = reg.mask_keys or seq
         w.save(w.new(heads * keys, 4), w.new(heads * keys, c))  # softmax (fp32), its cast
+        if shape.attn_softcap:  # Gemma 2: cap * tanh(scores / cap); tanh saves its output
+            w.save(w.new(heads * keys, c))
         out = w.new(q_dim, c)  # transpose(1, 2).contiguous() copies the output
         return out
     out = w.new(q_dim, c)  # kernels write (batch, seq, heads, dim): the transpose is free
@@ -140,23 +68,27 @@ def layer_bytes(shape: Shape, reg: Regime, targets: frozenset[str], seq: int,
     w = _Walk()
     h, i = shape.hidden, shape.intermediate
     x = w.new(h, reg.residual)
-    y = _norm(w, x, 1, reg, reg.base_trainable, grad)
+    y = _any_norm(w, x, 1, reg, shape, grad)
     q = _linear(w, y, shape.q_dim, reg, "q_proj" in targets, grad)
     k = _linear(w, y, shape.kv_dim, reg, "k_proj" in targets, grad)
     v = _linear(w, y, shape.kv_dim, reg, "v_proj" in targets, grad)
-    if shape.qk_norm:  # qwen3: RMSNorm over each head of q and k
-        q = _norm(w, q, shape.heads, reg, reg.base_trainable)
-        k = _norm(w, k, shape.kv_heads, reg, reg.base_trainable)
+    if shape.qk_norm:  # qwen3, gemma3: RMSNorm over each head of q and k
+        q = _any_norm(w, q, shape.heads, reg, shape)
+        k = _any_norm(w, k, shape.kv_heads, reg, shape)
     out = _attention(w, q, k, v, shape, reg, seq)
     o = _linear(w, out, h, reg, "o_proj" in targets)
+    if shape.sandwich:  # Gemma 2/3's post_attention_layernorm, on the attention's output
+        o = _gemma_norm(w, o, 1, reg.base_trainable)
     x2 = w.new(h, max(reg.residual, o.nbytes))
-    y2 = _norm(w, x2, 1, reg, reg.base_trainable)
+    y2 = _any_norm(w, x2, 1, reg, shape)
     g = _linear(w, y2, i, reg, "gate_proj" in targets)
     u = _linear(w, y2, i, reg, "up_proj" in targets)
     a = w.new(i, g.nbytes)  # silu(g) saves g
     w.save(g, u) if reg.liger else w.save(g, a, u)  # a * u saves both; Liger recomputes a
     m = w.new(i, max(a.nbytes, u.nbytes))
-    _linear(w, m, h, reg, "down_proj" in targets)
+    d = _linear(w, m, h, reg, "down_proj" in targets)
+    if shape.sandwich:  # post_feedforward_layernorm, on the MLP's output
+        _gemma_norm(w, d, 1, reg.base_trainable)
     return w.total
 
 
@@ -192,7 +124,7 @@ def activations(shape: Shape, reg: Regime, layer_targets: list[frozenset[str]], 
         layers = sum(per_layer)
     w = _Walk()
     x = w.new(shape.hidden, reg.residual)
-    y = _norm(w, x, 1, reg, reg.base_trainable)
+    y = _any_norm(w, x, 1, reg, shape)
     per_token = w.total
     if reg.base_trainable:
         per_token += 8                              # int64 ids, for the embedding's gradient
@@ -203,8 +135,10 @@ def activations(shape: Shape, reg: Regime, layer_targets: list[frozenset[str]], 
     if head_trainable:
         head_in = y.elems * (reg.compute if reg.autocast else y.nbytes)
     vocab = shape.vocab if lm_head else 0
+    # Gemma 2's soft-capping: tanh saves its output, the logits' dtype
+    softcap = (reg.compute if reg.autocast else reg.residual) if shape.logit_softcap else 0
     return Activations(
         layers=sequences * seq * layers,
         other=sequences * (seq * per_token + head_tokens * head_in),
-        logits_saved=sequences * logit_tokens * vocab * LOGIT_SAVED,
+        logits_saved=sequences * logit_tokens * vocab * (LOGIT_SAVED + softcap),
         logits_peak=sequences * logit_tokens * vocab * LOGIT_TRANSIENT)

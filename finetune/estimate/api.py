@@ -2,19 +2,20 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from finetune.config.derived.kernels import Kernels, installed
 from finetune.config.methods import method, names_where, spoken
 from finetune.config.schema import Experiment
 from finetune.errors import ConfigError
+from finetune.estimate import vision
 from finetune.estimate.census import census, value_census, value_head
 from finetune.estimate.core import (CUDA_CONTEXT, FRAGMENTATION, GiB, Evaluation, evaluate,
                                     ladder_layouts)
 from finetune.estimate.optimizers import model_of
 from finetune.estimate.settings import Layout, Settings, settings_of
 from finetune.estimate.shapes import Shape, read_shape
-from finetune.estimate.vision import PROJECTOR, TOWER
+from finetune.estimate.vision.common import Training
 
 DEFAULT_GPU_MEMORY = 80 * GiB
 # A vision-language row's images, when the caller does not say: the common case of one
@@ -41,15 +42,13 @@ class Estimate:
     parts: dict[str, int] = field(default_factory=dict)  # a VLM's parameters by part
 
 
-def parts_of(tensors) -> dict[str, int]:
+def parts_of(tensors, shape: Shape) -> dict[str, int]:
     """A vision-language model's parameters by part (the LM head with the language model)."""
     found = {"language_model": 0, "vision_tower": 0, "projector": 0}
     for t in tensors:
         if t.role in ("lora", "magnitude", "copy", "value"):
             continue
-        part = ("vision_tower" if t.name.startswith(TOWER) else
-                "projector" if t.name.startswith(PROJECTOR) else "language_model")
-        found[part] += t.numel
+        found[vision.part_of(t.name, shape.vision)] += t.numel
     return found
 
 
@@ -138,16 +137,16 @@ def _vision_assumptions(settings: Settings, shape: Shape) -> list[str]:
     v, n = shape.vision, settings.images_per_row
     tokens = n * v.image_tokens
     images = f"{n} image{'s' if n != 1 else ''} per row"
-    out = [f"{images} (assumed; the estimate does not read the data), each resized to "
-           f"{v.image_size}x{v.image_size} by the processor: {v.image_tokens} tokens an image "
-           f"({v.patches} patches"
-           f"{'' if v.select == 'default' else ' + CLS'}), {tokens} of the {settings.seq_len} "
-           "tokens of each row: the sequence length counts them, as TRL's vision collator "
-           "truncates after expanding the images",
-           f"vision tower: {v.tower}, {v.layers} layers over {v.positions} positions an image "
-           f"({v.patches} patches + CLS), {v.layers_kept} of them kept for the backward "
-           f"(vision_feature_layer {', '.join(map(str, v.feature_layers))}); the whole model "
-           "trains (no part is frozen under full fine-tuning)"]
+    training = settings.vision_training
+    frozen = [name for name, trains in (("vision tower", training.tower),
+                                        ("projector", training.projector)) if not trains]
+    out = [f"{images} (assumed; the estimate does not read the data), {v.image_note()}, "
+           f"{tokens} of the {settings.seq_len} tokens of each row: the sequence length "
+           "counts them, as TRL's vision collator truncates after expanding the images",
+           f"{v.tower_note()}; "
+           + (f"frozen: {' and '.join(frozen)} (no gradients, optimizer states or "
+              "activations of their own)" if frozen else
+              "the whole model trains (no part is frozen under full fine-tuning)")]
     if tokens > settings.seq_len:
         out.append(f"{images} is {tokens} image tokens, more than the {settings.seq_len} "
                    "tokens of a row: training refuses such rows (max_length cuts the image)")
@@ -172,18 +171,28 @@ def _not_counted(settings: Settings) -> list[str]:
 def estimate(experiment: Experiment, gpus: int | None = None, gpu_memory: int | None = None,
              seq_len: int | None = None, device: str | None = None,
              precision: str | None = None, kernels: Kernels | None = None,
-             images_per_row: int | None = None) -> Estimate:
+             images_per_row: int | None = None, image_size: tuple[int, int] | None = None,
+             vision_training: Training | None = None) -> Estimate:
     """Per-GPU memory of training `experiment` on `gpus` GPUs of `gpu_memory` bytes each.
     device, precision, kernels: as resolved where the run happens (else assumed,
-    settings_of). images_per_row: a vision-language model's (default 1)."""
+    settings_of). A vision-language model's images_per_row (default 1), image_size
+    (width, height) in pixels before the processor resizes it (default: the family's,
+    where the tokens depend on it) and vision_training (which of its tower and projector
+    train; default both)."""
     shape = read_shape(experiment.model.name_or_path, experiment.model.revision)
     kernels = kernels or installed()
     settings = settings_of(experiment, gpus, seq_len, shape.max_positions, device, precision,
                            kernels, shape.model_type)
+    if shape.attn_softcap and settings.attention == "sdpa":
+        # transformers runs Gemma 2's capped attention eagerly (it refuses sdpa)
+        settings = settings.with_(attention="eager", notes=settings.notes + (
+            "attention: Gemma 2 has no sdpa attention in transformers: eager counted",))
     if shape.vision:
         _check_vision(experiment, shape)
+        shape = replace(shape, vision=shape.vision.for_image(image_size))
         settings = settings.with_(images_per_row=DEFAULT_IMAGES_PER_ROW
-                                  if images_per_row is None else images_per_row)
+                                  if images_per_row is None else images_per_row,
+                                  vision_training=vision_training or Training())
     memory = gpu_memory or DEFAULT_GPU_MEMORY
     tensors = census(shape, settings)
     value = []
@@ -232,7 +241,7 @@ def estimate(experiment: Experiment, gpus: int | None = None, gpu_memory: int | 
         configured=configured, ladder=ladder, gpu_memory=memory, recommendation=recommendation,
         assumptions=_assumptions(settings, shape), not_counted=_not_counted(settings),
         checkpointing_note=checkpointing_note,
-        parts=parts_of(tensors) if shape.vision else {})
+        parts=parts_of(tensors, shape) if shape.vision else {})
 
 
 def _check_vision(experiment: Experiment, shape: Shape) -> None:

@@ -16,12 +16,12 @@ Mirrors what finetune.model.load/peft (and TRL) do to the weights:
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from finetune.config.derived.effective import model_precision
 from finetune.errors import ConfigError
-from finetune.estimate.settings import Settings
 from finetune.estimate import vision
+from finetune.estimate.settings import Settings
 from finetune.estimate.param import Param
 from finetune.estimate.shapes import Linear, Shape, linears, module_names, parameters
 
@@ -131,11 +131,31 @@ def _reads_output(p: Param, shape: Shape, settings: Settings) -> bool:
 
 def _full(params: list[Param], shape: Shape, settings: Settings) -> list[Tensor]:
     tied_lm = settings.head == "lm" and shape.tied
-    unused = vision.unreached(shape.vision) if shape.vision else ()
+    unused = shape.vision.unreached() if shape.vision else ()
     return [Tensor(p.name, p.numel, p.numel * 4, True, "fp32", p.role,
                    _matmul(p) or (tied_lm and p.role == "embedding"), _2d(p),
                    gradient=not p.name.startswith(unused))
             for p in params]
+
+
+def _freeze_vision(tensors: list[Tensor], shape: Shape, settings: Settings) -> list[Tensor]:
+    """A frozen vision tower or projector (settings.vision_training) keeps its weights
+    without gradients or optimizer states. A matmul saves a 16-bit copy of a frozen
+    fp32 weight only where a trained part before it needs the input gradient: the
+    projector's, under a trained tower."""
+    training = settings.vision_training
+    if not shape.vision or (training.tower and training.projector):
+        return tensors
+    out = []
+    for t in tensors:
+        part = vision.part_of(t.name, shape.vision)
+        frozen = (part == "vision_tower" and not training.tower) or (
+            part == "projector" and not training.projector)
+        if frozen:
+            t = replace(t, trainable=False, gradient=False,
+                        matmul=t.matmul and part == "projector" and training.tower)
+        out.append(t)
+    return out
 
 
 def census(shape: Shape, settings: Settings) -> list[Tensor]:
@@ -143,7 +163,7 @@ def census(shape: Shape, settings: Settings) -> list[Tensor]:
     params = parameters(shape, settings.head, settings.num_labels)
     spec = settings.peft
     if spec.type == "none":
-        return _full(params, shape, settings)
+        return _freeze_vision(_full(params, shape, settings), shape, settings)
     c = compute_dtype(settings)
     quantized = spec.type == "qlora"
     targets = lora_targets(shape, settings)

@@ -6,7 +6,6 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from finetune.estimate import activations as act
-from finetune.estimate import vision_activations
 from finetune.estimate.census import Tensor, lora_targets
 from finetune.estimate.memory import States, model_states
 from finetune.estimate.settings import Layout, Settings
@@ -116,7 +115,8 @@ def activation_bytes(shape: Shape, settings: Settings, layout: Layout,
         policy = replace(policy, logits_saved=0, logits_peak=0)
     if shape.vision and settings.images_per_row:
         policy = replace(policy, vision=settings.sequences * settings.images_per_row
-                         * vision_activations.image_bytes(shape.vision, reg, checkpointing))
+                         * shape.vision.image_bytes(reg, checkpointing,
+                                                    settings.vision_training))
     if settings.value_model != "separate":
         return policy
     # ppo: the separate value backbone runs its own forward, fully trained in fp32 + autocast.

@@ -47,3 +47,34 @@ def with_defaults(config: dict[str, Any], module: str, class_name: str) -> dict[
     defaults = {key: value for key, value in config_defaults(module, class_name).items()
                 if value is not None}
     return {**defaults, **config}
+
+
+def _constant(node: ast.AST) -> Any:
+    """A literal, or arithmetic of literals (`56 * 56`), as a class body writes a default."""
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Mult, ast.Add, ast.Sub)):
+        left, right = _constant(node.left), _constant(node.right)
+        return {ast.Mult: left * right, ast.Add: left + right,
+                ast.Sub: left - right}[type(node.op)]
+    if isinstance(node, ast.Dict):
+        return {_constant(k): _constant(v) for k, v in zip(node.keys, node.values)}
+    return ast.literal_eval(node)
+
+
+@functools.cache
+def class_attribute(module: str, class_name: str, name: str) -> Any:
+    """A class attribute's value in transformers/models/<module> (`size = {...}` of an
+    image processor), read from the source as config_defaults reads a config's."""
+    spec = importlib.util.find_spec("transformers")
+    if spec is None or spec.origin is None:
+        raise ConfigError(["the estimator reads processor defaults from transformers' source, "
+                           "and transformers is not installed"])
+    source = Path(spec.origin).parent / "models" / module
+    tree = ast.parse(source.read_text(encoding="utf-8"))
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == class_name:
+            for item in node.body:
+                if (isinstance(item, ast.Assign) and len(item.targets) == 1
+                        and isinstance(item.targets[0], ast.Name) and item.targets[0].id == name):
+                    return _constant(item.value)
+    raise RuntimeError(f"{source}: no {class_name}.{name}: transformers changed; update "
+                       "finetune/estimate/defaults.py")

@@ -36,7 +36,7 @@ FLOAT = ("fp32", "bf16", "fp16")
 # What AutoTP splits: the decoder's linear layers (the model's tp_plan) and their biases.
 TENSOR_PARALLEL_ROLES = ("linear", "bias")
 # A VLM's tp_plan is its language model's: the vision tower and projector stay whole.
-WHOLE_UNDER_TENSOR_PARALLEL = (vision.TOWER, vision.PROJECTOR)
+WHOLE_UNDER_TENSOR_PARALLEL = vision.VISION_PREFIXES
 
 
 @dataclass

@@ -29,6 +29,22 @@ def parse_memory(text: str) -> int:
     return int(size)
 
 
+MAX_IMAGE_SIDE = 2**16  # pixels: far past any picture a processor takes
+
+
+def parse_image_size(text: str) -> tuple[int, int]:
+    """'640x480' (width x height) or '448' (a square) -> (width, height) in pixels."""
+    match = re.fullmatch(r"\s*([0-9]+)\s*(?:[xX]\s*([0-9]+))?\s*", text)
+    if match is None:
+        raise ValueError(f"cannot read {text!r} as an image size; use WIDTHxHEIGHT in "
+                         "pixels (640x480) or one number for a square")
+    width = int(match.group(1))
+    height = int(match.group(2) or width)
+    if not (0 < width <= MAX_IMAGE_SIDE and 0 < height <= MAX_IMAGE_SIDE):
+        raise ValueError(f"{text!r}: each side must be 1..{MAX_IMAGE_SIDE:,} pixels")
+    return width, height
+
+
 def human(n: int | float) -> str:
     """GiB for big numbers, MiB or KiB below one GiB, so small models do not read 0.00."""
     for unit, size in (("GiB", GiB), ("MiB", 1024 ** 2), ("KiB", 1024)):
@@ -116,7 +132,10 @@ def as_dict(est: Estimate) -> dict[str, Any]:
                      "sequences_per_sample": s.sequences,
                      "activation_checkpointing": s.checkpointing, "gpus": s.world,
                      "gpus_per_machine": s.per_machine, "device": s.device,
-                     **({"images_per_row": s.images_per_row} if est.parts else {})},
+                     **({"images_per_row": s.images_per_row} if est.parts else {}),
+                     # the picture's size, where the tokens depend on it (Qwen, tiles)
+                     **({"image_size": list(shape.vision.image)}
+                        if est.parts and hasattr(shape.vision, "image") else {})},
         "gpu_memory_bytes": est.gpu_memory,
         "configured": _evaluation(est.configured),
         "ladder": [_evaluation(ev) for ev in est.ladder],

@@ -15,6 +15,7 @@ from finetune.config.derived.kernels import Kernels, installed
 from finetune.config.methods import Method, method
 from finetune.config.schema import Experiment, PeftSection
 from finetune.errors import ConfigError
+from finetune.estimate.vision.common import Training
 
 # Generating methods' prompts have no length limit of their own in the experiment.
 DEFAULT_PROMPT_TOKENS = 512
@@ -81,6 +82,7 @@ class Settings:
     value_model: str               # none, separate, shared (ppo)
     notes: tuple[str, ...] = field(default_factory=tuple)
     images_per_row: int = 0        # a vision-language model's images in each row (assumed)
+    vision_training: Training = Training()     # which vision parts train (all, by default)
 
     def with_(self, **changes: Any) -> "Settings":
         return replace(self, **changes)

@@ -1,7 +1,8 @@
 """Model shapes from a config.json, read as JSON: the estimator must not import torch.
 
 The parameter list mirrors what transformers builds for llama, mistral, qwen2 and qwen3,
-and for LLaVA (their language model, a CLIP vision tower and a projector: vision.py),
+and for the vision-language models of vision/ (their language model, a vision tower and a
+projector),
 names included, so a test can compare tensor by tensor; other architectures are refused
 rather than guessed.
 """
@@ -17,10 +18,17 @@ from typing import Any
 from finetune.config.vision import image_text_model_types
 from finetune.errors import ConfigError
 from finetune.estimate import vision
+from finetune.estimate.defaults import with_defaults
 from finetune.estimate.param import Param
-from finetune.estimate.vision import VisionShape
 
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")
+# Gemma's decoders (transformers models/gemma, gemma2, gemma3): Gemma's RMSNorm (x * (1 + w),
+# in fp32) and a GELU-tanh MLP; Gemma 2 and 3 add a norm after attention and after the MLP
+# (sandwich norms), Gemma 3 q/k norms. Their config classes' head_dim (256) is not
+# hidden // heads: read with the class's defaults.
+GEMMA = {"gemma": ("gemma/configuration_gemma.py", "GemmaConfig"),
+         "gemma2": ("gemma2/configuration_gemma2.py", "Gemma2Config"),
+         "gemma3_text": ("gemma3/configuration_gemma3.py", "Gemma3TextConfig")}
 
 
 @dataclass(frozen=True)
@@ -37,11 +45,15 @@ class Shape:
     qkv_bias: bool
     o_bias: bool
     mlp_bias: bool
-    qk_norm: bool          # qwen3: RMSNorm over head_dim on q and k
+    qk_norm: bool          # qwen3, gemma3: RMSNorm over head_dim on q and k
     max_positions: int | None
     source: str            # the config.json read
-    vision: VisionShape | None = None  # a vision-language model's tower and projector
+    vision: Any = None    # a vision-language model's tower and projector (vision/)
     prefix: str = "model."             # where the language model's modules are
+    gemma: bool = False                # Gemma's RMSNorm and MLP (GEMMA)
+    sandwich: bool = False             # Gemma 2/3: norms after attention and the MLP too
+    logit_softcap: bool = False        # Gemma 2: logits = cap * tanh(logits / cap)
+    attn_softcap: bool = False         # Gemma 2: the attention scores are capped so too
 
     @property
     def image_tokens(self) -> int:
@@ -128,12 +140,14 @@ def _int(config: dict[str, Any], key: str, where: str, default: int | None = Non
     return value
 
 
-def shape_of(config: dict[str, Any], where: str) -> Shape:
+def shape_of(config: dict[str, Any], where: str,
+             processor: dict[str, Any] | None = None) -> Shape:
+    """processor: a vision-language model's preprocessor_config.json, where there is one."""
     kind = config.get("model_type")
     if kind in vision.COUNTED:
-        text, tower = vision.split_config(config, where)
+        text, tower = vision.read(config, where, processor)
         language = shape_of(text, where)
-        return replace(language, model_type=kind, vision=tower, prefix=vision.LANGUAGE_MODEL)
+        return replace(language, model_type=kind, vision=tower, prefix=vision.text_prefix(kind))
     if kind in image_text_model_types():
         raise ConfigError([f"{where}: model_type {kind!r} is a vision-language model the "
                            f"estimator does not count yet (it counts "
@@ -141,6 +155,8 @@ def shape_of(config: dict[str, Any], where: str) -> Shape:
     if kind not in SUPPORTED:
         raise ConfigError([f"{where}: model_type {kind!r} is not supported by the estimator "
                            f"(supported: {', '.join(SUPPORTED)})"])
+    if kind in GEMMA:
+        config = with_defaults(config, *GEMMA[kind])
     hidden = _int(config, "hidden_size", where)
     heads = _int(config, "num_attention_heads", where)
     kv_heads = _int(config, "num_key_value_heads", where, default=heads)
@@ -157,7 +173,10 @@ def shape_of(config: dict[str, Any], where: str) -> Shape:
         tied=bool(config.get("tie_word_embeddings", False)),
         qkv_bias=qkv_bias, o_bias=o_bias,
         mlp_bias=kind == "llama" and bool(config.get("mlp_bias", False)),
-        qk_norm=kind == "qwen3",
+        qk_norm=kind in ("qwen3", "gemma3_text"), gemma=kind in GEMMA,
+        sandwich=kind in ("gemma2", "gemma3_text"),
+        logit_softcap=kind in GEMMA and config.get("final_logit_softcapping") is not None,
+        attn_softcap=kind in GEMMA and config.get("attn_logit_softcapping") is not None,
         max_positions=_int(config, "max_position_embeddings", where)
         if config.get("max_position_embeddings") is not None else None,
         source=where)
@@ -171,7 +190,17 @@ def read_shape(name_or_path: str, revision: str | None = None) -> Shape:
         raise ConfigError([f"{path}: cannot read as JSON: {exc}"]) from None
     if not isinstance(config, dict):
         raise ConfigError([f"{path}: expected a JSON object"])
-    return shape_of(config, str(path))
+    return shape_of(config, str(path), _processor_config(path.parent))
+
+
+def _processor_config(directory: Path) -> dict[str, Any] | None:
+    """The image processor's settings beside config.json (min/max pixels), if any."""
+    path = directory / "preprocessor_config.json"
+    try:
+        found = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return found if isinstance(found, dict) else None
 
 
 def linears(shape: Shape, head: str, num_labels: int = 1) -> list[Linear]:
@@ -206,9 +235,17 @@ def module_names(shape: Shape, head: str) -> list[str]:
         if shape.qk_norm:
             names += [f"{p}.self_attn.q_norm", f"{p}.self_attn.k_norm"]
         names += [f"{p}.mlp", f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj", f"{p}.mlp.down_proj",
-                  f"{p}.mlp.act_fn", f"{p}.input_layernorm", f"{p}.post_attention_layernorm"]
+                  f"{p}.mlp.act_fn", *(f"{p}.{norm}" for norm in _norms(shape))]
     names += [f"{lm}norm", f"{lm}rotary_emb", "lm_head" if head == "lm" else "score"]
     return names
+
+
+def _norms(shape: Shape) -> tuple[str, ...]:
+    """A decoder layer's norms, as named_modules() lists them."""
+    if shape.sandwich:
+        return ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                "post_feedforward_layernorm")
+    return ("input_layernorm", "post_attention_layernorm")
 
 
 def parameters(shape: Shape, head: str, num_labels: int = 1) -> list[Param]:
@@ -216,7 +253,7 @@ def parameters(shape: Shape, head: str, num_labels: int = 1) -> list[Param]:
     embedding matrix and appears once. A vision-language model's vision tower and projector
     come first, as transformers registers them."""
     h, lm = shape.hidden, shape.prefix
-    params = vision.vision_parameters(shape.vision) if shape.vision else []
+    params = shape.vision.parameters() if shape.vision else []
     params.append(Param(f"{lm}embed_tokens.weight", shape.vocab * h, "embedding",
                         f"{lm}embed_tokens", h))
     for lin in linears(shape, head, num_labels):
@@ -232,7 +269,7 @@ def parameters(shape: Shape, head: str, num_labels: int = 1) -> list[Param]:
         if lin.name.endswith("down_proj"):
             layer = lin.name.rsplit(".", 2)[0]
             params += [Param(f"{layer}.{norm}.weight", h, "norm", f"{layer}.{norm}")
-                       for norm in ("input_layernorm", "post_attention_layernorm")]
+                       for norm in _norms(shape)]
     params.append(Param(f"{lm}norm.weight", h, "norm", f"{lm}norm"))
     if head == "score":
         params.append(Param("score.weight", h * num_labels, "head", "score", num_labels))

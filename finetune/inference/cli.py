@@ -117,6 +117,8 @@ def _generate(args: argparse.Namespace) -> int:
     from finetune.errors import ConfigError, RunError
 
     problems = _best_of_problems(args)
+    if args.image and not args.prompt:
+        problems.append("--image: with --prompt only (a file's rows give their own `images`)")
     if problems:
         raise ConfigError(problems)
     target = _output(args.out, args.force)
@@ -129,7 +131,7 @@ def _generate(args: argparse.Namespace) -> int:
                                          read_experiment(Path(args.run_dir).absolute()))
     from finetune.inference.prompts import from_file, from_texts
 
-    prompts = from_texts(args.prompt) if args.prompt else from_file(args.file)
+    prompts = from_texts(args.prompt, args.image) if args.prompt else from_file(args.file)
     partial = target.with_name(f".{target.name}.partial") if target else None
     options = dict(model_choice=args.model, max_new_tokens=args.max_new_tokens,
                    top_p=args.top_p, seed=args.seed, raw=args.raw,
@@ -165,7 +167,7 @@ def _chat(args: argparse.Namespace) -> int:
 
     return chat(args.run_dir, model_choice=args.model, system=args.system,
                 max_new_tokens=args.max_new_tokens, temperature=args.temperature or 0.0,
-                top_p=args.top_p, seed=args.seed, dtype=args.dtype)
+                top_p=args.top_p, seed=args.seed, dtype=args.dtype, images=args.image)
 
 
 def add_commands(commands) -> None:
@@ -202,6 +204,9 @@ def add_commands(commands) -> None:
                         help='rows {"prompt": text or messages} or {"messages": [...]}; a '
                              "conversation ending in an assistant turn is prompted up to it, "
                              "and the turn is kept as reference")
+    generate.add_argument("--image", action="append", metavar="PATH",
+                          help="a picture for every --prompt (repeat for more; a "
+                               "vision-language model's run), before the prompt's text")
     generate.add_argument("--raw", action="store_true",
                           help="plain-text prompts as they are, without the chat template")
     generate.add_argument("--model", help=MODEL_HELP)
@@ -240,5 +245,8 @@ def add_commands(commands) -> None:
     chat.add_argument("run_dir", help="the run directory")
     chat.add_argument("--model", help=MODEL_HELP)
     chat.add_argument("--system", help="a system message opening the conversation")
+    chat.add_argument("--image", action="append", metavar="PATH",
+                      help="a picture attached to your first message (repeat for more; a "
+                           "vision-language model's run); /image PATH attaches one later")
     _sampling_args(chat)
     chat.set_defaults(func=_chat)

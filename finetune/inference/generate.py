@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import json
 import sys
+from functools import partial
 from typing import Iterable, TextIO
 
 import torch
 
+from finetune.data.image_size import fitter
 from finetune.errors import DataError
 from finetune.model.saved import (device, dtype_of, load_model, load_tokenizer, locate,
                                      require_lm)
@@ -79,23 +81,24 @@ def conversation(prompt: Prompt) -> list[dict]:
     return prompt.messages or [{"role": "user", "content": prompt.text}]
 
 
-def vision_ids(prompt: Prompt, processor, raw: bool) -> list[int]:
+def vision_ids(prompt: Prompt, processor, raw: bool, fit=list) -> list[int]:
     """A vision-language model's prompt as its processor encodes it (each image expanded
     to its tokens): always through the chat template, which places the images."""
     if raw:
         raise DataError(f"{prompt.where}: --raw: a vision-language model's prompts go through "
                         "its chat template (it places the images); leave --raw out")
-    return chat_prompts(processor, [conversation(prompt)], [prompt.images])["input_ids"][0] \
-        .tolist()
+    return chat_prompts(processor, [conversation(prompt)], [prompt.images], fit)[
+        "input_ids"][0].tolist()
 
 
 @torch.no_grad()
 def complete_with_images(model, processor, batch: list[Prompt], max_new_tokens: int,
-                         temperature: float, top_p: float, top_k: int | None = None) -> list[str]:
+                         temperature: float, top_p: float, top_k: int | None = None,
+                         fit=list) -> list[str]:
     """Completions of a vision-language model: the prompts and their images through the
-    processor as one left-padded batch, as in training."""
+    processor as one left-padded batch, as in training (fit: vision.max_pixels)."""
     encoded = chat_prompts(processor, [conversation(p) for p in batch],
-                           [p.images for p in batch]).to(model.device)
+                           [p.images for p in batch], fit).to(model.device)
     out = model.generate(**encoded, max_new_tokens=max_new_tokens,
                          pad_token_id=processor.tokenizer.pad_token_id, use_cache=True,
                          **sampling_options(temperature, top_p, top_k))
@@ -114,8 +117,8 @@ def generate(run_dir: str, prompts: list[Prompt], out: TextIO, *, model_choice: 
     run = locate(run_dir, model_choice)
     require_lm(run, "generate")
     tokenizer = load_tokenizer(run)  # a vision-language model's processor
-    images = is_processor(tokenizer)
-    encode = vision_ids if images else token_ids
+    images, fit = is_processor(tokenizer), fitter(run.experiment)
+    encode = partial(vision_ids, fit=fit) if images else token_ids
     encoded = [encode(p, tokenizer, raw) for p in prompts]  # every row checked first
     on = device()
     model = load_model(run, tokenizer, dtype_of(dtype, on), on)
@@ -126,7 +129,8 @@ def generate(run_dir: str, prompts: list[Prompt], out: TextIO, *, model_choice: 
     for chunk in batches(list(zip(prompts, encoded, budgets)), batch_size):
         if images:
             texts = complete_with_images(model, tokenizer, [p for p, _, _ in chunk],
-                                         min(b for _, _, b in chunk), temperature, top_p, top_k)
+                                         min(b for _, _, b in chunk), temperature, top_p, top_k,
+                                         fit)
         else:
             texts = complete(model, tokenizer, [ids for _, ids, _ in chunk],
                              min(b for _, _, b in chunk), temperature, top_p, top_k)

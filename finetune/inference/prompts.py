@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from finetune.data.images import IMAGES, image_parts, images_problem, parts_problem, \
-    resolved_paths
+from finetune.data.images import IMAGES, image_parts, image_problem, images_problem, \
+    parts_problem, resolved_paths
 from finetune.errors import DataError, one_line
 
 MAX_LINE = 16 * 2**20
@@ -35,8 +35,23 @@ class Prompt:
         return self.messages if self.messages is not None else self.text
 
 
-def from_texts(texts: list[str]) -> list[Prompt]:
-    return [Prompt(f"--prompt {i + 1}", text=text) for i, text in enumerate(texts)]
+def from_texts(texts: list[str], images: list[str] | None = None) -> list[Prompt]:
+    """--prompt texts, each with the --image pictures (paths from the working directory,
+    checked: a DataError naming the flag and the path)."""
+    paths = [checked_image(given, "--image") for given in images or ()] or None
+    return [Prompt(f"--prompt {i + 1}", text=text, images=paths)
+            for i, text in enumerate(texts)]
+
+
+def checked_image(given: str, flag: str) -> str:
+    """A picture named on the command line (`generate --image`, chat's --image and /image;
+    relative to the working directory) as an absolute path; a DataError `FLAG GIVEN:
+    problem (path)` when it is no image."""
+    path = Path(given).expanduser().absolute()
+    problem = image_problem(path)
+    if problem:
+        raise DataError(f"{flag} {given}: {problem} ({path})")
+    return str(path.resolve())
 
 
 def _messages_problem(value: Any) -> str | None:

@@ -19,6 +19,7 @@ from trl.data_utils import extract_prompt
 
 from finetune.config.derived.effective import value as effective_value
 from finetune.config.schema import Experiment
+from finetune.data.image_size import ImagesSized
 from finetune.data.images import IMAGES
 from finetune.data.load import ORIGIN, Splits
 from finetune.errors import ConfigError
@@ -85,11 +86,16 @@ def _vision_rows(splits: Splits, experiment: Experiment) -> Splits:
 
 
 def build_trainer(job: Job) -> DPOTrainer:
-    trainer_class = DPOTrainer
-    if is_processor(job.tokenizer):  # a vision-language model
+    trainer_class, vision = DPOTrainer, is_processor(job.tokenizer)
+    if vision:  # a vision-language model
         from finetune.trainers.vision import VisionDPOTrainer as trainer_class
     elif job.experiment.data.weight_column is not None:  # a weight per preference pair
         from finetune.trainers.weighted import WeightedDPOTrainer as trainer_class
-    return trainer_class(model=job.model, ref_model=frozen_reference(job), args=job.args,
-                         train_dataset=job.data.train, eval_dataset=job.data.eval,
-                         processing_class=job.tokenizer, callbacks=job.callbacks)
+    trainer = trainer_class(model=job.model, ref_model=frozen_reference(job), args=job.args,
+                            train_dataset=job.data.train, eval_dataset=job.data.eval,
+                            processing_class=job.tokenizer, callbacks=job.callbacks)
+    if vision:  # vision.max_pixels, min_pixels: the pictures fitted before the collator
+        sizes = job.experiment.vision
+        trainer.data_collator = ImagesSized(trainer.data_collator, sizes and sizes.max_pixels,
+                                            sizes and sizes.min_pixels)
+    return trainer

@@ -15,7 +15,7 @@ from trl import GRPOTrainer
 from finetune.data.images import IMAGES
 from finetune.data.load import ORIGIN
 from finetune.data.prompts import checked_prompts, completion_budget, prompt_limit
-from finetune.errors import DataError
+from finetune.errors import ConfigError, DataError
 from finetune.methods import Job
 from finetune.methods.online import GenerationState, build_online_trainer
 from finetune.methods.online import checked_reward as _checked  # noqa: F401 (tests use it)
@@ -47,6 +47,11 @@ def prepare(splits, tokenizer, experiment):
 def _vision_prompts(splits, processor, experiment):
     """As checked_prompts, each prompt rendered by the processor with its images (as
     GRPOTrainer renders it to generate)."""
+    sizes = experiment.vision  # for a hub model (config/rules/vision.py: a local one)
+    if sizes is not None and (sizes.max_pixels, sizes.min_pixels) != (None, None):
+        raise ConfigError(["vision.max_pixels, vision.min_pixels: not supported for grpo "
+                           "yet (its trainer opens the pictures itself): fit the pictures "
+                           "ahead"])
     limit = prompt_limit(experiment)
     setting, budget = completion_budget(experiment)
     for rows in (splits.train, splits.eval):

@@ -7,18 +7,23 @@ and the prepared-data cache keeps the checked rows (messages and absolute image 
 
 What trains: the assistant turns by default, as for text conversations (sft.py
 assistant_only): TRL masks every token outside the template's {% generation %} markers,
-the prompt and so every image token."""
+the prompt and so every image token. With data.weight_column, each row's trained tokens
+weigh its weight, and the loss is the weighted mean over the global batch as for text
+(trainers/weighted.py)."""
 
 from __future__ import annotations
 
 from trl import SFTTrainer
 
 from finetune.config.schema import Experiment
+from finetune.data.image_size import ImagesSized
 from finetune.data.images import IMAGES
 from finetune.data.load import ORIGIN, Splits
+from finetune.data.rows import WEIGHT
 from finetune.errors import ConfigError, DataError
 from finetune.methods import Job
 from finetune.trainers.vision import VisionSFTTrainer
+from finetune.trainers.weighted import RowWeightsOnTokens, WeightedVisionSFTTrainer
 
 # The columns TRL's vision collator reads; every other one is dropped before it.
 COLUMNS = ("messages", IMAGES)
@@ -34,16 +39,19 @@ def refuse_images(splits: Splits, experiment: Experiment) -> None:
 
 def _problems(splits: Splits, experiment: Experiment) -> list[str]:
     training, problems = experiment.training, []
-    if splits.format != "messages" or IMAGES not in (splits.train.column_names or ()):
-        problems.append("data.train: a vision-language model trains on conversations with "
-                        "images (`messages` with image parts, and `images`); other rows "
+    if splits.format != "messages":
+        problems.append("data.train: a vision-language model trains on conversations "
+                        "(`messages`, with image parts and `images` or text only); other rows "
                         f"(here format {splits.format}) are not supported yet")
     for key in ("packing", "padding_free"):
         if training.get(key):
             problems.append(f"training.{key}: not supported for rows with images (TRL "
                             "collates them padded, one row per sequence)")
-    if experiment.data.weight_column is not None:
-        problems.append("data.weight_column: not supported for rows with images yet")
+    if splits.format == "messages" and any(m.get("weight") is not None for row in
+                                           splits.train["messages"] for m in row):
+        problems.append("data.train: `weight` on messages (per-turn loss weights) is not "
+                        "supported for rows with images yet; data.weight_column weighs "
+                        "whole rows")
     if training.get("truncation_mode") == "keep_end":
         problems.append("training.truncation_mode keep_end: would cut the image tokens "
                         "off the prompt; rows with images are cut at the end (keep_start)")
@@ -58,8 +66,12 @@ def prepare(splits: Splits, experiment: Experiment, said: str | None) -> Splits:
         raise ConfigError(problems)
     if said and said not in splits.notes:
         splits.notes.append(said)
-    keep = lambda rows: rows.select_columns([c for c in (*COLUMNS, ORIGIN)
-                                              if c in rows.column_names])
+    def keep(rows):
+        if IMAGES not in rows.column_names:  # text-only conversations: no pictures to collate
+            rows = rows.add_column(IMAGES, [[] for _ in range(len(rows))])
+        return rows.select_columns([c for c in (*COLUMNS, WEIGHT, ORIGIN)
+                                    if c in rows.column_names])
+
     return splits.tokenized(lambda rows, split: keep(rows))
 
 
@@ -71,10 +83,17 @@ def build_trainer(job: Job, assistant_only: bool) -> SFTTrainer:
     args.completion_only_loss = None  # TRL's vision collator refuses it for messages
     if "padding_free" not in training:
         args.padding_free = False  # our speed default only; refused above when set
-    trainer = VisionSFTTrainer(model=job.model, args=args, train_dataset=job.data.train,
-                               eval_dataset=job.data.eval, processing_class=job.tokenizer,
-                               callbacks=job.callbacks)
-    trainer.data_collator = ImageTokensKept(trainer.data_collator, args.max_length)
+    weighted = WEIGHT in (job.data.train.column_names or ())
+    trainer_class = WeightedVisionSFTTrainer if weighted else VisionSFTTrainer
+    trainer = trainer_class(model=job.model, args=args, train_dataset=job.data.train,
+                            eval_dataset=job.data.eval, processing_class=job.tokenizer,
+                            callbacks=job.callbacks)
+    sizes = job.experiment.vision
+    collate = ImagesSized(trainer.data_collator, sizes and sizes.max_pixels,
+                          sizes and sizes.min_pixels)  # vision.max_pixels, min_pixels
+    trainer.data_collator = ImageTokensKept(collate, args.max_length)
+    if weighted:  # data.weight_column: each row's loss weighted (trainers/weighted.py)
+        trainer.data_collator = RowWeightsOnTokens(trainer.data_collator)
     return trainer
 
 

@@ -204,6 +204,10 @@ def load_model(experiment: Experiment, hw: Hardware, tokenizer: PreTrainedTokeni
     config = _config(experiment, tokenizer)
     kwargs = _kwargs(experiment, hw, config)
     if quantization is not None:
+        if vision.is_vision_language(experiment):  # the tower and projector stay whole
+            from finetune.model.vision_parts import unquantized
+
+            quantization.llm_int8_skip_modules = unquantized(experiment, config)
         kwargs["quantization_config"] = quantization
         kwargs["device_map"] = quantized_placement(hw)
     return head(experiment)[0].from_pretrained(

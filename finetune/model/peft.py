@@ -11,16 +11,22 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model, prepare_model_for_kbit_training
 from transformers import PreTrainedModel
 
+from finetune.model import vision_parts
 from finetune.model.load import head
+from finetune.model.vision import is_vision_language
 from finetune.config.schema import Experiment
+from finetune.errors import ConfigError
 
 
-def lora_config(experiment: Experiment) -> LoraConfig:
+def lora_config(experiment: Experiment, model: PreTrainedModel) -> LoraConfig:
     spec = experiment.peft
     _, task_type = head(experiment)
+    targets, to_save = spec.target_modules, spec.modules_to_save
+    if is_vision_language(experiment):  # the language model's layers, not the tower's
+        targets, to_save = vision_parts.lora_targets(model, experiment)
     return LoraConfig(
         r=spec.r, lora_alpha=spec.alpha, lora_dropout=spec.dropout,
-        target_modules=spec.target_modules, modules_to_save=spec.modules_to_save,
+        target_modules=targets, modules_to_save=to_save,
         bias=spec.bias, use_rslora=spec.use_rslora, use_dora=spec.use_dora,
         task_type=task_type,
         # What AutoPeftModel loads the base at (model.name_or_path is written by PEFT).
@@ -30,12 +36,17 @@ def lora_config(experiment: Experiment) -> LoraConfig:
 
 def apply_peft(model: PreTrainedModel, experiment: Experiment,
                gradient_checkpointing: bool) -> PreTrainedModel | PeftModel:
+    if experiment.vision is not None and not is_vision_language(experiment):
+        raise ConfigError([f"vision: model.name_or_path {experiment.model.name_or_path} is "
+                           "not a vision-language model: remove this section"])
     if experiment.peft.type == "none":
+        if is_vision_language(experiment):
+            vision_parts.freeze(model, experiment)  # vision.freeze_tower, train_projector
         return model
     if experiment.peft.type == "qlora":
         model = prepare_model_for_kbit_training(
             model, use_gradient_checkpointing=gradient_checkpointing)
-    return get_peft_model(model, lora_config(experiment))
+    return get_peft_model(model, lora_config(experiment, model))
 
 
 def match_adapter_precision(model, precision: str) -> None:

@@ -44,9 +44,13 @@ class RunModel:
 
     @property
     def vision(self) -> bool:
-        """A vision-language model (a whole one: LoRA on one is refused by validate)."""
-        return self.head == "lm" and not self.adapter and \
-            vision_config.is_vision_language(str(self.directory))
+        """A vision-language model: the directory's own, or an adapter's base."""
+        if self.head != "lm":
+            return False
+        if not self.adapter:
+            return vision_config.is_vision_language(str(self.directory))
+        source, revision = self.base()
+        return vision.is_vision_source(source, revision, self.experiment.model.trust_remote_code)
 
     def base(self) -> tuple[str, str | None]:
         """(source, revision) of the adapter's base model."""
@@ -169,8 +173,10 @@ def _base_config(run: RunModel, tokenizer):
         raise RunError(f"the adapter's base {source!r} cannot be loaded: {first_line(exc)}"
                        + (" (the run's init-model/ is gone)" if run.experiment.model.init ==
                           "random" else "")) from None
-    if tokenizer.pad_token_id is not None:
-        config.pad_token_id = tokenizer.pad_token_id
+    pad = vision.text_tokenizer(tokenizer).pad_token_id  # a VLM's processor holds it
+    if pad is not None:
+        config.pad_token_id = pad
+        config.get_text_config().pad_token_id = pad
     return config
 
 
@@ -218,4 +224,5 @@ def require_text_model(run: RunModel, command: str) -> None:
     """Commands that do not take images yet refuse a vision-language run in one line."""
     if run.vision:
         raise RunError(f"{run.directory} is a vision-language model: `finetune {command}` does "
-                       "not take images yet (`finetune generate` and `finetune eval` do)")
+                       "not take images yet (`finetune generate`, `finetune chat` and "
+                       "`finetune eval` do)")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import functools
 from pathlib import Path
+from typing import Callable
 
 from transformers import AutoConfig, AutoModelForImageTextToText, ProcessorMixin
 from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
@@ -20,7 +21,8 @@ MODEL_CLASS = AutoModelForImageTextToText
 
 
 @functools.cache
-def _is_vision_language(name_or_path: str, revision: str | None, trusted: bool) -> bool:
+def is_vision_source(name_or_path: str, revision: str | None, trusted: bool) -> bool:
+    """A local directory or hub id (at a revision) of a vision-language model."""
     local = vision.model_type(name_or_path)
     if local is not None:
         return local in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
@@ -34,7 +36,7 @@ def _is_vision_language(name_or_path: str, revision: str | None, trusted: bool) 
 
 def is_vision_language(experiment: Experiment) -> bool:
     spec = experiment.model
-    return _is_vision_language(spec.name_or_path, spec.revision, spec.trust_remote_code)
+    return is_vision_source(spec.name_or_path, spec.revision, spec.trust_remote_code)
 
 
 def is_processor(processing_class) -> bool:
@@ -83,10 +85,13 @@ def with_images(messages: list[dict], images: list) -> list[dict]:
     return prepare_multimodal_messages(copy.deepcopy(messages), images=images or [])
 
 
-def chat_prompts(processor, conversations: list[list[dict]], images: list[list]):
+def chat_prompts(processor, conversations: list[list[dict]], images: list[list],
+                 fit: Callable[[list], list] = list):
     """Conversations (each with its images: paths or pictures) as one left-padded batch
-    with a generation prompt, through the processor as in training."""
+    with a generation prompt, through the processor as in training. fit: a conversation's
+    images as the processor is to see them (vision.max_pixels: data/image_size.fitter)."""
     return processor.apply_chat_template(
-        [with_images(m, i) for m, i in zip(conversations, images)], add_generation_prompt=True,
+        [with_images(m, fit(i)) for m, i in zip(conversations, images)],
+        add_generation_prompt=True,
         tokenize=True, return_dict=True, return_tensors="pt",
         processor_kwargs={"padding": True, "padding_side": "left", "add_special_tokens": False})

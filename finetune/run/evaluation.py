@@ -11,6 +11,7 @@ import torch
 from datasets import Dataset
 
 from finetune.model.vision import is_processor
+from finetune.data.image_size import fitter
 from finetune.run import vision_evaluation
 
 
@@ -87,7 +88,7 @@ def evaluate(trainer, job) -> tuple[dict[str, Any], dict[str, Any] | None]:
         if is_processor(job.tokenizer):  # a vision-language model: prompts with images
             scored = vision_evaluation.exact_match(
                 trainer.model, job.tokenizer, job.data.eval_examples, spec.max_new_tokens,
-                spec.max_samples, trainer.args.device)
+                spec.max_samples, trainer.args.device, fit=fitter(job.experiment))
         else:
             scored = exact_match(trainer.model, job.tokenizer, job.data.eval_examples,
                                  job.data.format, spec.max_new_tokens, spec.max_samples,

@@ -6,7 +6,7 @@ processor."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from datasets import Dataset
@@ -30,8 +30,11 @@ def _prompt_and_answer(row: dict[str, Any]) -> tuple[list[dict[str, Any]], list,
 
 @torch.no_grad()
 def exact_match(model, processor, dataset: Dataset, max_new_tokens: int, max_samples: int,
-                device: torch.device, batch_size: int = 32) -> dict[str, Any]:
-    """As evaluation.exact_match: greedy answers to the first max_samples prompts."""
+                device: torch.device, batch_size: int = 32,
+                fit: Callable[[list], list] = list) -> dict[str, Any]:
+    """As evaluation.exact_match: greedy answers to the first max_samples prompts. fit: a
+    row's images as the processor is to see them (vision.max_pixels/min_pixels, as in
+    training: data/image_size.py)."""
     rows = dataset.select(range(min(max_samples, len(dataset))))
     triples = [_prompt_and_answer(row) for row in rows]
     tokenizer = processor.tokenizer
@@ -42,7 +45,7 @@ def exact_match(model, processor, dataset: Dataset, max_new_tokens: int, max_sam
         for start in range(0, len(triples), batch_size):
             batch = triples[start:start + batch_size]
             enc = chat_prompts(processor, [prompt for prompt, _, _ in batch],
-                               [images for _, images, _ in batch]).to(device)
+                               [images for _, images, _ in batch], fit).to(device)
             out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
                                  pad_token_id=tokenizer.pad_token_id)
             texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:],

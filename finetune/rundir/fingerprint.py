@@ -92,6 +92,8 @@ def fingerprint(experiment: Experiment) -> dict[str, Any]:
     dumped["data"]["train"] = [{k: v for k, v in source.items()
                                 if not (k in LATER_SOURCE_KEYS and v is None)}
                                for source in dumped["data"]["train"]]
+    if dumped["vision"] is not None:  # what of a VLM trains; absent from older checkpoints
+        flat.update(_flatten(dumped["vision"], "vision"))
     for key in DATA_KEYS:
         flat.update(_flatten(dumped["data"][key], f"data.{key}"))
     for key in LATER_DATA_KEYS:

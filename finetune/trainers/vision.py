@@ -23,8 +23,8 @@ class VisionCheckpoints:
 
         target = self.model if model is None else model
         if self.is_deepspeed_enabled or self.is_fsdp_enabled or isinstance(target, PeftModel):
-            # sharded or adapter checkpoints: the Trainer's own loading (not yet tested
-            # with a VLM; LoRA on one is refused by validate)
+            # sharded or adapter checkpoints: the Trainer's own loading (an adapter's keys
+            # are PEFT's module names, which it maps itself: tests/test_vlm_lora.py)
             super()._load_from_checkpoint(resume_from_checkpoint, model)
             return
         load_saved_weights(target, Path(resume_from_checkpoint))

@@ -20,6 +20,7 @@ from trl.trainer.utils import pad
 
 from finetune import compat
 from finetune.errors import ConfigError, RunError
+from finetune.trainers.vision import VisionSFTTrainer
 
 
 class WeightedLoss:
@@ -120,6 +121,34 @@ class KeepWeightColumn:
         columns = compat.signature_columns(self)
         if "weight" not in columns:
             compat.set_signature_columns(self, [*columns, "weight"])
+
+
+class WeightedVisionSFTTrainer(KeepWeightColumn, WeightedLoss, VisionSFTTrainer):
+    """SFT of a vision-language model with a weight per row (data.weight_column): TRL's
+    vision collator makes the batch, RowWeightsOnTokens gives each of a row's tokens its
+    row's weight; the loss is WeightedSFTTrainer's over the same trained tokens."""
+
+    def batch_weight(self, batch):
+        return trained_token_weights(batch).sum()
+
+    def weighted_losses(self, model, inputs):
+        given = {k: v for k, v in inputs.items() if k not in ("labels", "token_weights")}
+        outputs = model(**given, use_cache=False)
+        return token_losses(outputs.logits, inputs["labels"]), trained_token_weights(inputs), outputs
+
+
+class RowWeightsOnTokens:
+    """Wraps a collator of rows with a `weight`: every token of a row carries its row's
+    weight (trained_token_weights keeps the trained ones)."""
+
+    def __init__(self, collate):
+        self.collate = collate
+
+    def __call__(self, rows):
+        batch = self.collate(rows)
+        weights = torch.tensor([float(row["weight"]) for row in rows])
+        batch["token_weights"] = weights[:, None].expand_as(batch["labels"]).contiguous()
+        return batch
 
 
 class WeightedRewardTrainer(KeepWeightColumn, WeightedLoss, RewardTrainer):

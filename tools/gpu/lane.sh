@@ -12,6 +12,8 @@
 #                  dense 20); a device call is at most 10 minutes, so give one RUN per call,
 #                  or half a preset (finetune,same then defaults,tuned) and pool the halves
 #                  here with: python bench/table.py a.json b.json --markdown
+#   vlm [lora|full] bench/vlm.py --preset gpu-llava0.8b: a vision-language sft run's tokens/s,
+#                  images/s and GPU memory (CLIP ViT-L/336 + Qwen2.5-0.5B, random weights; LoRA default)
 #   all            lane, then every bench run (a machine without a time limit per call)
 #
 # Everything lands in $OUT (default /tmp/finetune-gpu): environment.txt; lane.log, lane.xml
@@ -79,6 +81,20 @@ bench_one() {  # PRESET[:full|lora][:CONTENDERS]
   [ "$rc" = 0 ] || { tail -20 "$OUT/$name.log"; failed=$((failed + 1)); }
 }
 
+vlm() {  # [full|lora]: bench/vlm.py, a 0.8B LLaVA on one GPU (issue 27)
+  local kind=${1:-lora} name args t0 rc
+  name="bench-vlm-llava0.8b-$kind"
+  args=(bench/vlm.py --preset gpu-llava0.8b --out "$OUT/$name.json")
+  [ "$kind" = full ] && args+=(--full)
+  echo "== vlm $kind: $PY ${args[*]}"
+  t0=$SECONDS
+  timeout -k 15 "${BENCH_TIMEOUT:-570}" "$PY" "${args[@]}" > "$OUT/$name.log" 2>&1
+  rc=$?
+  tail -1 "$OUT/$name.log"
+  echo "== vlm $kind: exit $rc in $((SECONDS - t0)) s (log $OUT/$name.log)"
+  [ "$rc" = 0 ] || { tail -20 "$OUT/$name.log"; failed=$((failed + 1)); }
+}
+
 bench() {
   local runs=("$@")
   [ ${#runs[@]} -gt 0 ] || runs=(gpu-llama1b gpu-llama1b:lora gpu-llama1b-dense
@@ -92,9 +108,10 @@ what=${1:-lane}
 case "$what" in
   lane) environment; lane ;;
   bench) environment; bench "$@" ;;
-  all) environment; lane; bench ;;
+  vlm) environment; vlm "$@" ;;
+  all) environment; lane; bench; vlm lora ;;
   *) echo "usage: bash tools/gpu/lane.sh [lane | bench [PRESET[:full|lora][:CONTENDERS] ...]" \
-          "| all]" >&2
+          "| vlm [lora|full] | all]" >&2
      exit 2 ;;
 esac
 echo "== done: $failed step(s) failed; results in $OUT"

@@ -1,6 +1,7 @@
-"""What a vision-language model (config/vision.py) trains with so far: sft, dpo and grpo, the
-whole model, rows collated padded. Known from a local model's config.json; a hub model's
-is read at training (methods/sft_vision.py and methods/dpo.py refuse the same settings
+"""What a vision-language model (config/vision.py) trains with so far: sft, dpo and grpo,
+whole or with (Q)LoRA, rows collated padded; and the `vision:` section, which only such a
+model takes. Known from a local model's config.json; a hub model's is read at training
+(methods/sft_vision.py, methods/dpo.py and model/vision_parts.py refuse the same settings
 there)."""
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ Problem = tuple[tuple, str]
 
 
 def check(exp: Experiment) -> Iterator[Problem]:
+    yield from _section(exp)
     if not vision.is_vision_language(exp.model.name_or_path):
         return
     what = f"{exp.model.name_or_path} is a vision-language model"
@@ -22,9 +24,6 @@ def check(exp: Experiment) -> Iterator[Problem]:
         takers = names_where(lambda m: m.vision)
         verb = "trains" if len(takers) == 1 else "train"
         yield ("method",), f"{what}: only {spoken(takers)} {verb} one yet (docs/vision.md)"
-    if exp.peft.type != "none":
-        yield ("peft", "type"), f"{what}: LoRA and QLoRA on one are not supported yet; " \
-                                "train the whole model (peft.type: none)"
     for key in ("packing", "padding_free"):
         if exp.training.get(key):
             yield ("training", key), f"{what}: rows with images are collated padded, one " \
@@ -46,3 +45,24 @@ def _collated(exp: Experiment, what: str) -> Iterator[Problem]:
     if exp.data.weight_column is not None and method(exp.method).sequences == 2:
         yield ("data", "weight_column"), f"{what}: weighted pairs are not supported for " \
                                          "one yet"
+    sizes = exp.vision
+    if method(exp.method).generates and sizes is not None:
+        for key in ("max_pixels", "min_pixels"):
+            if getattr(sizes, key) is not None:
+                yield ("vision", key), f"not supported for {exp.method} yet (its trainer " \
+                                       "opens the pictures itself): fit the pictures ahead"
+
+
+def _section(exp: Experiment) -> Iterator[Problem]:
+    spec = exp.vision
+    if spec is None:
+        return
+    found = vision.model_type(exp.model.name_or_path)
+    if found is not None and found not in vision.image_text_model_types():
+        yield ("vision",), f"model.name_or_path {exp.model.name_or_path} is not a " \
+                           f"vision-language model (model_type {found}): remove this section"
+        return
+    if spec.min_pixels is not None and spec.max_pixels is not None and \
+            spec.min_pixels > spec.max_pixels:
+        yield ("vision", "min_pixels"), f"{spec.min_pixels} is more than vision.max_pixels " \
+                                        f"{spec.max_pixels}"

@@ -1,0 +1,163 @@
+"""For the estimator's vision-language tests (test_estimate_vision_families.py,
+test_estimate_siglip_and_tiled_vlms.py): config.json files of vision-language models as
+published on the hub (the repository is named above each; transcribed, and what
+transformers builds from each has the model card's parameter count), a model directory
+to read them from, and what autograd keeps for the backward."""
+
+from __future__ import annotations
+
+import json
+import weakref
+
+from finetune.estimate.walk import Regime
+
+_TOKENS = {"bos_token_id": 151643, "eos_token_id": 151645, "vision_start_token_id": 151652,
+           "vision_end_token_id": 151653, "vision_token_id": 151654, "image_token_id": 151655,
+           "video_token_id": 151656}
+# Qwen/Qwen2-VL-2B-Instruct's config.json (the text settings at the top level).
+QWEN2_VL_2B = {
+    "architectures": ["Qwen2VLForConditionalGeneration"], "attention_dropout": 0.0, **_TOKENS,
+    "hidden_act": "silu", "hidden_size": 1536, "initializer_range": 0.02,
+    "intermediate_size": 8960, "max_position_embeddings": 32768, "max_window_layers": 28,
+    "model_type": "qwen2_vl", "num_attention_heads": 12, "num_hidden_layers": 28,
+    "num_key_value_heads": 2, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
+    "sliding_window": 32768, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+    "transformers_version": "4.41.2", "use_cache": True, "use_sliding_window": False,
+    "vision_config": {"depth": 32, "embed_dim": 1280, "mlp_ratio": 4, "num_heads": 16,
+                      "in_chans": 3, "hidden_size": 1536, "patch_size": 14,
+                      "spatial_merge_size": 2, "spatial_patch_size": 14,
+                      "temporal_patch_size": 2},
+    "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]}, "vocab_size": 151936}
+# Qwen/Qwen2.5-VL-3B-Instruct's config.json.
+QWEN25_VL_3B = {
+    "architectures": ["Qwen2_5_VLForConditionalGeneration"], "attention_dropout": 0.0,
+    **_TOKENS, "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02,
+    "intermediate_size": 11008, "max_position_embeddings": 128000, "max_window_layers": 70,
+    "model_type": "qwen2_5_vl", "num_attention_heads": 16, "num_hidden_layers": 36,
+    "num_key_value_heads": 2, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
+    "sliding_window": 32768, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+    "transformers_version": "4.41.2", "use_cache": True, "use_sliding_window": False,
+    "vision_config": {"depth": 32, "hidden_act": "silu", "hidden_size": 1280,
+                      "intermediate_size": 3420, "num_heads": 16, "in_chans": 3,
+                      "out_hidden_size": 2048, "patch_size": 14, "spatial_merge_size": 2,
+                      "spatial_patch_size": 14, "window_size": 112,
+                      "fullatt_block_indexes": [7, 15, 23, 31], "tokens_per_second": 2,
+                      "temporal_patch_size": 2},
+    "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]}, "vocab_size": 151936}
+# google/gemma-3-4b-it's config.json.
+GEMMA3_4B = {
+    "architectures": ["Gemma3ForConditionalGeneration"], "boi_token_index": 255999,
+    "eoi_token_index": 256000, "eos_token_id": [1, 106], "image_token_index": 262144,
+    "initializer_range": 0.02, "mm_tokens_per_image": 256, "model_type": "gemma3",
+    "text_config": {"hidden_size": 2560, "intermediate_size": 10240,
+                    "model_type": "gemma3_text", "num_hidden_layers": 34,
+                    "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                    "sliding_window": 1024},
+    "torch_dtype": "bfloat16", "transformers_version": "4.50.0.dev0",
+    "vision_config": {"hidden_size": 1152, "image_size": 896, "intermediate_size": 4304,
+                      "model_type": "siglip_vision_model", "num_attention_heads": 16,
+                      "num_hidden_layers": 27, "patch_size": 14, "vision_use_head": False}}
+# google/paligemma-3b-pt-224's and google/paligemma2-3b-pt-224's config.json.
+_SIGLIP_SO400M = {"hidden_size": 1152, "intermediate_size": 4304,
+                  "model_type": "siglip_vision_model", "num_attention_heads": 16,
+                  "num_hidden_layers": 27, "num_image_tokens": 256, "patch_size": 14,
+                  "vision_use_head": False}
+PALIGEMMA_3B = {
+    "architectures": ["PaliGemmaForConditionalGeneration"], "bos_token_id": 2,
+    "eos_token_id": 1, "hidden_size": 2048, "ignore_index": -100,
+    "image_token_index": 257152, "model_type": "paligemma", "pad_token_id": 0,
+    "projection_dim": 2048,
+    "text_config": {"hidden_size": 2048, "intermediate_size": 16384, "model_type": "gemma",
+                    "num_attention_heads": 8, "num_hidden_layers": 18, "num_image_tokens": 256,
+                    "num_key_value_heads": 1, "torch_dtype": "float32", "vocab_size": 257216},
+    "torch_dtype": "float32", "transformers_version": "4.41.0.dev0",
+    "vision_config": {**_SIGLIP_SO400M, "projection_dim": 2048,
+                      "projector_hidden_act": "gelu_fast"}}
+PALIGEMMA2_3B = {
+    "architectures": ["PaliGemmaForConditionalGeneration"], "bos_token_id": 2,
+    "eos_token_id": 1, "hidden_size": 2048, "image_token_index": 257152,
+    "model_type": "paligemma", "num_hidden_layers": 26, "pad_token_id": 0,
+    "projection_dim": 2304,
+    "text_config": {"final_logit_softcapping": 30.0, "hidden_activation": "gelu_pytorch_tanh",
+                    "hidden_size": 2304, "intermediate_size": 9216, "model_type": "gemma2",
+                    "num_attention_heads": 8, "num_hidden_layers": 26, "num_image_tokens": 256,
+                    "num_key_value_heads": 4, "query_pre_attn_scalar": 256,
+                    "sliding_window": 4096, "torch_dtype": "bfloat16", "vocab_size": 257216},
+    "torch_dtype": "bfloat16", "transformers_version": "4.47.0.dev0",
+    "vision_config": {**_SIGLIP_SO400M, "num_positions": 256, "projection_dim": 2304,
+                      "torch_dtype": "bfloat16"}}
+# llava-hf/llava-v1.6-mistral-7b-hf's config.json.
+LLAVA_NEXT_7B = {
+    "architectures": ["LlavaNextForConditionalGeneration"], "ignore_index": -100,
+    "image_grid_pinpoints": [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]],
+    "image_token_index": 32000, "model_type": "llava_next", "projector_hidden_act": "gelu",
+    "text_config": {"_name_or_path": "mistralai/Mistral-7B-Instruct-v0.2",
+                    "architectures": ["MistralForCausalLM"], "intermediate_size": 14336,
+                    "max_position_embeddings": 32768, "model_type": "mistral",
+                    "num_key_value_heads": 8, "rms_norm_eps": 1e-05, "rope_theta": 1000000.0,
+                    "sliding_window": None, "torch_dtype": "bfloat16", "vocab_size": 32064},
+    "torch_dtype": "float16", "transformers_version": "4.39.0.dev0",
+    "use_image_newline_parameter": True,
+    "vision_config": {"hidden_size": 1024, "image_size": 336, "intermediate_size": 4096,
+                      "model_type": "clip_vision_model", "num_attention_heads": 16,
+                      "num_hidden_layers": 24, "patch_size": 14, "projection_dim": 768,
+                      "vocab_size": 32000},
+    "vision_feature_layer": -2, "vision_feature_select_strategy": "default",
+    "vocab_size": 32064}
+# Shaped as HuggingFaceTB/SmolVLM-256M-Instruct's config.json (an Idefics3 model; transcribed
+# from memory, not checked against the hub file: 256,484,928 parameters, its name's 256M),
+# with that model's processor settings (tiles of 512 pixels, longest edge 2048).
+SMOLVLM_256M = {
+    "architectures": ["Idefics3ForConditionalGeneration"], "image_token_id": 49190,
+    "model_type": "idefics3", "scale_factor": 4,
+    "text_config": {"architectures": ["VLlama3ForCausalLM"], "hidden_size": 576,
+                    "intermediate_size": 1536, "max_position_embeddings": 8192,
+                    "model_type": "llama", "num_attention_heads": 9, "num_hidden_layers": 30,
+                    "num_key_value_heads": 3, "rms_norm_eps": 1e-05, "rope_theta": 100000,
+                    "tie_word_embeddings": False, "vocab_size": 49280},
+    "tie_word_embeddings": False,
+    "vision_config": {"hidden_size": 768, "image_size": 512, "intermediate_size": 3072,
+                      "model_type": "idefics3", "num_attention_heads": 12,
+                      "num_hidden_layers": 12, "patch_size": 16}}
+SMOLVLM_PROCESSOR = {"size": {"longest_edge": 2048}, "max_image_size": {"longest_edge": 512}}
+
+
+def model_dir(tmp_path, config, processor=None):
+    """A model directory with `config` (and the image processor's settings)."""
+    directory = tmp_path / config["model_type"]
+    directory.mkdir(exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config))
+    if processor is not None:
+        (directory / "preprocessor_config.json").write_text(json.dumps(processor))
+    return directory
+
+
+def kept_by_autograd(forward, parameters: set[int]):
+    """(forward()'s result under CPU autocast, bytes of what autograd saved for the backward
+    that is still alive when it returns, parameter storages left out). Saved tensors are
+    packed detached: a tensor packed with its grad_fn would tie a node that saves its own
+    output (sdpa, sigmoid) into a reference cycle and keep graphs alive that training
+    frees (a vision layer past the feature layer)."""
+    import torch
+
+    saved = []
+
+    def pack(tensor):
+        detached = tensor.detach()
+        saved.append(weakref.ref(detached))
+        return detached
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            result = forward()
+    alive = {}
+    for ref in saved:
+        tensor = ref()
+        if tensor is not None and tensor.untyped_storage().data_ptr() not in parameters:
+            alive[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+    return result, sum(alive.values())
+
+
+# fp32 weights under CPU autocast (bf16), sdpa: the regime the autograd checks run
+CPU_AUTOCAST = Regime(residual=4, compute=2, autocast=True, base_trainable=True, quantized=0,
+                      attention="sdpa", cuda=False)
