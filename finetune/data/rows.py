@@ -192,7 +192,8 @@ def _preference_images_problem(row: dict[str, Any]) -> str | None:
         prompt, answers = row["prompt"], (row["chosen"], row["rejected"])
     else:
         shared = _shared_turns(row["chosen"], row["rejected"])
-        prompt, answers = row["chosen"][:shared], (row["chosen"][shared:], row["rejected"][shared:])
+        prompt = row["chosen"][:shared]
+        answers = (row["chosen"][shared:], row["rejected"][shared:])
     for key, turns in zip(("chosen", "rejected"), answers):
         if image_parts(turns):
             return f"an image part in the answer of `{key}`: pictures belong to the prompt " \
