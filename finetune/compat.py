@@ -82,13 +82,16 @@ OVERRIDES = (
     Member("transformers:Trainer", "_save", ("output_dir", "state_dict"),
            users="finetune.trainers.ppo:PPOTrainer"),
     Member("transformers:Trainer", "_load_from_checkpoint", ("resume_from_checkpoint", "model"),
-           users="finetune.trainers.ppo:PPOTrainer finetune.trainers.vision:VisionSFTTrainer"),
+           users="finetune.trainers.ppo:PPOTrainer finetune.trainers.vision:VisionSFTTrainer "
+                 "finetune.trainers.vision:VisionDPOTrainer "
+                 "finetune.methods.grpo:ResumableVisionGRPOTrainer"),
     Member("transformers:Trainer", "_load_best_model", users="finetune.trainers.ppo:PPOTrainer"),
     # methods/online.py EpochOrder: the order of an epoch from seed + epoch.
     Member("trl:DistillationTrainer", "_get_train_sampler", ("dataset",),
            users="finetune.methods.distill:ResumableDistillationTrainer"),
     Member("trl:GRPOTrainer", "_get_train_sampler", ("dataset",),
-           users="finetune.methods.grpo:ResumableGRPOTrainer"),
+           users="finetune.methods.grpo:ResumableGRPOTrainer "
+                 "finetune.methods.grpo:ResumableVisionGRPOTrainer"),
     Member("trl:RLOOTrainer", "_get_train_sampler", ("dataset",),
            users="finetune.methods.rloo:ResumableRLOOTrainer"),
 )

@@ -31,7 +31,9 @@ OURS = ("finetune.trainers.classify:ClassifyTrainer",
         "finetune.trainers.weighted:WeightedDPOTrainer",
         "finetune.trainers.ppo:PPOTrainer",
         "finetune.trainers.vision:VisionSFTTrainer",
+        "finetune.trainers.vision:VisionDPOTrainer",
         "finetune.methods.grpo:ResumableGRPOTrainer",
+        "finetune.methods.grpo:ResumableVisionGRPOTrainer",
         "finetune.methods.rloo:ResumableRLOOTrainer",
         "finetune.methods.gkd:ProcessScaledGKDTrainer")
 # PPOTrainer's own private instance attributes: a Trainer must not have them already.

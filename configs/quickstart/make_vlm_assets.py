@@ -10,7 +10,9 @@ a fresh draw: held-out pictures are other pictures than the training ones.
 
 Rows are in TRL's vision format: `messages` whose content is a list of parts
 ({"type": "image"} and {"type": "text", "text": ...}) and `images`, the image files'
-paths relative to the data file.
+paths relative to the data file. The preference rows (vlm_pref_*.jsonl, for dpo) ask the
+same questions about the same pictures: `prompt` (the question with its image part),
+`chosen` the right answer, `rejected` a wrong one of the same kind, and `images`.
 
 Everything is deterministic (fixed seeds, no network): running the script twice writes
 byte-identical files (PNG written by Pillow without metadata).
@@ -44,6 +46,7 @@ SHAPES = ("ring", "square", "triangle")
 QUESTIONS = {"color": "What color is the shape?", "shape": "What shape is it?"}
 N_TRAIN, N_EVAL = 2000, 200
 SEED = 4321
+PREF_SEED = 8765  # the rejected answers' draws, apart: the pictures stay as they were
 
 # Content is a string or a list of parts; an image part becomes the image token, which the
 # processor expands to one token per patch. The assistant turn (text + EOS) is wrapped in
@@ -163,6 +166,21 @@ def rows(split: str, n: int, rng: random.Random, data_dir: Path) -> list[dict]:
     return out
 
 
+def preference_rows(sft_rows: list[dict], rng: random.Random) -> list[dict]:
+    """Preference pairs about the same pictures: the question as the prompt, the right
+    answer chosen, a wrong one of the same kind (another color, another shape) rejected."""
+    out = []
+    for row in sft_rows:
+        question, answer = row["messages"]
+        right = answer["content"][0]["text"]
+        choices = sorted(COLORS) if right in COLORS else list(SHAPES)
+        wrong = rng.choice([c for c in choices if c != right])
+        say = lambda text: [{"role": "assistant", "content": [{"type": "text", "text": text}]}]
+        out.append({"prompt": [question], "chosen": say(right), "rejected": say(wrong),
+                    "images": row["images"]})
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(HERE))
@@ -187,11 +205,14 @@ def main():
     build_model_config(tokenizer).to_json_file(model_dir / "config.json")
     written.append(model_dir / "config.json")
 
-    rng = random.Random(SEED)
+    rng, pref_rng = random.Random(SEED), random.Random(PREF_SEED)
     for split, n in (("train", N_TRAIN), ("eval", N_EVAL)):
         path = data_dir / f"vlm_{split}.jsonl"
-        make_assets.write_jsonl(path, rows(split, n, rng, data_dir))
-        written.append(path)
+        split_rows = rows(split, n, rng, data_dir)
+        make_assets.write_jsonl(path, split_rows)
+        pref_path = data_dir / f"vlm_pref_{split}.jsonl"
+        make_assets.write_jsonl(pref_path, preference_rows(split_rows, pref_rng))
+        written += [path, pref_path]
 
     for p in written:
         print(f"{p.stat().st_size:>9}  {p.relative_to(out)}")

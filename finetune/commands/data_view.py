@@ -107,9 +107,47 @@ def _dpo(rows, tokenizer, experiment: Experiment, splits, split: str) -> Iterato
         yield Sample(where, parts, limit is not None and keep_start and len(head) >= limit)
 
 
+def _dpo_vision(rows, processor, experiment: Experiment, splits, split: str) -> Iterator[Sample]:
+    """Pairs with images as TRL's DataCollatorForVisionPreference makes them in training
+    (the prompt's pictures expanded to their tokens), one pair at a time and uncut. TRL
+    drops no such pair: a max_length that cuts into the prompt's image tokens stops
+    training (trainers/vision.py)."""
+    from trl.data_utils import extract_prompt
+    from trl.trainer.dpo_trainer import DataCollatorForVisionPreference
+
+    from finetune.data.image_size import ImagesSized
+
+    sizes = experiment.vision  # vision.max_pixels, min_pixels: fitted as in training
+    collate = ImagesSized(DataCollatorForVisionPreference(processor=processor),
+                          sizes and sizes.max_pixels, sizes and sizes.min_pixels)
+    for row in rows:
+        if row.get("prompt") is None:
+            row = {**row, **extract_prompt(row)}
+        batch = collate([{"prompt": row["prompt"], "chosen": row["chosen"],
+                          "rejected": row["rejected"], "images": row.get("images") or []}])
+        parts = []
+        for i, name in enumerate(("chosen", "rejected")):
+            kept = batch["attention_mask"][i].bool()
+            parts.append((name, batch["input_ids"][i][kept].tolist(),
+                          batch["completion_mask"][i][kept].bool().tolist()))
+        yield Sample(row[ORIGIN], parts)
+
+
 def _prompts(rows, tokenizer, experiment: Experiment, splits, split: str) -> Iterator[Sample]:
     for row in rows:
         ids = prompt_ids(tokenizer, row["prompt"], row[ORIGIN])
+        yield Sample(row[ORIGIN], [("prompt", ids, [False] * len(ids))])
+
+
+def _prompts_vision(rows, processor, experiment: Experiment, splits,
+                    split: str) -> Iterator[Sample]:
+    """Prompts with images as GRPOTrainer renders them to generate: each picture expanded
+    to its image tokens."""
+    from finetune.model.vision import chat_prompts
+
+    for row in rows:
+        ids = chat_prompts(processor, [row["prompt"]], [row.get("images") or []]
+                           )["input_ids"][0].tolist()
         yield Sample(row[ORIGIN], [("prompt", ids, [False] * len(ids))])
 
 
@@ -222,8 +260,9 @@ def report(experiment: Experiment, shown: int) -> list[str]:
     lines = [f"method {experiment.method}, data format {splits.format}; trained tokens "
              f"between {OPEN} and {CLOSE}"] + [f"note: {note}" for note in splits.notes]
     sample = _view(experiment)
-    if vision and sample is _sft:
-        sample = _sft_vision
+    if vision:  # rows as the vision collators make them
+        sample = {_sft: _sft_vision, _dpo: _dpo_vision, _prompts: _prompts_vision}.get(
+            sample, sample)
     if sample in (_sft, _sft_vision):
         from finetune.methods.sft import trained_tokens
 

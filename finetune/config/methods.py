@@ -87,7 +87,8 @@ class Method:
     # Runs under distributed.sequence_parallel (DeepSpeed ALST/Ulysses): verified on CPU for
     # sft, whose trainer hands the Trainer's sequence-parallel loss the model's own loss.
     sequence_parallel: bool = False
-    # Trains a vision-language model on rows with images (methods/sft_vision.py).
+    # Trains a vision-language model on rows with images (methods/sft_vision.py, dpo.py,
+    # grpo.py).
     vision: bool = False
     # Training arguments of its own, over finetune's defaults, under the experiment's.
     defaults: dict[str, Any] = field(default_factory=dict, compare=False)
@@ -127,7 +128,7 @@ METHODS: dict[str, Method] = {m.name: m for m in (
            tokenizes=True),
     Method("dpo", ("trl", "DPOConfig"), ("preference",), "lm", "finetune.methods.dpo",
            sections=("dpo",), max_length="training.max_length", sequences=2,
-           reference=Reference(setting="dpo.ref_model"), shared_prompt=True),
+           reference=Reference(setting="dpo.ref_model"), shared_prompt=True, vision=True),
     # Reference-free preference methods (trl.experimental): the pair's own log-odds
     # (orpo) or length-normalised log-probabilities (simpo) are the implicit reward.
     # Their trainers weigh no sample, so weights are refused.
@@ -156,7 +157,7 @@ METHODS: dict[str, Method] = {m.name: m for m in (
            max_length="classify.max_length", tokenizes=True),
     Method("grpo", ("trl", "GRPOConfig"), ("prompt",), "lm", "finetune.methods.grpo",
            sections=("rewards",), completion_length="training.max_completion_length",
-           reference=Reference(switch="beta"), weights=False),
+           reference=Reference(switch="beta"), weights=False, vision=True),
     # REINFORCE Leave-One-Out: grpo's data, rewards and generation; the baseline of each
     # completion is the mean reward of its prompt's other completions, and the KL to the
     # reference (beta, 0.05 by default) is subtracted from the reward.

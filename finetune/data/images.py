@@ -2,16 +2,19 @@
 parts ({"type": "image"}, {"type": "text", "text": ...}), and `images`, one image file
 per image part, in order, each path relative to the data file; or every turn's content
 text, the images then placed before the first user turn's text (TRL's
-prepare_multimodal_messages).
+prepare_multimodal_messages). Preference pairs and prompts carry them the same way in
+their prompt (rows.py).
 
 The checks of a row's parts and images (rows.py calls them), and the image files: found
 next to the data file, opened and verified (the header, and for PNG the checksums; the
-pixels are decoded where training collates them). validate (scan.py) and training
-(load.py) check them alike; a bad one is one error naming the file, row and path.
-Without torch: validate imports this."""
+pixels are decoded where training collates them); a URL refused offline, else fetched
+once and verified. validate (scan.py) and training (load.py) check them alike; a bad one
+is one error naming the file, row and path. Without torch: validate imports this."""
 
 from __future__ import annotations
 
+import io
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +25,8 @@ if TYPE_CHECKING:
 
 IMAGES = "images"
 PART_TYPES = ("image", "text")
+URL_SCHEMES = ("http://", "https://")
+URL_TIMEOUT_S = 10.0
 
 
 def parts_problem(content: Any, field: str) -> str | None:
@@ -47,16 +52,23 @@ def image_parts(messages: list[dict[str, Any]]) -> int:
 
 def images_problem(row: dict[str, Any]) -> str | None:
     """`images` a list of paths, one per image part of the messages, or no image parts."""
-    images, parts = row.get(IMAGES), image_parts(row["messages"])
+    return count_problem(row.get(IMAGES), row["messages"], "messages")
+
+
+def count_problem(images: Any, turns: list[dict[str, Any]], field: str) -> str | None:
+    """`images` a list of paths, one per image part of turns (the row's `field`, where
+    the collator puts the images), or none; turns all text take them all (TRL puts them
+    at the start of the first user turn)."""
+    parts = image_parts(turns)
     if images is None:
-        return f"{parts} image part(s) in `messages` and no `images` column giving the " \
+        return f"{parts} image part(s) in `{field}` and no `images` column giving the " \
                "files" if parts else None
     if not isinstance(images, list) or not all(isinstance(p, str) and p for p in images):
         return "`images` must be a list of image file paths (relative to the data file)"
-    if parts == 0 and all(isinstance(m.get("content"), str) for m in row["messages"]):
+    if parts == 0 and all(isinstance(m.get("content"), str) for m in turns):
         return None  # text turns: TRL puts the images at the start of the first user turn
     if len(images) != parts:
-        return f"`images` gives {len(images)} file(s) for {parts} image part(s) in `messages`"
+        return f"`images` gives {len(images)} file(s) for {parts} image part(s) in `{field}`"
     return None
 
 
@@ -74,11 +86,50 @@ def image_problem(path: Path) -> str | None:
     return None
 
 
+def is_url(given: str) -> bool:
+    return given.lower().startswith(URL_SCHEMES)
+
+
+def offline() -> bool:
+    """HF_HUB_OFFLINE set, as the rest of finetune reads it (config/rules/models.py)."""
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "on", "yes", "true")
+
+
+def url_problem(url: str) -> str | None:
+    """Why the picture at url cannot be used: offline, or it does not download and open
+    as an image (fetched once, URL_TIMEOUT_S at most)."""
+    from urllib.request import urlopen
+
+    from PIL import Image, UnidentifiedImageError
+
+    if offline():
+        return "a URL, and HF_HUB_OFFLINE is set: nothing is fetched offline; download " \
+               "the picture and give its path"
+    try:
+        with urlopen(url, timeout=URL_TIMEOUT_S) as answer:
+            data, kind = answer.read(), answer.headers.get("Content-Type")
+    except (OSError, ValueError) as exc:  # URLError, HTTPError and timeouts are OSErrors
+        return f"cannot be fetched ({type(exc).__name__}: {one_line(str(exc))})"
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            image.verify()
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError):
+        return f"not an image Pillow can read ({len(data)} bytes of {kind or 'no stated type'})"
+    return None
+
+
 def resolved_paths(images: list[str], data_file: Path, where: str) -> list[str]:
     """A row's image paths, absolute (relative ones next to the data file), each checked;
-    a DataError naming the row, the path and the file looked for."""
+    a DataError naming the row, the path and the file looked for. A URL stays as it is
+    once it downloads and opens (the processor fetches it again for each batch)."""
     out = []
     for i, given in enumerate(images):
+        if is_url(given):
+            problem = url_problem(given)
+            if problem:
+                raise DataError(f"{where}: images[{i}] {given!r}: {problem}")
+            out.append(given)
+            continue
         path = Path(given).expanduser()
         path = path if path.is_absolute() else data_file.parent / path
         problem = image_problem(path)
@@ -88,12 +139,16 @@ def resolved_paths(images: list[str], data_file: Path, where: str) -> list[str]:
     return out
 
 
-def resolved(label: str, ds: Dataset, origin: str) -> Dataset:
+def resolved(label: str, ds: Dataset, origin: str, method: str) -> Dataset:
     """A file's validated rows with `images` as absolute, checked paths (what the
     collator opens); rows without an `images` column as they are. label: the data file,
     or a hub dataset's id (its images would be decoded images, not paths: not read yet)."""
     if IMAGES not in ds.column_names:
         return ds
+    pictured = next((where for images, where in zip(ds[IMAGES], ds[origin])
+                     if images is not None), None)
+    if pictured is not None:
+        require_images_method(method, pictured)
     data_file = Path(label)
     if not data_file.is_file():
         raise DataError(f"{label}: rows with `images` are read from local files only (image "
@@ -103,12 +158,23 @@ def resolved(label: str, ds: Dataset, origin: str) -> Dataset:
     return ds.remove_columns(IMAGES).add_column(IMAGES, paths)
 
 
+def require_images_method(name: str, where: str) -> None:
+    """Rows with images need a method that trains on them: a DataError naming the row."""
+    from finetune.config.methods import method, names_where, spoken
+
+    if not method(name).vision:
+        takers = names_where(lambda m: m.vision)
+        raise DataError(f"{where}: the row has images, and method {name} does not take "
+                        f"images; {spoken(takers)} train on rows with images (docs/vision.md)")
+
+
 def require_vision_model(experiment, where: str) -> bool:
-    """Rows with images need a vision-language model: True when model.name_or_path is
-    one; a DataError naming the row when a local model is not. A hub id is read at
-    training (True here)."""
+    """Rows with images need a method that takes them and a vision-language model: True
+    when model.name_or_path is one; a DataError naming the row when the method does not
+    take images or a local model is not one. A hub id is read at training (True here)."""
     from finetune.config import vision
 
+    require_images_method(experiment.method, where)
     path = experiment.model.name_or_path
     found = vision.model_type(path)
     if found is None or found in vision.image_text_model_types():

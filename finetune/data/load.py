@@ -247,7 +247,7 @@ def _read_part(label: str, ds: Dataset, fmt: str | None, experiment: Experiment,
         ds, note = formats.text_prompts(label, ds, failure)
         notes.extend([note] if note else [])
     ds = _validated(label, ds, trained, experiment, failure)
-    return images.resolved(label, ds, ORIGIN), fmt
+    return images.resolved(label, ds, ORIGIN, experiment.method), fmt
 
 
 def _joined(parts: list[tuple[str, Dataset]], where: str) -> Dataset:

@@ -8,7 +8,8 @@ import math
 from typing import Any, Callable
 
 from finetune.config.formats import ROLES
-from finetune.data.images import IMAGES, images_problem, parts_problem
+from finetune.data.images import IMAGES, count_problem, image_parts, images_problem, \
+    parts_problem
 
 # (row number from 1, problem) -> the error's text: how a file's reader names a bad row
 Failure = Callable[[int, str], str]
@@ -17,7 +18,7 @@ FORMATS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "messages": (("messages",), ("tools", IMAGES)),
     "prompt_completion": (("prompt", "completion"), ("tools",)),
     "text": (("text",), ()),
-    "preference": (("chosen", "rejected"), ("prompt",)),
+    "preference": (("chosen", "rejected"), ("prompt", IMAGES)),
     # kto: one completion, labelled desirable (true) or not (false); no partner needed.
     "unpaired_preference": (("prompt", "completion", "label"), ()),
     "classification": (("text", "label"), ()),
@@ -156,14 +157,49 @@ def check_row(row: dict[str, Any], fmt: str, labels: list[str] | None = None) ->
         return f"`label` must be true (a desirable completion) or false (an undesirable " \
                f"one), got {type(row['label']).__name__} {row['label']!r}"
     fields = [f for f in required + optional
-              if row.get(f) is not None and f not in ("tools", "label")]
+              if row.get(f) is not None and f not in ("tools", "label", IMAGES)]
     for field in fields:
         problem = _check_text_or_messages(row[field], field)
         if problem:
             return problem
     if len({type(row[f]) for f in fields}) > 1:
         return f"mixes plain text and message lists across {', '.join(fields)}"
-    return None
+    if fmt == "prompt":
+        return _prompt_images_problem(row)
+    return _preference_images_problem(row) if fmt == "preference" else None
+
+
+def _prompt_images_problem(row: dict[str, Any]) -> str | None:
+    """A prompt's pictures, as GRPOTrainer reads them: one file per image part of the
+    prompt (or all at the start of its first user turn, when its turns are text)."""
+    images = row.get(IMAGES)
+    if not isinstance(row["prompt"], list):
+        return "`images` needs a conversational `prompt` (a list of messages): a text " \
+               "prompt has no place for a picture" if images else None
+    return count_problem(images, row["prompt"], "prompt")
+
+
+def _preference_images_problem(row: dict[str, Any]) -> str | None:
+    """A pair's pictures, as TRL's DataCollatorForVisionPreference reads them: the images
+    go to the prompt (given, or the turns chosen and rejected share), one file per image
+    part there (or all at the start of its first user turn, when its turns are text);
+    the answers have no image parts. Conversations only: the image parts place them."""
+    images = row.get(IMAGES)
+    if not isinstance(row["chosen"], list):
+        return "`images` needs conversational rows (`prompt`, `chosen` and `rejected` as " \
+               "lists of messages): text rows have no place for a picture" if images else None
+    if row.get("prompt") is not None:
+        prompt, answers = row["prompt"], (row["chosen"], row["rejected"])
+    else:
+        shared = _shared_turns(row["chosen"], row["rejected"])
+        prompt = row["chosen"][:shared]
+        answers = (row["chosen"][shared:], row["rejected"][shared:])
+    for key, turns in zip(("chosen", "rejected"), answers):
+        if image_parts(turns):
+            return f"an image part in the answer of `{key}`: pictures belong to the prompt " \
+                   "(TRL's preference collator gives them to the prompt only)"
+    field = "prompt" if row.get("prompt") is not None else "the prompt turns chosen and rejected share"
+    return count_problem(images, prompt, field)
 
 
 def _shared_turns(chosen: list, rejected: list) -> int:

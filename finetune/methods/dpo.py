@@ -4,21 +4,41 @@ The reference model is passed explicitly: under LoRA TRL keeps a frozen copy of 
 starting adapter; otherwise we hand it a frozen copy of the starting policy (or the
 model named in dpo.ref_model). Left to itself TRL would reload the reference from
 model.config.name_or_path, which is empty for a freshly initialised model.
+
+A vision-language model (its processor is the processing class) trains on preference
+rows with images (data/rows.py) through TRL's own vision path: the rows stay untokenized
+and DataCollatorForVisionPreference renders the prompt with its pictures and the answers
+for each batch. TRL reads the prompt of such rows as given, so a row without one gets
+the turns chosen and rejected share (TRL's extract_prompt, as it does for text rows).
 """
 
-from trl import DPOTrainer
+from __future__ import annotations
 
-from finetune.data.load import Splits
-from finetune.config.schema import Experiment
+from trl import DPOTrainer
+from trl.data_utils import extract_prompt
+
 from finetune.config.derived.effective import value as effective_value
+from finetune.config.schema import Experiment
+from finetune.data.image_size import ImagesSized
+from finetune.data.images import IMAGES
+from finetune.data.load import ORIGIN, Splits
+from finetune.errors import ConfigError
 from finetune.methods import Job
 from finetune.methods.pairs import frozen_reference, prompt_length, require_a_row_that_fits
+from finetune.methods.sft_vision import refuse_images
+from finetune.model.vision import is_processor
+
+# The columns TRL's vision collator reads; every other one is dropped before it.
+VISION_COLUMNS = ("prompt", "chosen", "rejected", IMAGES)
 
 
 def prepare(splits: Splits, tokenizer, experiment: Experiment) -> Splits:
     """Checked, not tokenized (DPOTrainer does that): every chat row renders, and some row
     is left once DPOTrainer drops those whose prompt alone fills max_length
     (truncation_mode keep_start; keep_end drops none)."""
+    if is_processor(tokenizer):
+        return _vision_rows(splits, experiment)
+    refuse_images(splits, experiment)
     value = lambda key: effective_value(experiment, key)
     max_length = value("max_length") if value("truncation_mode") == "keep_start" else None
     require_a_row_that_fits(splits, max_length, lambda row: prompt_length(tokenizer, row),
@@ -26,10 +46,56 @@ def prepare(splits: Splits, tokenizer, experiment: Experiment) -> Splits:
     return splits
 
 
+def vision_problems(experiment: Experiment) -> list[str]:
+    """Settings TRL's DPOTrainer refuses or ignores for rows with images (validate says
+    the same for a local model: config/rules/vision.py)."""
+    training, problems = experiment.training, []
+    if training.get("truncation_mode") == "keep_end":
+        problems.append("training.truncation_mode: keep_end would cut the image tokens off "
+                        "the prompt; a vision-language model's pairs are cut at the end "
+                        "(keep_start)")
+    if training.get("precompute_ref_log_probs"):
+        problems.append("training.precompute_ref_log_probs: not supported for a "
+                        "vision-language model (TRL renders its rows batch by batch)")
+    for key in ("packing", "padding_free"):
+        if training.get(key):
+            problems.append(f"training.{key}: not supported for a vision-language model "
+                            "(TRL's vision collator pads, one pair per row)")
+    if experiment.data.weight_column is not None:
+        problems.append("data.weight_column: weighted pairs are not supported for a "
+                        "vision-language model yet")
+    return problems
+
+
+def _vision_rows(splits: Splits, experiment: Experiment) -> Splits:
+    """The checked rows with the columns the collator reads (and ORIGIN, which
+    data/prepare.py removes): each with its prompt, and `images` (empty for a file of
+    text pairs: TRL's vision path then renders them without pictures)."""
+    problems = vision_problems(experiment)
+    if problems:
+        raise ConfigError(problems)
+
+    def rows(ds, split):
+        if "prompt" not in ds.column_names:
+            ds = ds.map(extract_prompt)
+        if IMAGES not in ds.column_names:
+            ds = ds.add_column(IMAGES, [[] for _ in range(len(ds))])
+        return ds.select_columns([*VISION_COLUMNS, ORIGIN])
+
+    return splits.tokenized(rows)
+
+
 def build_trainer(job: Job) -> DPOTrainer:
-    trainer_class = DPOTrainer
-    if job.experiment.data.weight_column is not None:  # a weight per preference pair
+    trainer_class, vision = DPOTrainer, is_processor(job.tokenizer)
+    if vision:  # a vision-language model
+        from finetune.trainers.vision import VisionDPOTrainer as trainer_class
+    elif job.experiment.data.weight_column is not None:  # a weight per preference pair
         from finetune.trainers.weighted import WeightedDPOTrainer as trainer_class
-    return trainer_class(model=job.model, ref_model=frozen_reference(job), args=job.args,
-                         train_dataset=job.data.train, eval_dataset=job.data.eval,
-                         processing_class=job.tokenizer, callbacks=job.callbacks)
+    trainer = trainer_class(model=job.model, ref_model=frozen_reference(job), args=job.args,
+                            train_dataset=job.data.train, eval_dataset=job.data.eval,
+                            processing_class=job.tokenizer, callbacks=job.callbacks)
+    if vision:  # vision.max_pixels, min_pixels: the pictures fitted before the collator
+        sizes = job.experiment.vision
+        trainer.data_collator = ImagesSized(trainer.data_collator, sizes and sizes.max_pixels,
+                                            sizes and sizes.min_pixels)
+    return trainer

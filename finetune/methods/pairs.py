@@ -17,6 +17,7 @@ from finetune.config.schema import Experiment
 from finetune.data.load import ORIGIN, Splits
 from finetune.errors import DataError
 from finetune.methods import Job
+from finetune.model import vision
 from finetune.model.tokenizer import render_chat
 
 # ORPOTrainer and CPOTrainer read training.max_length None as this.
@@ -83,8 +84,9 @@ def frozen_reference(job: Job):
     the starting policy."""
     spec = job.experiment
     named = setting(spec, record(spec).reference.setting)
-    if named:
-        ref = AutoModelForCausalLM.from_pretrained(
+    if named:  # of the policy's kind: a vision-language model's reference is one too
+        loader = vision.MODEL_CLASS if vision.is_vision_model(job.model) else AutoModelForCausalLM
+        ref = loader.from_pretrained(
             named, dtype=job.hardware.model_dtype(spec, "reference"),
             trust_remote_code=spec.model.trust_remote_code)
     elif spec.peft.type != "none":

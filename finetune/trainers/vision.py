@@ -1,4 +1,4 @@
-"""SFTTrainer for a vision-language model, resuming from its own checkpoints. A VLM's
+"""Trainers for a vision-language model, resuming from their own checkpoints. A VLM's
 save_pretrained writes the checkpoint's key names (LLaVA's `language_model.model.*`),
 which transformers maps back only in from_pretrained; the Trainer's resume loads the
 saved tensors by the module's names, finds none, warns and trains on from the weights it
@@ -9,12 +9,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from trl import SFTTrainer
+from trl import DPOTrainer, SFTTrainer
 
+from finetune.errors import DataError
 from finetune.model.vision import load_saved_weights
 
 
-class VisionSFTTrainer(SFTTrainer):
+class VisionCheckpoints:
+    """Mixed in before a Trainer subclass: its checkpoints' weights loaded back."""
+
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         from peft import PeftModel
 
@@ -25,3 +28,21 @@ class VisionSFTTrainer(SFTTrainer):
             super()._load_from_checkpoint(resume_from_checkpoint, model)
             return
         load_saved_weights(target, Path(resume_from_checkpoint))
+
+
+class VisionSFTTrainer(VisionCheckpoints, SFTTrainer):
+    pass
+
+
+class VisionDPOTrainer(VisionCheckpoints, DPOTrainer):
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """TRL's own error for a training.max_length that cuts a pair's prompt inside its
+        image tokens, as one line saying which setting to raise."""
+        try:
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        except ValueError as exc:
+            if "image placeholder" not in str(exc):
+                raise
+            raise DataError(f"training.max_length {self.args.max_length} cuts a pair of this "
+                            "batch inside its prompt's image tokens: raise it (`finetune data` "
+                            "shows every row's length)") from None

@@ -1,7 +1,8 @@
-"""What a vision-language model (config/vision.py) trains with so far: sft, whole or with
-(Q)LoRA, rows collated padded; and the `vision:` section, which only such a model takes.
-Known from a local model's config.json; a hub model's is read at training
-(methods/sft_vision.py and model/vision_parts.py refuse the same settings there)."""
+"""What a vision-language model (config/vision.py) trains with so far: sft, dpo and grpo,
+whole or with (Q)LoRA, rows collated padded; and the `vision:` section, which only such a
+model takes. Known from a local model's config.json; a hub model's is read at training
+(methods/sft_vision.py, methods/dpo.py and model/vision_parts.py refuse the same settings
+there)."""
 
 from __future__ import annotations
 
@@ -20,12 +21,36 @@ def check(exp: Experiment) -> Iterator[Problem]:
         return
     what = f"{exp.model.name_or_path} is a vision-language model"
     if not method(exp.method).vision:
-        yield ("method",), f"{what}: only {spoken(names_where(lambda m: m.vision))} trains " \
-                           "one yet (docs/vision.md)"
+        takers = names_where(lambda m: m.vision)
+        verb = "trains" if len(takers) == 1 else "train"
+        yield ("method",), f"{what}: only {spoken(takers)} {verb} one yet (docs/vision.md)"
     for key in ("packing", "padding_free"):
         if exp.training.get(key):
             yield ("training", key), f"{what}: rows with images are collated padded, one " \
                                      "row per sequence (TRL's vision collator)"
+    yield from _collated(exp, what)
+
+
+def _collated(exp: Experiment, what: str) -> Iterator[Problem]:
+    """What TRL's vision collators and DPOTrainer refuse for rows with images
+    (methods/sft_vision.py and methods/dpo.py say the same at training)."""
+    training = exp.training
+    if training.get("truncation_mode") == "keep_end":
+        yield ("training", "truncation_mode"), f"{what}: keep_end would cut the image " \
+                                              "tokens off the prompt; rows with images are " \
+                                              "cut at the end (keep_start)"
+    if training.get("precompute_ref_log_probs"):
+        yield ("training", "precompute_ref_log_probs"), f"{what}: not supported (TRL " \
+                                                        "renders its rows batch by batch)"
+    if exp.data.weight_column is not None and method(exp.method).sequences == 2:
+        yield ("data", "weight_column"), f"{what}: weighted pairs are not supported for " \
+                                         "one yet"
+    sizes = exp.vision
+    if method(exp.method).generates and sizes is not None:
+        for key in ("max_pixels", "min_pixels"):
+            if getattr(sizes, key) is not None:
+                yield ("vision", key), f"not supported for {exp.method} yet (its trainer " \
+                                       "opens the pictures itself): fit the pictures ahead"
 
 
 def _section(exp: Experiment) -> Iterator[Problem]:

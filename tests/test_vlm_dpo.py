@@ -1,0 +1,266 @@
+"""dpo on a vision-language model: preference rows with images (TRL's `prompt` /
+`chosen` / `rejected` + `images`) checked by validate and by training alike, one error
+naming file, row and path; pictures given as URLs (refused offline, fetched and checked
+online); a method or a model that cannot take images refused at validate; the settings
+TRL refuses for such rows refused at validate naming their YAML path. The training
+itself: tests/test_quickstart.py (configs/quickstart/vlm-dpo.yaml)."""
+
+from __future__ import annotations
+
+import functools
+import http.server
+import json
+import shutil
+import threading
+
+import pytest
+
+from conftest import QUICKSTART, TINY_MODEL, run_cli
+from finetune.config import load_experiment
+from finetune.data.scan import check_data
+from finetune.errors import ConfigError, DataError
+
+TINY_VLM = QUICKSTART / "tiny-vlm"
+PICTURE = QUICKSTART / "data" / "vlm_train" / "0000.png"
+
+
+def said(text: str) -> list[dict]:
+    return [{"role": "assistant", "content": [{"type": "text", "text": text}]}]
+
+
+def pair(*images: str, prompt: bool = True) -> dict:
+    """A question about the pictures, the right answer chosen, a wrong one rejected; with
+    `prompt`, or (prompt=False) the question as the turn chosen and rejected share."""
+    question = [{"role": "user", "content": [*({"type": "image"} for _ in images),
+                                              {"type": "text", "text": "What color is it?"}]}]
+    if not prompt:
+        return {"chosen": question + said("red"), "rejected": question + said("blue"),
+                "images": list(images)}
+    return {"prompt": question, "chosen": said("red"), "rejected": said("blue"),
+            "images": list(images)}
+
+
+def experiment(write, tmp_path, rows: list[dict], model=TINY_VLM, method="dpo",
+               extra: str = ""):
+    """The experiment, its rows in tmp_path/data/pairs.jsonl beside one real picture
+    (data/pic.png)."""
+    data = tmp_path / "data"
+    data.mkdir(exist_ok=True)
+    shutil.copy(PICTURE, data / "pic.png")
+    (data / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return write("exp.yaml", f"method: {method}\nmodel:\n  name_or_path: {model}\n"
+                             f"  init: random\ndata:\n  train: {data / 'pairs.jsonl'}\n{extra}")
+
+
+def validate_error(path) -> str:
+    with pytest.raises(DataError) as caught:
+        check_data(load_experiment(path))
+    return str(caught.value)
+
+
+def training_error(path) -> str:
+    """The error training's reader (data/load.py) gives for the experiment's data."""
+    from finetune.data.load import load_data
+
+    with pytest.raises(DataError) as caught:
+        load_data(load_experiment(path))
+    return str(caught.value)
+
+
+def test_preference_rows_with_images_validate(write, tmp_path):
+    """A given prompt with its image parts, a prompt taken from the turns chosen and
+    rejected share, text turns (TRL puts the pictures before the first user turn), and
+    a pair without pictures, in one run."""
+    text_turns = {"prompt": [{"role": "user", "content": "What color is it?"}],
+                  "chosen": [{"role": "assistant", "content": "red"}],
+                  "rejected": [{"role": "assistant", "content": "blue"}], "images": ["pic.png"]}
+    for rows in ([pair("pic.png"), pair()], [pair("pic.png", prompt=False)], [text_turns]):
+        path = experiment(write, tmp_path, rows)
+        result = run_cli("validate", str(path), cwd=tmp_path)
+        assert result.returncode == 0, result.stderr
+        assert f": {len(rows)} rows, format preference" in result.stdout
+
+
+def test_a_missing_picture_is_the_same_line_at_validate_and_at_training(write, tmp_path):
+    path = experiment(write, tmp_path, [pair("pic.png"), pair("pics/missing.png")])
+    result = run_cli("validate", str(path), cwd=tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    line = f"{tmp_path / 'data' / 'pairs.jsonl'} line 2: images[0] 'pics/missing.png': no " \
+           f"such file ({tmp_path / 'data' / 'pics' / 'missing.png'})"
+    assert line in result.stderr
+    assert training_error(path) == line.replace("line 2", "row 2")
+
+
+@pytest.mark.parametrize("rows, problem", [
+    ([pair("pic.png") | {"images": ["pic.png", "pic.png"]}],
+     "`images` gives 2 file(s) for 1 image part(s) in `prompt`"),
+    ([pair("pic.png", prompt=False) | {"images": []}],
+     "`images` gives 0 file(s) for 1 image part(s) in `the prompt turns chosen and rejected "
+     "share`"),
+    ([pair("pic.png") | {"chosen": [{"role": "assistant", "content": [
+        {"type": "image"}, {"type": "text", "text": "red"}]}]}],
+     "an image part in the answer of `chosen`: pictures belong to the prompt"),
+    ([{"prompt": "What color is it?", "chosen": "red", "rejected": "blue",
+       "images": ["pic.png"]}],
+     "`images` needs conversational rows"),
+], ids=["count", "shared-prompt count", "picture in an answer", "text rows"])
+def test_pictures_and_image_parts_must_agree(write, tmp_path, rows, problem):
+    path = experiment(write, tmp_path, rows)
+    at_validate = validate_error(path)
+    assert f"{tmp_path / 'data' / 'pairs.jsonl'} line 1: {problem}" in at_validate, at_validate
+    assert training_error(path) == at_validate.replace("line 1", "row 1")
+
+
+def test_a_url_is_refused_offline_at_validate_and_at_training(write, tmp_path):
+    url = "https://example.com/pic.png"
+    path = experiment(write, tmp_path, [pair(url)])
+    result = run_cli("validate", str(path), cwd=tmp_path)  # tests run with HF_HUB_OFFLINE=1
+    line = f"{tmp_path / 'data' / 'pairs.jsonl'} line 1: images[0] '{url}': a URL, and " \
+           "HF_HUB_OFFLINE is set: nothing is fetched offline; download the picture and " \
+           "give its path"
+    assert result.returncode == 2 and line in result.stderr, result.stderr
+    assert training_error(path) == line.replace("line 1", "row 1")
+
+
+@pytest.fixture
+def picture_server(tmp_path, monkeypatch):
+    """Online, with a web server on this machine serving tmp_path/www (one picture)."""
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    (tmp_path / "www").mkdir()
+    shutil.copy(PICTURE, tmp_path / "www" / "pic.png")
+    (tmp_path / "www" / "notes.png").write_text("not a picture\n")
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+    handler = functools.partial(Quiet, directory=str(tmp_path / "www"))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+def test_online_a_url_is_fetched_and_checked_once(write, tmp_path, picture_server):
+    from finetune.data.load import load_data
+
+    path = experiment(write, tmp_path, [pair(f"{picture_server}/pic.png")])
+    check_data(load_experiment(path))
+    splits = load_data(load_experiment(path))
+    assert splits.train["images"] == [[f"{picture_server}/pic.png"]]  # the processor fetches it
+    for name, problem in (("gone.png", "cannot be fetched (HTTPError: HTTP Error 404"),
+                          ("notes.png", "not an image Pillow can read (14 bytes of image/png)")):
+        path = experiment(write, tmp_path, [pair(f"{picture_server}/{name}")])
+        at_validate = validate_error(path)
+        assert f"line 1: images[0] '{picture_server}/{name}': {problem}" in at_validate
+        assert training_error(path) == at_validate.replace("line 1", "row 1")
+
+
+def test_pictures_need_a_vision_language_model_and_a_method_that_takes_them(write, tmp_path):
+    where = f"{tmp_path / 'data' / 'pairs.jsonl'} line 1"
+    path = experiment(write, tmp_path, [pair("pic.png")], model=TINY_MODEL)
+    assert validate_error(path).startswith(f"{where}: the row has images, and model."
+                                           f"name_or_path {TINY_MODEL} is not a vision-language")
+    path = experiment(write, tmp_path, [pair("pic.png")], model=TINY_MODEL, method="reward")
+    line = f"{where}: the row has images, and method reward does not take images; sft, dpo " \
+           "and grpo train on rows with images (docs/vision.md)"
+    assert validate_error(path) == line
+    assert training_error(path) == line.replace("line 1", "row 1")
+
+
+@pytest.mark.parametrize("setting, key", [
+    ("training:\n  truncation_mode: keep_end\n", "training.truncation_mode"),
+    ("training:\n  precompute_ref_log_probs: true\n", "training.precompute_ref_log_probs"),
+    ("data:\n  weight_column: w\n", "data.weight_column"),
+    ("training:\n  padding_free: true\n", "training.padding_free"),
+])
+def test_what_trl_refuses_for_pairs_with_images_is_refused_at_validate(write, setting, key):
+    path = write("exp.yaml", f"extends: {QUICKSTART / 'vlm-dpo.yaml'}\n{setting}")
+    with pytest.raises(ConfigError) as caught:
+        load_experiment(path)
+    [problem] = caught.value.problems
+    assert f"exp.yaml:" in problem and f": {key}: {TINY_VLM} is a vision-language model: " \
+        in problem, problem
+
+
+@pytest.mark.slow  # loads the processor (and torch)
+def test_finetune_data_shows_pairs_as_the_vision_collator_makes_them(write, tmp_path):
+    path = experiment(write, tmp_path, [pair("pic.png", prompt=False)])
+    result = run_cli("data", str(path), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    prompt = "<|bos|><|user|>" + "<image>" * 16 + " What color is it?<|end|><|assistant|>"
+    assert f"chosen: {prompt}⟦ red<|eos|>⟧" in result.stdout, result.stdout
+    assert f"rejected: {prompt}⟦ blue<|eos|>⟧" in result.stdout
+    assert "row 1 (40 tokens)" in result.stdout  # the 16 image tokens counted
+
+
+# ---- grpo: prompts with images ----
+
+REWARDS = "def right(completions, answer, **kwargs):\n" \
+          "    return [float(answer[i] in str(c)) for i, c in enumerate(completions)]\n"
+
+
+def grpo_experiment(write, tmp_path, rows: list[dict], extra: str = ""):
+    """grpo on prompts with images (tmp_path/data/prompts.jsonl beside data/pic.png)."""
+    data = tmp_path / "data"
+    data.mkdir(exist_ok=True)
+    shutil.copy(PICTURE, data / "pic.png")
+    (data / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "rewards.py").write_text(REWARDS)
+    return write("grpo.yaml", f"method: grpo\nmodel:\n  name_or_path: {TINY_VLM}\n"
+                              f"  init: random\ndata:\n  train: {data / 'prompts.jsonl'}\n"
+                              f"rewards: {{functions: [rewards.py:right]}}\n{extra}")
+
+
+def question(*images: str) -> dict:
+    return {"prompt": pair(*images)["prompt"], "answer": "red", "images": list(images)}
+
+
+def test_prompts_and_their_pictures_must_agree(write, tmp_path):
+    path = grpo_experiment(write, tmp_path, [question("pic.png"),
+                                             question("pic.png") | {"images": []}])
+    at_validate = validate_error(path)
+    assert at_validate.startswith(f"{tmp_path / 'data' / 'prompts.jsonl'} line 2: `images` "
+                                  "gives 0 file(s) for 1 image part(s) in `prompt`"), at_validate
+    assert training_error(path) == at_validate.replace("line 2", "row 2")
+
+
+def test_grpo_refuses_picture_bounds_it_would_not_apply(write, tmp_path):
+    path = grpo_experiment(write, tmp_path, [question("pic.png")],
+                           extra="vision:\n  max_pixels: 4096\n")
+    with pytest.raises(ConfigError) as caught:
+        load_experiment(path)
+    [problem] = caught.value.problems
+    assert ": vision.max_pixels: not supported for grpo yet" in problem, problem
+
+
+@pytest.mark.slow
+def test_grpo_generates_from_prompts_with_their_pictures(write, tmp_path):
+    """One step: the tiny LLaVA's processor refuses an image token without its picture,
+    so a step that ran got the pictures; and each prompt counts its 16 image tokens, as
+    `finetune data` shows it."""
+    path = grpo_experiment(write, tmp_path, [question("pic.png")] * 8, extra=(
+        "training:\n  max_steps: 1\n  per_device_train_batch_size: 4\n  num_generations: 4\n"
+        "  max_completion_length: 4\n  activation_checkpointing: false\n"))
+    result = run_cli("train", str(path), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    [step] = [json.loads(line) for line in
+              (tmp_path / "runs" / "grpo" / "metrics.jsonl").read_text().splitlines()
+              if '"num_tokens"' in line][:1]
+    prompt_tokens = step["num_tokens"] / 4 - step["completions/mean_length"]
+    assert prompt_tokens == 19 - 1 + 16  # the rendered question, its <image> as 16 tokens
+    shown = run_cli("data", str(path), "-n", "1", cwd=tmp_path)  # as the trainer renders it
+    assert shown.returncode == 0, shown.stderr
+    assert "row 1 (34 tokens)" in shown.stdout and "<image>" * 16 + " What color" in shown.stdout
+
+
+@pytest.mark.slow  # imports TRL (and torch)
+def test_training_refuses_what_validate_refuses_for_a_hub_model():
+    """A hub vision-language model is known as one at training only: methods/dpo.py
+    refuses there the settings config/rules/vision.py refuses for a local one."""
+    from finetune.methods.dpo import vision_problems
+
+    overrides = ["training.truncation_mode=keep_end", "training.precompute_ref_log_probs=true",
+                 "data.weight_column=w"]
+    experiment = load_experiment(QUICKSTART / "dpo.yaml", overrides)  # a text model: valid
+    assert [p.split(":")[0] for p in vision_problems(experiment)] == [
+        "training.truncation_mode", "training.precompute_ref_log_probs", "data.weight_column"]
