@@ -226,7 +226,7 @@ def test_estimate_refuses_what_a_vlm_does_not_train_with():
     config is first read by the estimate, which refuses it itself (the experiment is the
     text quickstart's with the model swapped after validation, as a hub model's would pass
     validate)."""
-    experiment = load_experiment(QUICKSTART / "dpo.yaml")
+    experiment = load_experiment(QUICKSTART / "classify.yaml")  # classify takes no images
     swapped = experiment.model_copy(update={"model": experiment.model.model_copy(
         update={"name_or_path": str(TINY_VLM)})})
     with pytest.raises(ConfigError, match="vision-language model trains only with"):
