@@ -1,15 +1,22 @@
 """Rows with images, in TRL's vision format: `messages` whose content may be a list of
-parts ({"type": "image"}, {"type": "text", "text": ...}), and `images`, one image file
-per image part, in order, each path relative to the data file; or every turn's content
-text, the images then placed before the first user turn's text (TRL's
-prepare_multimodal_messages). Preference pairs and prompts carry them the same way in
-their prompt (rows.py).
+parts ({"type": "image"}, {"type": "text", "text": ...}), and `images`, one image per
+image part, in order; or every turn's content text, the images then placed before the
+first user turn's text (TRL's prepare_multimodal_messages). Preference pairs and prompts
+carry them the same way in their prompt (rows.py).
 
-The checks of a row's parts and images (rows.py calls them), and the image files: found
-next to the data file, opened and verified (the header, and for PNG the checksums; the
-pixels are decoded where training collates them); a URL refused offline, else fetched
-once and verified. validate (scan.py) and training (load.py) check them alike; a bad one
-is one error naming the file, row and path. Without torch: validate imports this."""
+An image is a file path relative to the data file (or a URL), or a picture stored in the
+row as datasets' Image feature stores it ({"bytes", "path"}: a parquet file or a hub
+dataset with an Image column; a decoded PIL image is taken too). A file's `images` are
+all paths or all stored pictures (one Arrow type); a hub dataset's must be stored
+pictures (a path there is relative to nothing).
+
+The checks of a row's parts and images (rows.py calls them), and each image: a file found
+next to the data file, a stored picture's bytes, opened and verified (the header, and for
+PNG the checksums; the pixels are decoded where training collates them); a URL refused
+offline, else fetched once and verified. validate (scan.py) and training (load.py) check
+them alike; a bad one is one error naming the file, row and images[i]. Training keeps
+stored pictures in the rows, decoded to PIL images as the collator reads them. Without
+torch: validate imports this."""
 
 from __future__ import annotations
 
@@ -50,6 +57,13 @@ def image_parts(messages: list[dict[str, Any]]) -> int:
                for part in m["content"] if isinstance(part, dict) and part.get("type") == "image")
 
 
+def is_picture(entry: Any) -> bool:
+    """A picture stored in the row: datasets' Image feature undecoded (a dict with
+    `bytes`, as parquet holds it) or decoded (a PIL image)."""
+    return (isinstance(entry, dict) and "bytes" in entry) or \
+        type(entry).__module__.startswith("PIL.")
+
+
 def images_problem(row: dict[str, Any]) -> str | None:
     """`images` a list of paths, one per image part of the messages, or no image parts."""
     return count_problem(row.get(IMAGES), row["messages"], "messages")
@@ -63,12 +77,39 @@ def count_problem(images: Any, turns: list[dict[str, Any]], field: str) -> str |
     if images is None:
         return f"{parts} image part(s) in `{field}` and no `images` column giving the " \
                "files" if parts else None
-    if not isinstance(images, list) or not all(isinstance(p, str) and p for p in images):
-        return "`images` must be a list of image file paths (relative to the data file)"
+    if not isinstance(images, list) or \
+            not all((isinstance(p, str) and p) or is_picture(p) for p in images):
+        return "`images` must be a list of image file paths (relative to the data file) " \
+               "or of pictures stored in the row (datasets' Image: `bytes`)"
     if parts == 0 and all(isinstance(m.get("content"), str) for m in turns):
         return None  # text turns: TRL puts the images at the start of the first user turn
     if len(images) != parts:
         return f"`images` gives {len(images)} file(s) for {parts} image part(s) in `{field}`"
+    return None
+
+
+def picture_problem(picture: Any) -> str | None:
+    """Why a picture stored in the row cannot be read, or None (a decoded one can)."""
+    from PIL import Image, UnidentifiedImageError
+
+    if not isinstance(picture, dict):
+        return None  # a PIL image: datasets decoded it already
+    data = picture.get("bytes")
+    if not isinstance(data, bytes) or not data:
+        named = f" (its `path` {picture['path']!r} only)" if picture.get("path") else ""
+        return f"a stored picture without its `bytes`{named}: store the pictures in the " \
+               "rows (datasets' Image with bytes, as push_to_hub writes them), or give " \
+               "`images` as file paths"
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            image.verify()
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
+        # Pillow names the buffer it read (an address): the line says the picture instead
+        cause = type(exc).__name__ if isinstance(exc, UnidentifiedImageError) else \
+            f"{type(exc).__name__}: {one_line(str(exc))}"
+        named = f"{picture['path']!r}, " if picture.get("path") else ""
+        return f"a stored picture ({named}{len(data)} bytes): not an image Pillow can read " \
+               f"({cause})"
     return None
 
 
@@ -118,12 +159,19 @@ def url_problem(url: str) -> str | None:
     return None
 
 
-def resolved_paths(images: list[str], data_file: Path, where: str) -> list[str]:
-    """A row's image paths, absolute (relative ones next to the data file), each checked;
-    a DataError naming the row, the path and the file looked for. A URL stays as it is
-    once it downloads and opens (the processor fetches it again for each batch)."""
+def resolved_paths(images: list, data_file: Path, where: str) -> list:
+    """A row's images, each checked: paths made absolute (relative ones next to the data
+    file), stored pictures as they are; a DataError naming the row, images[i] and the
+    path and file looked for. A URL stays as it is once it downloads and opens (the
+    processor fetches it again for each batch)."""
     out = []
     for i, given in enumerate(images):
+        if is_picture(given):
+            problem = picture_problem(given)
+            if problem:
+                raise DataError(f"{where}: images[{i}]: {problem}")
+            out.append(given)
+            continue
         if is_url(given):
             problem = url_problem(given)
             if problem:
@@ -139,20 +187,52 @@ def resolved_paths(images: list[str], data_file: Path, where: str) -> list[str]:
     return out
 
 
+def _stored_pictures(ds: Dataset) -> bool:
+    """Is the `images` column a list of stored pictures (datasets' Image, or the struct
+    of `bytes` it is stored as, in a parquet file written without datasets)?"""
+    from datasets import Image, LargeList, List
+
+    feature = ds.features.get(IMAGES)
+    inner = feature.feature if isinstance(feature, (List, LargeList)) else None
+    return isinstance(inner, Image) or (isinstance(inner, dict) and "bytes" in inner)
+
+
+def undecoded(ds: Dataset) -> Dataset:
+    """The rows with their stored pictures as stored ({"bytes", "path"}), not decoded:
+    the rows are checked as validate reads them, and a broken picture is an error naming
+    its row rather than a failure while datasets decodes it (resolved decodes them)."""
+    from datasets import Image, List
+
+    if not _stored_pictures(ds):
+        return ds
+    return ds.cast_column(IMAGES, List(Image(decode=False)))
+
+
 def resolved(label: str, ds: Dataset, origin: str, method: str) -> Dataset:
-    """A file's validated rows with `images` as absolute, checked paths (what the
-    collator opens); rows without an `images` column as they are. label: the data file,
-    or a hub dataset's id (its images would be decoded images, not paths: not read yet)."""
+    """A file's validated rows with `images` as absolute, checked paths, or checked
+    stored pictures, decoded to PIL images as the collator reads them (undecoded rows in);
+    rows without an `images` column as they are. label: the data file, or a hub
+    dataset's id (whose images must be stored pictures: a path there is relative to
+    nothing)."""
+    from datasets import Image, List
+
     if IMAGES not in ds.column_names:
         return ds
-    pictured = next((where for images, where in zip(ds[IMAGES], ds[origin])
-                     if images is not None), None)
+    column = ds.select_columns([IMAGES, origin])
+    pictured = next((row[origin] for row in column if row[IMAGES] is not None), None)
     if pictured is not None:
         require_images_method(method, pictured)
+    if _stored_pictures(ds):
+        for batch in column.iter(batch_size=256):
+            for images, where in zip(batch[IMAGES], batch[origin]):
+                resolved_paths(images or [], Path(label), where)
+        return ds.cast_column(IMAGES, List(Image()))
     data_file = Path(label)
     if not data_file.is_file():
-        raise DataError(f"{label}: rows with `images` are read from local files only (image "
-                        "paths relative to the file); a hub dataset's images are not yet")
+        raise DataError(f"{label}: `images` holds file paths, and a hub dataset's paths are "
+                        "relative to nothing: give the pictures stored in the rows "
+                        "(datasets' Image feature), or a local data file with the pictures "
+                        "beside it")
     paths = [resolved_paths(images or [], data_file, where)
              for images, where in zip(ds[IMAGES], ds[origin])]
     return ds.remove_columns(IMAGES).add_column(IMAGES, paths)

@@ -225,6 +225,7 @@ def _read_part(label: str, ds: Dataset, fmt: str | None, experiment: Experiment,
     """One file's rows in format fmt (None: detected), converted to the format the method
     trains on and validated; and fmt."""
     forced = experiment.data.format != "auto"
+    ds = images.undecoded(ds)  # stored pictures checked as stored; resolved decodes them
     fmt = fmt or formats.detect_format(ds.column_names, experiment.method, label)
     roles = formats.speaker_roles(experiment.data.roles)
     failure = _failure(label, ds, fmt, forced, experiment, roles)

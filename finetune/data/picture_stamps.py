@@ -14,10 +14,12 @@ from finetune.data.images import IMAGES
 
 def stamps(parts: Iterable[Any]) -> dict[str, list[int]]:
     """{path: [size, mtime_ns]} of every picture file the parts' rows name (paths are
-    absolute after data/images.resolved)."""
+    absolute after data/images.resolved). Pictures stored in the rows are none: the data
+    file holding them is in the entry's key (and reading them would decode each)."""
     out: dict[str, list[int]] = {}
     for dataset in parts:
-        if dataset is None or IMAGES not in (dataset.column_names or ()):
+        if dataset is None or IMAGES not in (dataset.column_names or ()) or \
+                _stored(dataset.features[IMAGES]):
             continue
         for paths in dataset[IMAGES]:
             for path in paths or ():
@@ -25,6 +27,11 @@ def stamps(parts: Iterable[Any]) -> dict[str, list[int]]:
                     stat = os.stat(path)
                     out[path] = [stat.st_size, stat.st_mtime_ns]
     return out
+
+
+def _stored(feature: Any) -> bool:
+    """A column of stored pictures (datasets' Image), not of paths."""
+    return getattr(getattr(feature, "feature", None), "_type", None) == "Image"
 
 
 def changed(recorded: Any) -> str | None:

@@ -1,0 +1,141 @@
+"""Rows whose pictures are stored in the rows themselves (datasets' Image feature, as a hub
+dataset with images or a parquet file holds them: {"bytes", "path"}), not file paths:
+validate checks each picture's bytes as training does (one line naming file, row and
+images[i]), training and its exact-match evaluation read them as they read the same
+pictures from files, and a hub dataset's `images` of paths (relative to nothing) is
+refused in one line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import QUICKSTART, run_cli
+from finetune.config import load_experiment
+from finetune.errors import DataError
+
+DATA = QUICKSTART / "data"
+TINY_VLM = QUICKSTART / "tiny-vlm"
+
+
+def quickstart_rows(name: str, count: int) -> list[dict]:
+    """The quickstart's first rows of data/NAME.jsonl (TRL's format, one picture each),
+    their image paths absolute."""
+    rows = [json.loads(line) for line in (DATA / f"{name}.jsonl").read_text().splitlines()]
+    return [{**r, "images": [str(DATA / p) for p in r["images"]]} for r in rows[:count]]
+
+
+def with_pictures(rows: list[dict], broken: int | None = None, **columns):
+    """rows as a dataset whose `images` are datasets' Image holding each picture's bytes
+    (row `broken`, from 1, with bytes that are no picture), as a hub dataset has them."""
+    from datasets import Dataset, Image, List
+
+    pictures = [[{"bytes": b"not a picture" if n == broken else Path(p).read_bytes(),
+                  "path": Path(p).name} for p in r["images"]]
+                for n, r in enumerate(rows, 1)]
+    ds = Dataset.from_dict({"messages": [r["messages"] for r in rows], "images": pictures,
+                            **columns})
+    return ds.cast_column("images", List(Image()))
+
+
+def stored(path: Path, rows: list[dict], broken: int | None = None) -> Path:
+    """rows as a parquet file written by datasets, their pictures in it (with_pictures)."""
+    with_pictures(rows, broken).to_parquet(str(path))
+    return path
+
+
+def config(write, name: str, train: Path, evaluation: Path) -> Path:
+    return write(f"{name}.yaml", f"""name: {name}
+method: sft
+model:
+  name_or_path: {TINY_VLM}
+  init: random
+data:
+  train: {train}
+  eval: {evaluation}
+evaluation:
+  exact_match: true
+  max_new_tokens: 4
+training:
+  max_steps: 2
+  per_device_train_batch_size: 8
+  max_length: 64
+  activation_checkpointing: false
+  logging_steps: 1
+  save_steps: 100
+  seed: 0
+""")
+
+
+def test_a_broken_stored_picture_is_one_line_at_validate_as_at_training(write, tmp_path):
+    from finetune.data.load import load_data
+
+    rows = quickstart_rows("vlm_train", 3)
+    good = stored(tmp_path / "good.parquet", rows)
+    result = run_cli("validate", str(config(write, "good", good, good)), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert f"{good}: 3 rows, format messages" in result.stdout
+    bad = stored(tmp_path / "bad.parquet", rows, broken=2)
+    path = config(write, "bad", bad, good)
+    result = run_cli("validate", str(path), cwd=tmp_path)
+    assert result.returncode == 2
+    said = f"{bad} row 2: images[0]: a stored picture ('0001.png', 13 bytes): not an " \
+           "image Pillow can read (UnidentifiedImageError)"
+    assert said in result.stderr and "Traceback" not in result.stderr
+    with pytest.raises(DataError) as caught:  # training's reader
+        load_data(load_experiment(path))
+    assert str(caught.value) == said
+
+
+def test_a_hub_dataset_gives_stored_pictures_not_paths(tmp_path):
+    """data/load.py reads a hub dataset's rows through the same images.resolved as a
+    file's, labelled with the dataset's id (no file to put paths next to)."""
+    from datasets import Dataset
+    from PIL.Image import Image as Picture
+
+    from finetune.data import images
+
+    rows = quickstart_rows("vlm_train", 2)
+    origin = ["someone/pictures row 1", "someone/pictures row 2"]
+    paths = Dataset.from_dict({"messages": [r["messages"] for r in rows],
+                               "images": [r["images"] for r in rows], "origin": origin})
+    with pytest.raises(DataError) as caught:
+        images.resolved("someone/pictures", paths, "origin", "sft")
+    assert str(caught.value).startswith("someone/pictures: `images` holds file paths, and a "
+                                        "hub dataset's paths are relative to nothing")
+    pictures = images.undecoded(with_pictures(rows, origin=origin))
+    assert isinstance(pictures[0]["images"][0]["bytes"], bytes)  # checked as stored
+    read = images.resolved("someone/pictures", pictures, "origin", "sft")
+    picture = read[1]["images"][0]  # decoded, as the collator takes it
+    assert isinstance(picture, Picture) and picture.size == (32, 32)
+
+
+@pytest.mark.slow
+def test_the_tiny_vlm_trains_on_stored_pictures_as_on_their_files(write, tmp_path):
+    """The same rows, pictures stored in parquet or named as files: the same losses and
+    exact match before and after (the collator and the evaluation get the same pictures),
+    and `finetune data` renders the stored ones with their image tokens."""
+    train, evaluation = quickstart_rows("vlm_train", 16), quickstart_rows("vlm_eval", 8)
+    files = {}
+    for name, rows in (("train", train), ("eval", evaluation)):
+        files[name] = tmp_path / f"{name}.jsonl"
+        files[name].write_text("".join(json.dumps(r) + "\n" for r in rows))
+    summaries = {}
+    for name, (train_file, eval_file) in {
+            "paths": (files["train"], files["eval"]),
+            "stored": (stored(tmp_path / "train.parquet", train),
+                       stored(tmp_path / "eval.parquet", evaluation))}.items():
+        result = run_cli("train", str(config(write, name, train_file, eval_file)), cwd=tmp_path)
+        assert result.returncode == 0, result.stderr[-3000:]
+        summaries[name] = json.loads((tmp_path / "runs" / name / "summary.json").read_text())
+    for when in ("before", "after"):
+        for key in ("eval_loss", "eval_exact_match"):
+            assert summaries["stored"][when][key] == summaries["paths"][when][key], (when, key)
+    assert summaries["stored"]["train"]["train_loss"] == summaries["paths"]["train"]["train_loss"]
+    assert summaries["stored"]["after"]["eval_loss"] != summaries["stored"]["before"]["eval_loss"]
+    shown = run_cli("data", str(tmp_path / "stored.yaml"), "-n", "1", cwd=tmp_path)
+    assert shown.returncode == 0, shown.stderr[-3000:]
+    assert f"--- {tmp_path / 'train.parquet'} row 1 (39 tokens)" in shown.stdout
+    assert "<image>" * 16 + " What shape is it?" in shown.stdout
