@@ -3,7 +3,8 @@ dataset with images or a parquet file holds them: {"bytes", "path"}), not file p
 validate checks each picture's bytes as training does (one line naming file, row and
 images[i]), training and its exact-match evaluation read them as they read the same
 pictures from files, and a hub dataset's `images` of paths (relative to nothing) is
-refused in one line."""
+refused in one line. And per-turn loss weights, which the vision path does not take, are
+one line at validate as at training."""
 
 from __future__ import annotations
 
@@ -139,3 +140,30 @@ def test_the_tiny_vlm_trains_on_stored_pictures_as_on_their_files(write, tmp_pat
     assert shown.returncode == 0, shown.stderr[-3000:]
     assert f"--- {tmp_path / 'train.parquet'} row 1 (39 tokens)" in shown.stdout
     assert "<image>" * 16 + " What shape is it?" in shown.stdout
+
+
+def turn_weighted(write, tmp_path) -> Path:
+    """An experiment on the tiny VLM whose second row weighs its answer (a message's
+    `weight`)."""
+    rows = quickstart_rows("vlm_train", 2)
+    rows[1]["messages"][1]["weight"] = 2.0
+    data = tmp_path / "weighted.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return config(write, "weighted", data, data)
+
+
+TURN_WEIGHTS = "error: data.train: `weight` on messages (per-turn loss weights) is not " \
+    "supported for rows with images yet; data.weight_column weighs whole rows"
+
+
+def test_per_turn_weights_with_images_are_one_line_at_validate(write, tmp_path):
+    result = run_cli("validate", str(turn_weighted(write, tmp_path)), cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == TURN_WEIGHTS
+
+
+@pytest.mark.slow
+def test_per_turn_weights_with_images_are_the_same_line_at_training(write, tmp_path):
+    result = run_cli("train", str(turn_weighted(write, tmp_path)), cwd=tmp_path)
+    assert result.returncode != 0
+    assert TURN_WEIGHTS in result.stderr.splitlines() and "Traceback" not in result.stderr

@@ -106,6 +106,18 @@ def _check_weight(value: Any, field: str) -> str | None:
     return None
 
 
+# Training's vision path (methods/sft_vision.py) weighs rows, not turns; validate says it too
+# (scan.py), for a local vision-language model's training rows.
+TURN_WEIGHTS_WITH_IMAGES = "data.train: `weight` on messages (per-turn loss weights) is not " \
+    "supported for rows with images yet; data.weight_column weighs whole rows"
+
+
+def turn_weighted(row: dict[str, Any]) -> bool:
+    """Does a checked conversation weigh any of its turns (a message's `weight`)?"""
+    return any(isinstance(m, dict) and m.get("weight") is not None
+               for m in row.get("messages") or ())
+
+
 def _check_turn_weights(messages: list[dict[str, Any]]) -> str | None:
     for i, message in enumerate(messages):
         if message.get("weight") is None:

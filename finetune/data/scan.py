@@ -26,12 +26,14 @@ from finetune.config.derived.effective import record
 from finetune.config.formats import SOURCES, target as source_target
 from finetune.config.methods import method as method_record
 from finetune.config.rules import is_local
+from finetune.config import vision
 from finetune.config.schema import DataSource, Experiment
 from finetune.data import formats, images, peer_rows, plain_text
 from finetune.data.images import IMAGES
 from finetune.data.files import (MAX_DEPTH, checked_builder, is_document, list_data_files,
                                  not_an_object, parse_json, value_problem)
-from finetune.data.rows import FORMATS, WEIGHT, check_row, preference_problem
+from finetune.data.rows import FORMATS, TURN_WEIGHTS_WITH_IMAGES, WEIGHT, check_row, \
+    preference_problem, turn_weighted
 from finetune.data.sizes import counted_rows, size_warnings
 from finetune.errors import DataError, one_line
 from finetune.model import chat_template
@@ -163,6 +165,10 @@ class FileCheck:
         self.trained: str | None = None
         self.rows = 0
         self.vision_model = False  # rows with images: the model checked once
+        # a local vision-language model trains through TRL's vision path, which weighs
+        # rows, not turns (methods/sft_vision.py refuses turn weights in data.train)
+        self.vision_run = where.startswith("data.train") and \
+            vision.is_vision_language(experiment.model.name_or_path)
         # preference rows with a prompt; the first without one; the first whose chosen and
         # rejected share no turn (an error only if no row has a prompt)
         self.prompts = 0
@@ -236,6 +242,8 @@ class FileCheck:
             problem = self._preference(where, row, raw)
         if problem:
             raise self._fail(where, problem, raw)
+        if self.vision_run and self.trained == "messages" and turn_weighted(row):
+            raise DataError(TURN_WEIGHTS_WITH_IMAGES)
         if row.get(IMAGES) is not None:  # the files, as training resolves them (load.py)
             self.vision_model = self.vision_model or images.require_vision_model(
                 self.experiment, where)

@@ -20,7 +20,7 @@ from finetune.config.schema import Experiment
 from finetune.data.image_size import ImagesSized, fitter
 from finetune.data.images import IMAGES
 from finetune.data.load import ORIGIN, Splits
-from finetune.data.rows import WEIGHT
+from finetune.data.rows import TURN_WEIGHTS_WITH_IMAGES, WEIGHT
 from finetune.errors import ConfigError, DataError
 from finetune.methods import Job, vision_lengths
 from finetune.trainers.vision import VisionSFTTrainer
@@ -50,9 +50,7 @@ def _problems(splits: Splits, experiment: Experiment) -> list[str]:
                             "collates them padded, one row per sequence)")
     if splits.format == "messages" and any(m.get("weight") is not None for row in
                                            splits.train["messages"] for m in row):
-        problems.append("data.train: `weight` on messages (per-turn loss weights) is not "
-                        "supported for rows with images yet; data.weight_column weighs "
-                        "whole rows")
+        problems.append(TURN_WEIGHTS_WITH_IMAGES)  # validate says it too (data/scan.py)
     if training.get("truncation_mode") == "keep_end":
         problems.append("training.truncation_mode keep_end: would cut the image tokens "
                         "off the prompt; rows with images are cut at the end (keep_start)")
