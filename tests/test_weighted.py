@@ -236,20 +236,3 @@ def test_weighted_gradient_matches_hand_computation_in_every_layout(method, writ
         # evaluation passes no divisor: each eval batch is normalised by its own weights
         after = json.loads((run / "summary.json").read_text())["after"]
         assert math.isfinite(after["eval_loss"]) and after["eval_loss"] > 0
-
-
-def test_per_turn_weights_on_rows_with_images_are_one_line(write, tmp_path):
-    """A VLM weighs whole rows (data.weight_column) only: a `weight` on a message of a row
-    with images is refused when the rows are prepared, not ignored."""
-    from finetune.config import load_experiment
-    from finetune.data.load import load_data
-    from finetune.errors import ConfigError
-    from finetune.methods import sft_vision
-
-    rows = vlm_rows()[:2]
-    rows[1]["messages"][1]["weight"] = 2.0
-    data = write("turns.jsonl", "\n".join(json.dumps(r) for r in rows))
-    loaded = load_experiment(write("turns.yaml", experiment("sft-vlm", str(data), 1, 2, 1)))
-    with pytest.raises(ConfigError, match=r"data.train: `weight` on messages \(per-turn loss "
-                                          r"weights\) is not supported for rows with images"):
-        sft_vision.prepare(load_data(loaded), loaded, None)
