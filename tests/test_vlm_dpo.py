@@ -264,3 +264,29 @@ def test_training_refuses_what_validate_refuses_for_a_hub_model():
     experiment = load_experiment(QUICKSTART / "dpo.yaml", overrides)  # a text model: valid
     assert [p.split(":")[0] for p in vision_problems(experiment)] == [
         "training.truncation_mode", "training.precompute_ref_log_probs", "data.weight_column"]
+
+
+@pytest.mark.slow  # loads the processor (and torch)
+def test_pairs_max_length_would_cut_inside_their_prompts_images_are_dropped_and_counted(
+        write, tmp_path):
+    """A picture after the question ends its image tokens later than one before it: a
+    max_length between the two keeps the first kind and drops the second, counted; one
+    below both is one line naming the setting."""
+    from finetune.data.load import load_data
+    from finetune.methods.dpo import prepare
+    from finetune.model.tokenizer import load_processor
+
+    early = pair("pic.png")
+    late = pair("pic.png")
+    late["prompt"][0]["content"].reverse()  # the question first, then the picture
+    path = experiment(write, tmp_path, [early, late, early])
+    processor = load_processor(load_experiment(path))
+    fits = load_experiment(path, ["training.max_length=20"])
+    prepared = prepare(load_data(fits), processor, fits)
+    assert len(prepared.train) == 2 and \
+        all(r["prompt"][0]["content"][0] == {"type": "image"} for r in prepared.train)
+    assert "data.train: 1 of 3 pair(s) dropped: training.max_length 20 would cut their " \
+           "prompt's image tokens" in prepared.notes
+    cut = load_experiment(path, ["training.max_length=10"])
+    with pytest.raises(DataError, match="data.train: no pair's prompt fits training.max_length 10"):
+        prepare(load_data(cut), processor, cut)

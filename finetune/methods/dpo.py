@@ -19,11 +19,11 @@ from trl.data_utils import extract_prompt
 
 from finetune.config.derived.effective import value as effective_value
 from finetune.config.schema import Experiment
-from finetune.data.image_size import ImagesSized
+from finetune.data.image_size import ImagesSized, fitter
 from finetune.data.images import IMAGES
 from finetune.data.load import ORIGIN, Splits
 from finetune.errors import ConfigError
-from finetune.methods import Job
+from finetune.methods import Job, vision_lengths
 from finetune.methods.pairs import frozen_reference, prompt_length, require_a_row_that_fits
 from finetune.methods.sft_vision import refuse_images
 from finetune.model.vision import is_processor
@@ -37,7 +37,7 @@ def prepare(splits: Splits, tokenizer, experiment: Experiment) -> Splits:
     is left once DPOTrainer drops those whose prompt alone fills max_length
     (truncation_mode keep_start; keep_end drops none)."""
     if is_processor(tokenizer):
-        return _vision_rows(splits, experiment)
+        return _vision_rows(splits, tokenizer, experiment)
     refuse_images(splits, experiment)
     value = lambda key: effective_value(experiment, key)
     max_length = value("max_length") if value("truncation_mode") == "keep_start" else None
@@ -67,19 +67,23 @@ def vision_problems(experiment: Experiment) -> list[str]:
     return problems
 
 
-def _vision_rows(splits: Splits, experiment: Experiment) -> Splits:
+def _vision_rows(splits: Splits, processor, experiment: Experiment) -> Splits:
     """The checked rows with the columns the collator reads (and ORIGIN, which
     data/prepare.py removes): each with its prompt, and `images` (empty for a file of
-    text pairs: TRL's vision path then renders them without pictures)."""
+    text pairs: TRL's vision path then renders them without pictures); less the pairs
+    whose prompt max_length would cut inside its image tokens, counted
+    (methods/vision_lengths.py)."""
     problems = vision_problems(experiment)
     if problems:
         raise ConfigError(problems)
+    max_length, fit = effective_value(experiment, "max_length"), fitter(experiment)
 
     def rows(ds, split):
         if "prompt" not in ds.column_names:
             ds = ds.map(extract_prompt)
         if IMAGES not in ds.column_names:
             ds = ds.add_column(IMAGES, [[] for _ in range(len(ds))])
+        ds = vision_lengths.kept_pairs(ds, split, processor, max_length, fit, splits.notes)
         return ds.select_columns([*VISION_COLUMNS, ORIGIN])
 
     return splits.tokenized(rows)

@@ -4,7 +4,8 @@ expanded to its tokens, the pictures fitted to vision.max_pixels), untruncated. 
 whose image tokens reach past max_length would be cut inside them (the processor refuses
 such a batch), and one whose trained tokens all lie past it would train nothing: both are
 dropped, counted in the start summary, as text rows that train nothing after truncation
-are (data/sft_tokens.py). None left is an error naming the setting."""
+are (data/sft_tokens.py). None left is an error naming the setting. Preference pairs
+(dpo) are measured by their prompt, which holds the pictures (kept_pairs)."""
 
 from __future__ import annotations
 
@@ -60,5 +61,25 @@ def kept(rows: Dataset, split: str, processor, max_length: int | None, assistant
     if dropped:
         notes.append(f"data.{split}: {dropped} of {len(keep)} row(s) dropped: training.max_length "
                      f"{max_length} would cut their image tokens or leave no trained token")
+        rows = rows.select([i for i, k in enumerate(keep) if k])
+    return rows
+
+
+def kept_pairs(rows: Dataset, split: str, processor, max_length: int | None, fit,
+               notes: list[str]) -> Dataset:
+    """The pairs whose prompt's image tokens fit max_length (a pair without pictures
+    always does); a note counting the others; a DataError when none does."""
+    if max_length is None:
+        return rows
+    keep = [not images or measure(processor, prompt, images, False, fit).image_end
+            <= max_length for prompt, images in zip(rows["prompt"], rows[IMAGES])]
+    dropped = keep.count(False)
+    if dropped == len(keep) and keep:
+        raise DataError(f"data.{split}: no pair's prompt fits training.max_length {max_length} "
+                        "with its image tokens (`finetune data` shows every row's length with "
+                        "its image tokens): raise it")
+    if dropped:
+        notes.append(f"data.{split}: {dropped} of {len(keep)} pair(s) dropped: "
+                     f"training.max_length {max_length} would cut their prompt's image tokens")
         rows = rows.select([i for i, k in enumerate(keep) if k])
     return rows
