@@ -53,16 +53,10 @@ def kept(rows: Dataset, split: str, processor, max_length: int | None, assistant
     """The rows that fit; a note counting the others; a DataError when none does."""
     keep = [fits(measure(processor, messages, images, assistant_only, fit), max_length)
             for messages, images in zip(rows["messages"], rows[IMAGES])]
-    dropped = keep.count(False)
-    if dropped == len(keep) and keep:
-        raise DataError(f"data.{split}: no row fits training.max_length {max_length} with its "
-                        "image tokens and a trained token (`finetune data` shows every row's "
-                        "length with its image tokens): raise it")
-    if dropped:
-        notes.append(f"data.{split}: {dropped} of {len(keep)} row(s) dropped: training.max_length "
-                     f"{max_length} would cut their image tokens or leave no trained token")
-        rows = rows.select([i for i, k in enumerate(keep) if k])
-    return rows
+    return _selected(rows, keep, notes, f"data.{split}: no row fits training.max_length "
+                     f"{max_length} with its image tokens and a trained token",
+                     f"data.{split}: {{}} row(s) dropped: training.max_length {max_length} "
+                     "would cut their image tokens or leave no trained token")
 
 
 def kept_pairs(rows: Dataset, split: str, processor, max_length: int | None, fit,
@@ -73,13 +67,19 @@ def kept_pairs(rows: Dataset, split: str, processor, max_length: int | None, fit
         return rows
     keep = [not images or measure(processor, prompt, images, False, fit).image_end
             <= max_length for prompt, images in zip(rows["prompt"], rows[IMAGES])]
+    return _selected(rows, keep, notes, f"data.{split}: no pair's prompt fits "
+                     f"training.max_length {max_length} with its image tokens",
+                     f"data.{split}: {{}} pair(s) dropped: training.max_length {max_length} "
+                     "would cut their prompt's image tokens")
+
+
+def _selected(rows: Dataset, keep: list[bool], notes: list[str], none_fits: str,
+              dropped_said: str) -> Dataset:
     dropped = keep.count(False)
     if dropped == len(keep) and keep:
-        raise DataError(f"data.{split}: no pair's prompt fits training.max_length {max_length} "
-                        "with its image tokens (`finetune data` shows every row's length with "
-                        "its image tokens): raise it")
+        raise DataError(f"{none_fits} (`finetune data` shows every row's length with its "
+                        "image tokens): raise it")
     if dropped:
-        notes.append(f"data.{split}: {dropped} of {len(keep)} pair(s) dropped: "
-                     f"training.max_length {max_length} would cut their prompt's image tokens")
+        notes.append(dropped_said.format(f"{dropped} of {len(keep)}"))
         rows = rows.select([i for i, k in enumerate(keep) if k])
     return rows
