@@ -15,29 +15,33 @@ from typing import Any
 from finetune.errors import ConfigError
 
 
+def _class_body(module: str, class_name: str, what: str) -> list[ast.stmt]:
+    """The body of `class_name` in transformers/models/<module>, parsed from the source."""
+    spec = importlib.util.find_spec("transformers")  # finds the package, imports nothing
+    if spec is None or spec.origin is None:
+        raise ConfigError([f"the estimator reads {what} defaults from transformers' source, "
+                           "and transformers is not installed"])
+    source = Path(spec.origin).parent / "models" / module
+    for node in ast.parse(source.read_text(encoding="utf-8")).body:
+        if isinstance(node, ast.ClassDef) and node.name == class_name:
+            return node.body
+    raise RuntimeError(f"{source} defines no {class_name}: transformers changed; update "
+                       "finetune/estimate/defaults.py")
+
+
 @functools.cache
 def config_defaults(module: str, class_name: str) -> dict[str, Any]:
     """{field: default} of `class_name` in transformers/models/<module>, for the fields
     whose default is a literal (`hidden_size: int = 4096`)."""
-    spec = importlib.util.find_spec("transformers")  # finds the package, imports nothing
-    if spec is None or spec.origin is None:
-        raise ConfigError(["the estimator reads config defaults from transformers' source, "
-                           "and transformers is not installed"])
-    source = Path(spec.origin).parent / "models" / module
-    tree = ast.parse(source.read_text(encoding="utf-8"))
-    for node in tree.body:
-        if isinstance(node, ast.ClassDef) and node.name == class_name:
-            found = {}
-            for item in node.body:
-                if (isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)
-                        and item.value is not None):
-                    try:
-                        found[item.target.id] = ast.literal_eval(item.value)
-                    except ValueError:  # a computed default: not one the estimate reads
-                        pass
-            return found
-    raise RuntimeError(f"{source} defines no {class_name}: transformers changed; update "
-                       "finetune/estimate/defaults.py")
+    found = {}
+    for item in _class_body(module, class_name, "config"):
+        if (isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)
+                and item.value is not None):
+            try:
+                found[item.target.id] = ast.literal_eval(item.value)
+            except ValueError:  # a computed default: not one the estimate reads
+                pass
+    return found
 
 
 def with_defaults(config: dict[str, Any], module: str, class_name: str) -> dict[str, Any]:
@@ -64,17 +68,9 @@ def _constant(node: ast.AST) -> Any:
 def class_attribute(module: str, class_name: str, name: str) -> Any:
     """A class attribute's value in transformers/models/<module> (`size = {...}` of an
     image processor), read from the source as config_defaults reads a config's."""
-    spec = importlib.util.find_spec("transformers")
-    if spec is None or spec.origin is None:
-        raise ConfigError(["the estimator reads processor defaults from transformers' source, "
-                           "and transformers is not installed"])
-    source = Path(spec.origin).parent / "models" / module
-    tree = ast.parse(source.read_text(encoding="utf-8"))
-    for node in tree.body:
-        if isinstance(node, ast.ClassDef) and node.name == class_name:
-            for item in node.body:
-                if (isinstance(item, ast.Assign) and len(item.targets) == 1
-                        and isinstance(item.targets[0], ast.Name) and item.targets[0].id == name):
-                    return _constant(item.value)
-    raise RuntimeError(f"{source}: no {class_name}.{name}: transformers changed; update "
-                       "finetune/estimate/defaults.py")
+    for item in _class_body(module, class_name, "processor"):
+        if (isinstance(item, ast.Assign) and len(item.targets) == 1
+                and isinstance(item.targets[0], ast.Name) and item.targets[0].id == name):
+            return _constant(item.value)
+    raise RuntimeError(f"transformers/models/{module}: no {class_name}.{name}: transformers "
+                       "changed; update finetune/estimate/defaults.py")
