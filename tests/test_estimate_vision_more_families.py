@@ -1,8 +1,9 @@
 """`finetune estimate` for Mistral 3 (a Pixtral tower at the picture's own resolution and a
-patch-merging projector): its parts against transformers' (Mistral Small 3.1's
-config.json, built on the meta device), the tokens a picture becomes against its image
-processor and the model, and what one image keeps for the backward against autograd (a
-small model, random weights, CPU autocast). Llama 3.2 Vision (mllama) and InternVL stay
+patch-merging projector) and InternVL (an InternViT tower over tiles, a pixel-shuffle
+projector): their parts against transformers' (Mistral Small 3.1's and InternVL3
+1B/2B's config.json, built on the meta device), the tokens a picture becomes against
+their image processors and models, and what one image keeps for the backward against
+autograd (small models, random weights, CPU autocast). Llama 3.2 Vision (mllama) stays
 refused by name (test_estimate_vision.py)."""
 
 from __future__ import annotations
@@ -43,10 +44,51 @@ MISTRAL_SMALL_31 = {
                       "num_attention_heads": 16, "num_channels": 3, "num_hidden_layers": 24,
                       "patch_size": 14, "rope_theta": 10000.0},
     "vision_feature_layer": -1}
+# OpenGVLab/InternVL3-1B-hf's config.json (InternViT-300M and Qwen2.5-0.5B; transcribed from
+# memory, not checked against the hub file), and InternVL3-2B-hf's (Qwen2.5-1.5B).
+INTERNVL3_1B = {
+    "architectures": ["InternVLForConditionalGeneration"], "downsample_ratio": 0.5,
+    "image_seq_length": 256, "image_token_id": 151667, "model_type": "internvl",
+    "projector_hidden_act": "gelu",
+    "text_config": {"architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0,
+                    "bos_token_id": 151643, "eos_token_id": 151645, "hidden_act": "silu",
+                    "hidden_size": 896, "initializer_range": 0.02, "intermediate_size": 4864,
+                    "max_position_embeddings": 32768, "max_window_layers": 70,
+                    "model_type": "qwen2", "num_attention_heads": 14, "num_hidden_layers": 24,
+                    "num_key_value_heads": 2, "rms_norm_eps": 1e-06, "rope_scaling": None,
+                    "rope_theta": 1000000.0, "sliding_window": 32768,
+                    "tie_word_embeddings": True, "torch_dtype": "bfloat16", "use_cache": True,
+                    "use_sliding_window": False, "vocab_size": 151674},
+    "torch_dtype": "bfloat16", "transformers_version": "4.52.0.dev0",
+    "vision_config": {"architectures": ["InternVisionModel"], "attention_bias": True,
+                      "attention_dropout": 0.0, "dropout": 0.0, "hidden_act": "gelu",
+                      "hidden_dropout_prob": 0.0, "hidden_size": 1024, "image_size": [448, 448],
+                      "initializer_factor": 0.1, "initializer_range": 1e-10,
+                      "intermediate_size": 4096, "layer_norm_eps": 1e-06,
+                      "layer_scale_init_value": 0.1, "model_type": "internvl_vision",
+                      "norm_type": "layer_norm", "num_attention_heads": 16, "num_channels": 3,
+                      "num_hidden_layers": 24, "patch_size": [14, 14],
+                      "projection_dropout": 0.0, "torch_dtype": "bfloat16",
+                      "use_absolute_position_embeddings": True, "use_mask_token": False,
+                      "use_mean_pooling": True, "use_qk_norm": False},
+    "vision_feature_layer": -1, "vision_feature_select_strategy": "default"}
+INTERNVL3_2B = {**INTERNVL3_1B, "text_config": {
+    **INTERNVL3_1B["text_config"], "hidden_size": 1536, "intermediate_size": 8960,
+    "num_attention_heads": 12, "num_hidden_layers": 28}}
+INTERNVL_PROCESSOR = {"size": {"height": 448, "width": 448}, "min_patches": 1, "max_patches": 12}
 MISTRAL_PROCESSOR = {"size": {"longest_edge": 1540}, "patch_size": 14}
 # By part, as transformers builds them (test_parameters_are_transformers_own).
 MISTRAL_PARTS = {"language_model": 22_901_314_560, "vision_tower": 403_305_472,
                  "projector": 35_652_608}
+INTERNVL_PARTS = {
+    "internvl3-1b": (INTERNVL3_1B, {"language_model": 493_798_016, "vision_tower": 304_012_288,
+                                    "projector": 4_482_816}),
+    "internvl3-2b": (INTERNVL3_2B, {"language_model": 1_543_311_872,
+                                    "vision_tower": 304_012_288, "projector": 8_662_016})}
+# picture -> tiles InternVL's image processor cuts it into (crop_to_patches, as
+# InternVLProcessor asks; 448-pixel tiles, 1 to 12 and the whole picture)
+INTERNVL_IMAGES = {(640, 480): 13, (1920, 1080): 9, (100, 60): 7, (300, 900): 4,
+                   (3000, 20): 13, (448, 448): 1, (1000, 200): 6}
 # picture -> (the size Pixtral's image processor resizes it to, merged rows x columns): the
 # model makes rows x columns features, the processor's text rows x (columns + 1) tokens
 MISTRAL_IMAGES = {(640, 480): ((644, 504), (18, 23)), (1920, 1080): ((1540, 868), (31, 55)),
@@ -84,11 +126,14 @@ def test_mistral3_parts_and_tokens(tmp_path):
     assert result.trainable_params - frozen.trainable_params == MISTRAL_PARTS["vision_tower"]
 
 
-def test_mistral3_under_lora_and_qlora(tmp_path):
+@pytest.mark.parametrize("config, processor, copied", [
+    (MISTRAL_SMALL_31, MISTRAL_PROCESSOR, "patch_merger.merging_layer.weight"),
+    (INTERNVL3_1B, INTERNVL_PROCESSOR, "linear_1.weight")], ids=["mistral3", "internvl"])
+def test_under_lora_and_qlora(tmp_path, config, processor, copied):
     """The layouts through the same code as the other families: all-linear is the
     language model's linears; QLoRA quantizes those only; train_projector copies the
     projector whole."""
-    path = _model(tmp_path, MISTRAL_SMALL_31, MISTRAL_PROCESSOR)
+    path = _model(tmp_path, config, processor)
     lora = estimate(load_experiment(VLM, [f"model.name_or_path={path}", "peft.type=lora",
                                           "vision.train_projector=true"]))
     qlora = estimate(load_experiment(VLM, [f"model.name_or_path={path}", "peft.type=qlora"]))
@@ -100,28 +145,65 @@ def test_mistral3_under_lora_and_qlora(tmp_path):
     adapters = {t.name.rsplit(".lora_", 1)[0] for t in tensors if t.role == "lora"}
     assert adapters and all(n.startswith("model.language_model.layers.") for n in adapters)
     copies = {t.name for t in tensors if t.role == "copy"}
-    assert "model.multi_modal_projector.patch_merger.merging_layer.weight (copy)" in copies
+    assert f"model.multi_modal_projector.{copied} (copy)" in copies
     quantized = {t.name for t in census(qlora.shape, qlora.settings) if t.dtype == "nf4"}
     assert quantized and all(n.startswith("model.language_model.layers.") for n in quantized)
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"vision_feature_layer": [-1, -2]}, "vision_feature_layer must be one integer"),
-    ({"vision_feature_layer": -30}, "vision_feature_layer -30 is not one of the tower's 25"),
-    ({"vision_config": {**MISTRAL_SMALL_31["vision_config"], "model_type": "siglip"}},
+def _internvl_vision(**change) -> dict:
+    return {"vision_config": {**INTERNVL3_1B["vision_config"], **change}}
+
+
+@pytest.mark.parametrize("config, change, processor, message", [
+    (MISTRAL_SMALL_31, {"vision_feature_layer": [-1, -2]}, None,
+     "vision_feature_layer must be one integer"),
+    (MISTRAL_SMALL_31, {"vision_feature_layer": -30}, None,
+     "vision_feature_layer -30 is not one of the tower's 25"),
+    (MISTRAL_SMALL_31, {"vision_config": {**MISTRAL_SMALL_31["vision_config"],
+                                          "model_type": "siglip"}}, None,
      "a mistral3 model with a 'siglip' vision tower is not counted"),
-], ids=["layers", "layer", "tower"])
-def test_mistral3_bad_configs(tmp_path, change, message):
+    (INTERNVL3_1B, _internvl_vision(norm_type="rms_norm", use_qk_norm=True), None,
+     "vision_config.norm_type 'rms_norm': the estimator counts InternViT-300M's layout"),
+    (INTERNVL3_1B, {"downsample_ratio": 0.3}, None, "downsample_ratio 0.3 is not 1/n"),
+    (INTERNVL3_1B, {"vision_feature_layer": -2}, None, "vision_feature_layer -2: the"),
+    (INTERNVL3_1B, {}, {"size": {"height": 384, "width": 384}},
+     "preprocessor_config.size {'height': 384, 'width': 384} is not the tower's image_size 448"),
+    (INTERNVL3_1B, {}, {"min_patches": 6, "max_patches": 4},
+     "preprocessor_config.min_patches 6 is more than max_patches 4"),
+], ids=["mistral3-layers", "mistral3-layer", "mistral3-tower", "internvl-6b-tower",
+        "internvl-ratio", "internvl-layer", "internvl-tile", "internvl-tiles"])
+def test_bad_configs(tmp_path, config, change, processor, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
-        read_shape(str(_model(tmp_path, {**MISTRAL_SMALL_31, **change})))
+        read_shape(str(_model(tmp_path, {**config, **change}, processor)))
 
 
-@pytest.mark.slow  # imports torch; the meta device builds no weights (about 2 s)
-def test_parameters_are_transformers_own(tmp_path):
+@pytest.mark.parametrize("name", INTERNVL_PARTS)
+def test_internvl_parts_and_tiles(tmp_path, name):
+    config, parts = INTERNVL_PARTS[name]
+    path = _model(tmp_path, config, INTERNVL_PROCESSOR)
+    result = estimate(load_experiment(VLM, [f"model.name_or_path={path}",
+                                            "training.max_length=4096"]))
+    assert result.parts == parts
+    assert result.params == result.trainable_params == sum(parts.values())
+    for size, tiles in INTERNVL_IMAGES.items():
+        vision = result.shape.vision.for_image(size)
+        assert (vision.tiles, vision.image_tokens) == (tiles, 256 * tiles + 2), size
+    assert "each 640x480 pixels (assumed; --image-size sets it): 4x3 tiles of 448x448 and " \
+           "the whole picture, 256 tokens a tile, 3330 an image" in render_text(result)
+    (tmp_path / "few").mkdir()
+    few = _model(tmp_path / "few", config, {**INTERNVL_PROCESSOR, "max_patches": 4})
+    vision = read_shape(str(few)).vision.for_image((1920, 1080))
+    assert (vision.grid, vision.tiles) == ((2, 1), 3)  # 2x1 and the whole picture
+
+
+@pytest.mark.slow  # imports torch; the meta device builds no weights (about 3 s)
+@pytest.mark.parametrize("config", [MISTRAL_SMALL_31, INTERNVL3_1B, INTERNVL3_2B],
+                         ids=["mistral-small-3.1", "internvl3-1b", "internvl3-2b"])
+def test_parameters_are_transformers_own(tmp_path, config):
     torch = pytest.importorskip("torch")
     from transformers import AutoConfig, AutoModelForImageTextToText
 
-    path = _model(tmp_path, MISTRAL_SMALL_31)
+    path = _model(tmp_path, config)
     with torch.device("meta"):
         model = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(path))
     real = {n: p.numel() for n, p in model.named_parameters()}
@@ -166,5 +248,69 @@ def test_mistral3_tokens_and_activations_against_autograd(tmp_path):
                 continue
             copies = sum(2 * p.numel() for name, p in model.named_parameters()
                          if p.requires_grad and p.dim() > 1 and name.startswith(parts))
+            assert kept - copies + pixels.numel() * 4 == vision.image_bytes(
+                CPU_AUTOCAST, False, Training(tower=not frozen)), frozen
+
+
+# A small InternVL: a 2-layer tower over 112-pixel tiles (64 patches, 16 tokens a tile), a
+# 2-layer language model.
+INTERNVL_SMALL = {
+    **INTERNVL3_1B, "image_token_id": 299,
+    "text_config": {**INTERNVL3_1B["text_config"], "hidden_size": 48, "intermediate_size": 64,
+                    "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+                    "vocab_size": 300},
+    "vision_config": {**INTERNVL3_1B["vision_config"], "hidden_size": 32,
+                      "intermediate_size": 48, "num_hidden_layers": 2,
+                      "num_attention_heads": 2, "image_size": [112, 112]}}
+
+
+@pytest.mark.slow  # imports torch; a small model over 112-pixel tiles (about 2 s)
+def test_internvl_tiles_tokens_and_activations_against_autograd(tmp_path):
+    """The small InternVL, fp32 weights, CPU autocast, sdpa: for each picture, the tiles
+    GotOcr2's image processor cuts (crop_to_patches, as InternVLProcessor asks), the
+    tokens InternVLProcessor.replace_image_token writes for them and the features the
+    model makes equal the estimate's; for a 640x480 picture (13 tiles) what autograd keeps
+    equals the estimate to the byte, whole and with a frozen tower."""
+    torch = pytest.importorskip("torch")
+    from types import SimpleNamespace
+
+    from PIL import Image
+    from transformers import AutoConfig, AutoModelForImageTextToText
+    from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import (
+        GotOcr2ImageProcessorPil)
+    from transformers.models.internvl.processing_internvl import InternVLProcessor
+
+    settings = {"size": {"height": 112, "width": 112}, "min_patches": 1, "max_patches": 12}
+    path = _model(tmp_path, INTERNVL_SMALL, settings)
+    shape = read_shape(str(path))
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(
+        AutoConfig.from_pretrained(path), dtype=torch.float32,
+        attn_implementation="sdpa").train()
+    processor = GotOcr2ImageProcessorPil(**settings)
+    text = SimpleNamespace(start_image_token="<img>", end_image_token="</img>",
+                           image_token="<IMG_CONTEXT>", image_seq_length=16)
+    storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    parts = ("model.vision_tower.", "model.multi_modal_projector.")
+    for size in ((640, 480), (300, 900), (100, 60), (1000, 200)):
+        vision = shape.vision.for_image(size)
+        made = processor(images=[Image.new("RGB", size)], crop_to_patches=True,
+                         return_tensors="pt")
+        pixels = made["pixel_values"]
+        assert pixels.shape[0] == vision.tiles, size
+        written = InternVLProcessor.replace_image_token(text, made, 0)
+        assert written.count("<IMG_CONTEXT>") + 2 == vision.image_tokens, size
+        for frozen in (False, True) if size == (640, 480) else (False,):
+            for name, p in model.named_parameters():
+                p.requires_grad_(not (frozen and name.startswith(parts[0])))
+            features, kept = kept_by_autograd(
+                lambda: model.model.get_image_features(pixel_values=pixels).pooler_output,
+                storages)
+            assert features.shape[0] * features.shape[1] == vision.features, size
+            if size != (640, 480):
+                continue
+            copies = sum(2 * p.numel() for name, p in model.named_parameters()
+                         if p.requires_grad and p.dim() > 1 and name.startswith(parts)
+                         and not name.endswith(("position_embeddings", "cls_token")))
             assert kept - copies + pixels.numel() * 4 == vision.image_bytes(
                 CPU_AUTOCAST, False, Training(tower=not frozen)), frozen

@@ -2,7 +2,7 @@
 one module per family: LLaVA (llava.py), LLaVA-NeXT (llava_next.py), Qwen2-VL and
 Qwen2.5-VL (qwen2_vl.py), Gemma 3 (gemma3.py), PaliGemma (paligemma.py), Idefics3 and
 SmolVLM (idefics3.py), their SigLIP-layout towers in siglip.py, Mistral 3 (mistral3.py,
-its Pixtral tower's activations in pixtral_activations.py).
+its Pixtral tower's activations in pixtral_activations.py) and InternVL (internvl.py).
 
 Each family's read(config, where, processor) returns the language model's config (read
 by shapes.shape_of as a text model's) and a vision shape that answers, for the rest of
@@ -19,13 +19,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from finetune.estimate.vision import (gemma3, idefics3, llava, llava_next, mistral3, paligemma,
-                                      qwen2_vl)
+from finetune.estimate.vision import (gemma3, idefics3, internvl, llava, llava_next, mistral3,
+                                      paligemma, qwen2_vl)
 from finetune.estimate.vision.common import Training
 
 FAMILIES = {"llava": llava, "qwen2_vl": qwen2_vl, "qwen2_5_vl": qwen2_vl, "gemma3": gemma3,
             "paligemma": paligemma, "llava_next": llava_next, "idefics3": idefics3,
-            "smolvlm": idefics3, "mistral3": mistral3}
+            "smolvlm": idefics3, "mistral3": mistral3,
+            "internvl": internvl}
 COUNTED = tuple(FAMILIES)
 LANGUAGE_MODEL = "model.language_model."
 # Every family's tower and projector: a VLM's tp_plan is its language model's.
