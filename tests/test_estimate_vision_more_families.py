@@ -19,7 +19,8 @@ from finetune.config import load_experiment
 from finetune.errors import ConfigError
 from finetune.estimate import estimate, render_text
 from finetune.estimate.shapes import parameters, read_shape
-from finetune.estimate.vision import Training
+from finetune.estimate.vision import Training, pixtral_activations
+from finetune.estimate.vision.llava_activations import encoder_layer_bytes
 
 VLM = QUICKSTART / "vlm.yaml"
 # mistralai/Mistral-Small-3.1-24B-Instruct-2503's config.json (transcribed from memory, not
@@ -215,8 +216,9 @@ def test_mistral3_tokens_and_activations_against_autograd(tmp_path):
     """The small Mistral 3, fp32 weights, CPU autocast, sdpa: for each picture, the size
     Pixtral's image processor resizes it to (at PixtralProcessor's patch_size x
     spatial_merge_size) and the features the model makes equal the estimate's; for a
-    640x480 picture what autograd keeps equals the estimate to the byte, whole and with a
-    frozen tower."""
+    640x480 picture what autograd keeps equals the estimate to the byte, whole, with a
+    frozen tower and with activation checkpointing (there less what the saved-tensor
+    hooks cannot see)."""
     torch = pytest.importorskip("torch")
     from PIL import Image
     from transformers import AutoConfig, AutoModelForImageTextToText
@@ -250,6 +252,23 @@ def test_mistral3_tokens_and_activations_against_autograd(tmp_path):
                          if p.requires_grad and p.dim() > 1 and name.startswith(parts))
             assert kept - copies + pixels.numel() * 4 == vision.image_bytes(
                 CPU_AUTOCAST, False, Training(tower=not frozen)), frozen
+    # with checkpointing: less what the hooks cannot see, the rotary cos/sin the layers hold
+    # and the one layer recomputed in the backward (the layers' inputs and the block mask
+    # they share are seen)
+    for p in model.parameters():
+        p.requires_grad_(True)
+    model.activation_checkpointing_enable({"use_reentrant": False})
+    vision = shape.vision.for_image((640, 480))
+    made = processor(images=[Image.new("RGB", (640, 480))], return_tensors="pt")
+    _, kept = kept_by_autograd(lambda: model.model.get_image_features(
+        pixel_values=made["pixel_values"], image_sizes=made["image_sizes"]).pooler_output,
+        storages)
+    copies = sum(2 * p.numel() for name, p in model.named_parameters()
+                 if p.dim() > 1 and name.startswith(parts) and ".layers." not in name)
+    unseen = vision.positions * (pixtral_activations.layer_bytes(vision, CPU_AUTOCAST)
+                                 + 2 * vision.head_dim * 4)
+    assert kept - copies + made["pixel_values"].numel() * 4 == vision.image_bytes(
+        CPU_AUTOCAST, True) - unseen
 
 
 # A small InternVL: a 2-layer tower over 112-pixel tiles (64 patches, 16 tokens a tile), a
@@ -270,7 +289,8 @@ def test_internvl_tiles_tokens_and_activations_against_autograd(tmp_path):
     GotOcr2's image processor cuts (crop_to_patches, as InternVLProcessor asks), the
     tokens InternVLProcessor.replace_image_token writes for them and the features the
     model makes equal the estimate's; for a 640x480 picture (13 tiles) what autograd keeps
-    equals the estimate to the byte, whole and with a frozen tower."""
+    equals the estimate to the byte, whole, with a frozen tower and with activation
+    checkpointing (there less the recomputed layer, not alive yet)."""
     torch = pytest.importorskip("torch")
     from types import SimpleNamespace
 
@@ -314,3 +334,18 @@ def test_internvl_tiles_tokens_and_activations_against_autograd(tmp_path):
                          and not name.endswith(("position_embeddings", "cls_token")))
             assert kept - copies + pixels.numel() * 4 == vision.image_bytes(
                 CPU_AUTOCAST, False, Training(tower=not frozen)), frozen
+    # with checkpointing: less the one layer (all tiles) recomputed in the backward
+    for p in model.parameters():
+        p.requires_grad_(True)
+    model.activation_checkpointing_enable({"use_reentrant": False})
+    vision = shape.vision.for_image((640, 480))
+    pixels = processor(images=[Image.new("RGB", (640, 480))], crop_to_patches=True,
+                       return_tensors="pt")["pixel_values"]
+    _, kept = kept_by_autograd(
+        lambda: model.model.get_image_features(pixel_values=pixels).pooler_output, storages)
+    copies = sum(2 * p.numel() for name, p in model.named_parameters()
+                 if p.dim() > 1 and name.startswith(parts) and ".layer." not in name
+                 and not name.endswith(("position_embeddings", "cls_token")))
+    layer = encoder_layer_bytes(vision, CPU_AUTOCAST) + 2 * vision.hidden * 2  # + lambdas
+    assert kept - copies + pixels.numel() * 4 == vision.image_bytes(
+        CPU_AUTOCAST, True) - vision.tiles * vision.positions * layer
