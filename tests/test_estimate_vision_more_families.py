@@ -163,6 +163,8 @@ def _internvl_vision(**change) -> dict:
     (MISTRAL_SMALL_31, {"vision_config": {**MISTRAL_SMALL_31["vision_config"],
                                           "model_type": "siglip"}}, None,
      "a mistral3 model with a 'siglip' vision tower is not counted"),
+    ({k: v for k, v in MISTRAL_SMALL_31.items() if k != "text_config"}, {}, None,
+     "a mistral3 config without a text_config object"),
     (INTERNVL3_1B, _internvl_vision(norm_type="rms_norm", use_qk_norm=True), None,
      "vision_config.norm_type 'rms_norm': the estimator counts InternViT-300M's layout"),
     (INTERNVL3_1B, {"downsample_ratio": 0.3}, None, "downsample_ratio 0.3 is not 1/n"),
@@ -171,7 +173,8 @@ def _internvl_vision(**change) -> dict:
      "preprocessor_config.size {'height': 384, 'width': 384} is not the tower's image_size 448"),
     (INTERNVL3_1B, {}, {"min_patches": 6, "max_patches": 4},
      "preprocessor_config.min_patches 6 is more than max_patches 4"),
-], ids=["mistral3-layers", "mistral3-layer", "mistral3-tower", "internvl-6b-tower",
+], ids=["mistral3-layers", "mistral3-layer", "mistral3-tower", "mistral3-text",
+        "internvl-6b-tower",
         "internvl-ratio", "internvl-layer", "internvl-tile", "internvl-tiles"])
 def test_bad_configs(tmp_path, config, change, processor, message):
     with pytest.raises(ConfigError, match=re.escape(message)):

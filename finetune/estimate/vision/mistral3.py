@@ -157,6 +157,11 @@ def _longest(processor: dict[str, Any] | None, vision: dict[str, Any], where: st
 def read(config: dict[str, Any], where: str,
          processor: dict[str, Any] | None = None) -> tuple[dict[str, Any], Mistral3Vision]:
     kind = config["model_type"]
+    if not isinstance(config.get("text_config"), dict):
+        # transformers would fill it from Mistral3Config's own (Mistral Small's), not from
+        # MistralConfig's defaults, which is all the estimator reads
+        raise ConfigError([f"{where}: a {kind} config without a text_config object: the "
+                           "estimator reads the language model's shape from it"])
     full = with_defaults(config, *CONFIG)
     text = text_config(full, kind, where, "mistral")
     vision = vision_config(full, kind, where)
