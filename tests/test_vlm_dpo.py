@@ -237,12 +237,17 @@ def test_grpo_refuses_picture_bounds_it_would_not_apply(write, tmp_path):
 def test_grpo_generates_from_prompts_with_their_pictures(write, tmp_path):
     """One step: the tiny LLaVA's processor refuses an image token without its picture,
     so a step that ran got the pictures; and each prompt counts its 16 image tokens, as
-    `finetune data` shows it."""
-    path = grpo_experiment(write, tmp_path, [question("pic.png")] * 8, extra=(
+    `finetune data` shows it; a prompt the context cannot hold with the completion budget
+    is dropped, counted in the start summary."""
+    too_long = question("pic.png", "pic.png", "pic.png")  # 66 tokens: past 64 - 4
+    path = grpo_experiment(write, tmp_path, [question("pic.png")] * 8 + [too_long], extra=(
         "training:\n  max_steps: 1\n  per_device_train_batch_size: 4\n  num_generations: 4\n"
         "  max_completion_length: 4\n  activation_checkpointing: false\n"))
     result = run_cli("train", str(path), cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
+    assert "data.train: 1 of 9 prompt(s) dropped: with their image tokens and " \
+           "training.max_completion_length 4 they exceed the model's context of 64 tokens " \
+           "(max_position_embeddings)" in result.stdout  # the start summary
     [step] = [json.loads(line) for line in
               (tmp_path / "runs" / "grpo" / "metrics.jsonl").read_text().splitlines()
               if '"num_tokens"' in line][:1]
@@ -290,3 +295,35 @@ def test_pairs_max_length_would_cut_inside_their_prompts_images_are_dropped_and_
     cut = load_experiment(path, ["training.max_length=10"])
     with pytest.raises(DataError, match="data.train: no pair's prompt fits training.max_length 10"):
         prepare(load_data(cut), processor, cut)
+
+
+@pytest.mark.slow  # loads the processor (and torch)
+def test_prompts_the_context_cannot_hold_with_their_pictures_are_dropped_and_counted(
+        write, tmp_path):
+    """grpo generates from a prompt whole (TRL 1.16 cuts none): one whose tokens, its
+    image tokens included, leave too little of the tiny model's 64 positions for
+    max_completion_length is dropped and counted, in train as in eval; none left is one
+    line naming the setting."""
+    from finetune.data.load import load_data
+    from finetune.methods.grpo import prepare
+    from finetune.model.tokenizer import load_processor
+
+    one, two = question("pic.png"), question("pic.png", "pic.png")  # 34 and 50 tokens
+    path = grpo_experiment(write, tmp_path, [one, two, one, two, one])
+    processor = load_processor(load_experiment(path))
+    fits = load_experiment(path, ["training.max_completion_length=15",
+                                  f"data.eval={tmp_path / 'data' / 'prompts.jsonl'}"])
+    prepared = prepare(load_data(fits), processor, fits)
+    assert [len(r["images"]) for r in prepared.train] == [1] * 3
+    assert [len(r["images"]) for r in prepared.eval] == [1] * 3
+    dropped = "2 of 5 prompt(s) dropped: with their image tokens and " \
+              "training.max_completion_length 15 they exceed the model's context of 64 " \
+              "tokens (max_position_embeddings)"
+    assert f"data.train: {dropped}" in prepared.notes and f"data.eval: {dropped}" in prepared.notes
+    none = load_experiment(path, ["training.max_completion_length=31"])  # 33 < 34
+    with pytest.raises(DataError) as caught:
+        prepare(load_data(none), processor, none)
+    assert str(caught.value) == (
+        "data.train: no prompt fits the model's context of 64 tokens (max_position_embeddings) "
+        "with its image tokens and training.max_completion_length 31 (`finetune data` shows "
+        "every row's length with its image tokens): lower training.max_completion_length")

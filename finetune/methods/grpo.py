@@ -10,17 +10,17 @@ see methods/online.py.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from trl import GRPOTrainer
 
-from finetune.data.images import IMAGES
-from finetune.data.load import ORIGIN
 from finetune.data.prompts import checked_prompts, completion_budget, prompt_limit
-from finetune.errors import ConfigError, DataError
-from finetune.methods import Job
+from finetune.errors import ConfigError
+from finetune.methods import Job, vision_lengths
 from finetune.methods.online import GenerationState, build_online_trainer
 from finetune.methods.online import checked_reward as _checked  # noqa: F401 (tests use it)
 from finetune.methods.sft_vision import refuse_images
-from finetune.model.vision import chat_prompts, is_processor
+from finetune.model.vision import is_processor
 from finetune.trainers.vision import VisionCheckpoints
 
 
@@ -36,8 +36,9 @@ class ResumableVisionGRPOTrainer(VisionCheckpoints, ResumableGRPOTrainer):
 
 
 def prepare(splits, tokenizer, experiment):
-    """Every prompt rendered and counted against the context (data/prompts.py); a
-    vision-language model's with its pictures, each expanded to its image tokens."""
+    """Every prompt rendered and counted against the context: a text model's refused
+    when too long (data/prompts.py), a vision-language model's, with its pictures
+    expanded to their image tokens, dropped and counted (methods/vision_lengths.py)."""
     if is_processor(tokenizer):
         return _vision_prompts(splits, tokenizer, experiment)
     refuse_images(splits, experiment)
@@ -45,8 +46,6 @@ def prepare(splits, tokenizer, experiment):
 
 
 def _vision_prompts(splits, processor, experiment):
-    """As checked_prompts, each prompt rendered by the processor with its images (as
-    GRPOTrainer renders it to generate)."""
     sizes = experiment.vision  # for a hub model (config/rules/vision.py: a local one)
     if sizes is not None and (sizes.max_pixels, sizes.min_pixels) != (None, None):
         raise ConfigError(["vision.max_pixels, vision.min_pixels: not supported for grpo "
@@ -54,20 +53,10 @@ def _vision_prompts(splits, processor, experiment):
                            "ahead"])
     limit = prompt_limit(experiment)
     setting, budget = completion_budget(experiment)
-    for rows in (splits.train, splits.eval):
-        for row in rows if rows is not None else ():
-            if not isinstance(row["prompt"], list):
-                raise DataError(f"{row[ORIGIN]}: a vision-language model generates from "
-                                "conversational prompts (`prompt` a list of messages)")
-            count = chat_prompts(processor, [row["prompt"]], [row.get(IMAGES) or []]
-                                 )["input_ids"].shape[1]
-            if limit is not None and count > limit:
-                raise DataError(
-                    f"{row[ORIGIN]}: the prompt has {count} tokens with its image tokens; "
-                    f"with {setting} {budget} that exceeds the model's context of "
-                    f"{limit + budget} tokens (max_position_embeddings): shorten the "
-                    f"prompt, or lower {setting}")
-    return splits
+    kept = lambda rows, split: None if rows is None else vision_lengths.kept_prompts(
+        rows, split, processor, limit, setting, budget, splits.notes)
+    # The rows stay rows (splits.tokenized would keep a second copy of eval as eval_rows)
+    return replace(splits, train=kept(splits.train, "train"), eval=kept(splits.eval, "eval"))
 
 
 def build_trainer(job: Job) -> GRPOTrainer:

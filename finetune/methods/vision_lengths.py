@@ -5,7 +5,15 @@ whose image tokens reach past max_length would be cut inside them (the processor
 such a batch), and one whose trained tokens all lie past it would train nothing: both are
 dropped, counted in the start summary, as text rows that train nothing after truncation
 are (data/sft_tokens.py). None left is an error naming the setting. Preference pairs
-(dpo) are measured by their prompt, which holds the pictures (kept_pairs)."""
+(dpo) are measured by their prompt, which holds the pictures (kept_pairs).
+
+grpo's prompts (kept_prompts) have no max_length: TRL 1.16's GRPOTrainer generates from
+each prompt whole (no max_prompt_length, nothing truncated, so nothing cut inside its
+image tokens), and a prompt whose tokens, with the completion budget after them, exceed
+the model's context would run it past its positions. Such prompts are dropped and counted
+the same way: how many image tokens a picture becomes is the processor's (Qwen2-VL's
+grow with the picture), not something the rows show. Text prompts stay refused naming
+the row (data/prompts.py): their length is the text as written."""
 
 from __future__ import annotations
 
@@ -15,7 +23,10 @@ from dataclasses import dataclass
 from datasets import Dataset
 
 from finetune.data.images import IMAGES
+from finetune.data.load import ORIGIN
 from finetune.errors import DataError
+
+SHOWN = "(`finetune data` shows every row's length with its image tokens)"
 
 
 @dataclass(frozen=True)
@@ -54,7 +65,8 @@ def kept(rows: Dataset, split: str, processor, max_length: int | None, assistant
     keep = [fits(measure(processor, messages, images, assistant_only, fit), max_length)
             for messages, images in zip(rows["messages"], rows[IMAGES])]
     return _selected(rows, keep, notes, f"data.{split}: no row fits training.max_length "
-                     f"{max_length} with its image tokens and a trained token",
+                     f"{max_length} with its image tokens and a trained token {SHOWN}: "
+                     "raise it",
                      f"data.{split}: {{}} row(s) dropped: training.max_length {max_length} "
                      "would cut their image tokens or leave no trained token")
 
@@ -68,17 +80,42 @@ def kept_pairs(rows: Dataset, split: str, processor, max_length: int | None, fit
     keep = [not images or measure(processor, prompt, images, False, fit).image_end
             <= max_length for prompt, images in zip(rows["prompt"], rows[IMAGES])]
     return _selected(rows, keep, notes, f"data.{split}: no pair's prompt fits "
-                     f"training.max_length {max_length} with its image tokens",
+                     f"training.max_length {max_length} with its image tokens {SHOWN}: "
+                     "raise it",
                      f"data.{split}: {{}} pair(s) dropped: training.max_length {max_length} "
                      "would cut their prompt's image tokens")
+
+
+def kept_prompts(rows: Dataset, split: str, processor, limit: int | None, setting: str,
+                 budget: int, notes: list[str]) -> Dataset:
+    """grpo's prompts whose tokens (each rendered with its pictures and the generation
+    prompt, as GRPOTrainer renders it to generate) leave `budget` tokens of the model's
+    context for the completion (limit: the context less the budget; None: the context is
+    unknown, all kept); a note counting the others; a DataError when none does. A prompt
+    that is not a list of messages is a DataError naming its row."""
+    from finetune.model.vision import chat_prompts
+
+    images = rows[IMAGES] if IMAGES in rows.column_names else [None] * len(rows)
+    keep = []
+    for prompt, pictures, where in zip(rows["prompt"], images, rows[ORIGIN]):
+        if not isinstance(prompt, list):
+            raise DataError(f"{where}: a vision-language model generates from "
+                            "conversational prompts (`prompt` a list of messages)")
+        count = chat_prompts(processor, [prompt], [pictures or []])["input_ids"].shape[1]
+        keep.append(limit is None or count <= limit)
+    context = f"the model's context of {(limit or 0) + budget} tokens " \
+              "(max_position_embeddings)"
+    return _selected(rows, keep, notes, f"data.{split}: no prompt fits {context} with its "
+                     f"image tokens and {setting} {budget} {SHOWN}: lower {setting}",
+                     f"data.{split}: {{}} prompt(s) dropped: with their image tokens and "
+                     f"{setting} {budget} they exceed {context}")
 
 
 def _selected(rows: Dataset, keep: list[bool], notes: list[str], none_fits: str,
               dropped_said: str) -> Dataset:
     dropped = keep.count(False)
     if dropped == len(keep) and keep:
-        raise DataError(f"{none_fits} (`finetune data` shows every row's length with its "
-                        "image tokens): raise it")
+        raise DataError(none_fits)
     if dropped:
         notes.append(dropped_said.format(f"{dropped} of {len(keep)}"))
         rows = rows.select([i for i, k in enumerate(keep) if k])
