@@ -92,6 +92,24 @@ def test_a_broken_stored_picture_is_one_line_at_validate_as_at_training(write, t
     assert str(caught.value) == said
 
 
+def test_training_reads_stored_pictures_with_one_copy_of_the_rows(write, tmp_path):
+    """Training's reader (data/load.py) converts the parquet to Arrow, checks the pictures
+    undecoded (the same table, no copy) and decodes them (one cast: one copy): two Arrow
+    files, the same bytes of pictures each, and the rows' pictures decoded."""
+    from PIL.Image import Image as Picture
+
+    from finetune.data import scratch
+    from finetune.data.load import load_data
+
+    rows = quickstart_rows("vlm_train", 3)
+    data = stored(tmp_path / "train.parquet", rows)
+    before = set(scratch.reads_root().rglob("*.arrow"))
+    splits = load_data(load_experiment(config(write, "read", data, data)))
+    written = set(scratch.reads_root().rglob("*.arrow")) - before
+    assert len(written) == 2 * 2, sorted(written)  # train and eval, each read apart
+    assert isinstance(splits.train[0]["images"][0], Picture)
+
+
 def test_a_hub_dataset_gives_stored_pictures_not_paths(tmp_path):
     """data/load.py reads a hub dataset's rows through the same images.resolved as a
     file's, labelled with the dataset's id (no file to put paths next to)."""

@@ -198,14 +198,24 @@ def _stored_pictures(ds: Dataset) -> bool:
 
 
 def undecoded(ds: Dataset) -> Dataset:
-    """The rows with their stored pictures as stored ({"bytes", "path"}), not decoded:
+    """The rows as read, their stored pictures as stored ({"bytes", "path"}), not decoded:
     the rows are checked as validate reads them, and a broken picture is an error naming
-    its row rather than a failure while datasets decodes it (resolved decodes them)."""
-    from datasets import Image, List
+    its row rather than a failure while datasets decodes it (resolved decodes them). The
+    same Arrow table seen with other features, nothing copied: cast_column writes a copy
+    of the whole table for a List of Image (it flips the decode flag in place only for an
+    Image column). ds as read: a table seen through select, filter or shuffle would lose
+    them here (datasets' own reader gives none)."""
+    from datasets import Dataset, Features, Image, List
+    from datasets.fingerprint import Hasher, generate_fingerprint
 
     if not _stored_pictures(ds):
         return ds
-    return ds.cast_column(IMAGES, List(Image(decode=False)))
+    info = ds.info.copy()
+    info.features = Features({**ds.features, IMAGES: List(Image(decode=False))})
+    # Its own fingerprint (the maps after it key their cache files by it), the same for
+    # the same rows read again.
+    fingerprint = Hasher.hash(("stored pictures undecoded", generate_fingerprint(ds)))
+    return Dataset(ds.data, info=info, split=ds.split, fingerprint=fingerprint)
 
 
 def resolved(label: str, ds: Dataset, origin: str, method: str) -> Dataset:
