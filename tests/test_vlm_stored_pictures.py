@@ -1,5 +1,6 @@
 """Rows whose pictures are stored in the rows themselves (datasets' Image feature, as a hub
-dataset with images or a parquet file holds them: {"bytes", "path"}), not file paths:
+dataset with images or a parquet file holds them: {"bytes", "path"}), not file paths, in
+TRL's rows (`messages` + `images`) and in LLaVA's (`conversations` + `image`):
 validate checks each picture's bytes as training does (one line naming file, row and
 images[i]), training and its exact-match evaluation read them as they read the same
 pictures from files, and a hub dataset's `images` of paths (relative to nothing) is
@@ -47,6 +48,21 @@ def stored(path: Path, rows: list[dict], broken: int | None = None) -> Path:
     return path
 
 
+def llava_stored(path: Path, rows: list[dict], broken: int | None = None) -> Path:
+    """rows (one picture each, before the question) as LLaVA's rows in a parquet file
+    written by datasets: `conversations` with an `<image>` placeholder where the picture
+    stands, its bytes stored in `image` (datasets' Image; row `broken` no picture)."""
+    from datasets import Dataset, Image
+
+    turns = [[{"from": "human", "value": "<image>" + r["messages"][0]["content"][1]["text"]},
+              {"from": "gpt", "value": r["messages"][1]["content"][0]["text"]}] for r in rows]
+    image = [{"bytes": b"not a picture" if n == broken else Path(r["images"][0]).read_bytes(),
+              "path": Path(r["images"][0]).name} for n, r in enumerate(rows, 1)]
+    Dataset.from_dict({"conversations": turns, "image": image}).cast_column(
+        "image", Image()).to_parquet(str(path))
+    return path
+
+
 def config(write, name: str, train: Path, evaluation: Path, method: str = "sft") -> Path:
     """A 2-step run of method on the tiny VLM (sft: with the exact match of its answers)."""
     exact_match = "true" if method == "sft" else "false"
@@ -88,6 +104,15 @@ def test_a_broken_stored_picture_is_one_line_at_validate_as_at_training(write, t
            "image Pillow can read (UnidentifiedImageError)"
     assert said in result.stderr and "Traceback" not in result.stderr
     with pytest.raises(DataError) as caught:  # training's reader
+        load_data(load_experiment(path))
+    assert str(caught.value) == said
+    llava = llava_stored(tmp_path / "llava.parquet", rows, broken=2)  # LLaVA's rows alike
+    path = config(write, "llava", llava, good)
+    result = run_cli("validate", str(path), cwd=tmp_path)
+    said = f"{llava} row 2: images[0]: a stored picture ('0001.png', 13 bytes): not an " \
+           "image Pillow can read (UnidentifiedImageError)"
+    assert result.returncode == 2 and said in result.stderr, result.stderr
+    with pytest.raises(DataError) as caught:
         load_data(load_experiment(path))
     assert str(caught.value) == said
 
@@ -138,29 +163,34 @@ def test_a_hub_dataset_gives_stored_pictures_not_paths(tmp_path):
 def test_the_tiny_vlm_trains_on_stored_pictures_as_on_their_files(write, tmp_path, method,
                                                                    data):
     """The same rows (conversations for sft, pairs for dpo), pictures stored in parquet or
-    named as files: the same losses (and sft's exact match) before and after (the
-    collators and the evaluation get the same pictures), and `finetune data` renders the
-    stored ones with their image tokens."""
+    named as files, and for sft as LLaVA's rows with stored pictures: the same losses
+    (and sft's exact match) before and after (the collators and the evaluation get the
+    same pictures), and `finetune data` renders the stored ones with their image tokens."""
     train, evaluation = quickstart_rows(f"{data}_train", 16), quickstart_rows(f"{data}_eval", 8)
     files = {}
     for name, rows in (("train", train), ("eval", evaluation)):
         files[name] = tmp_path / f"{name}.jsonl"
         files[name].write_text("".join(json.dumps(r) + "\n" for r in rows))
+    given = {"paths": (files["train"], files["eval"]),
+             "stored": (stored(tmp_path / "train.parquet", train),
+                        stored(tmp_path / "eval.parquet", evaluation))}
+    if method == "sft":  # and as LLaVA's rows, `<image>` in the turn, the picture in `image`
+        given["llava"] = (llava_stored(tmp_path / "llava_train.parquet", train),
+                          llava_stored(tmp_path / "llava_eval.parquet", evaluation))
     summaries = {}
-    for name, (train_file, eval_file) in {
-            "paths": (files["train"], files["eval"]),
-            "stored": (stored(tmp_path / "train.parquet", train),
-                       stored(tmp_path / "eval.parquet", evaluation))}.items():
+    for name, (train_file, eval_file) in given.items():
         path = config(write, name, train_file, eval_file, method)
         result = run_cli("train", str(path), cwd=tmp_path)
         assert result.returncode == 0, result.stderr[-3000:]
         summaries[name] = json.loads((tmp_path / "runs" / name / "summary.json").read_text())
-    kept, named = summaries["stored"], summaries["paths"]
+    named = summaries["paths"]
     compared = ["eval_loss"] + (["eval_exact_match"] if method == "sft" else [])
-    for when in ("before", "after"):
-        for key in compared:
-            assert kept[when][key] == named[when][key], (when, key)
-    assert kept["train"]["train_loss"] == named["train"]["train_loss"]
+    for name, kept in summaries.items():
+        for when in ("before", "after"):
+            for key in compared:
+                assert kept[when][key] == named[when][key], (name, when, key)
+        assert kept["train"]["train_loss"] == named["train"]["train_loss"], name
+    kept = summaries["stored"]
     assert kept["after"]["eval_loss"] != kept["before"]["eval_loss"]  # it trained
     if method == "dpo":
         return

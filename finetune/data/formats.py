@@ -132,8 +132,8 @@ def converted(label: str, ds: Dataset, fmt: str, target: str, roles: dict[str, s
     if calls or vision:  # every row's messages typed alike
         from datasets import Features
 
-        features = Features({**kept, **llava_rows.image_messages_features()} if vision else
-                            {**kept, "messages": peer_rows.messages_feature()})
+        features = Features({**kept, **llava_rows.image_messages_features(ds.features)}
+                            if vision else {**kept, "messages": peer_rows.messages_feature()})
     out = ds.map(lambda row: _converted_row(row, fmt, target, roles, bool(calls), vision),
                  remove_columns=used, features=features, desc=f"converting {fmt} rows")
     what = {"prompt_completion": "prompt/completion messages (instruction and input as the "

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from datasets import Dataset
 
 IMAGES = "images"
+IMAGE = "image"  # LLaVA's rows' one picture (data/llava_rows.py)
 PART_TYPES = ("image", "text")
 URL_SCHEMES = ("http://", "https://")
 URL_TIMEOUT_S = 10.0
@@ -187,35 +188,54 @@ def resolved_paths(images: list, data_file: Path, where: str) -> list:
     return out
 
 
-def _stored_pictures(ds: Dataset) -> bool:
-    """Is the `images` column a list of stored pictures (datasets' Image, or the struct
-    of `bytes` it is stored as, in a parquet file written without datasets)?"""
+def holds_pictures(feature: Any) -> bool:
+    """Does a column of this feature hold stored pictures: datasets' Image, a list of them,
+    or of the struct of `bytes` they are stored as (a parquet file written without
+    datasets)?"""
     from datasets import Image, LargeList, List
 
-    feature = ds.features.get(IMAGES)
-    inner = feature.feature if isinstance(feature, (List, LargeList)) else None
+    inner = feature.feature if isinstance(feature, (List, LargeList)) else feature
     return isinstance(inner, Image) or (isinstance(inner, dict) and "bytes" in inner)
 
 
+def _stored_pictures(ds: Dataset) -> bool:
+    return IMAGES in ds.features and holds_pictures(ds.features[IMAGES])
+
+
+def _decoding(features, columns: list[str], decode: bool):
+    """features with the stored pictures of columns read decoded (PIL images) or not."""
+    from datasets import Image, LargeList, List
+
+    features = features.copy()
+    for column in columns:
+        listed = isinstance(features[column], (List, LargeList))
+        features[column] = List(Image(decode=decode)) if listed else Image(decode=decode)
+    return features
+
+
 def undecoded(ds: Dataset) -> Dataset:
-    """The rows as read, their stored pictures as stored ({"bytes", "path"}), not decoded:
-    the rows are checked as validate reads them, and a broken picture is an error naming
-    its row rather than a failure while datasets decodes it (resolved decodes them). The
-    same Arrow table seen with other features, nothing copied: cast_column writes a copy
-    of the whole table for a List of Image (it flips the decode flag in place only for an
-    Image column). ds as read: a table seen through select, filter or shuffle would lose
-    them here (datasets' own reader gives none)."""
-    from datasets import Dataset, Features, Image, List
+    """The rows as read, their stored pictures (`images`, and LLaVA's `image`) as stored
+    ({"bytes", "path"}), not decoded: the rows are checked as validate reads them, and a
+    broken picture is an error naming its row rather than a failure while datasets decodes
+    it (resolved decodes them). The same Arrow table seen with other features, nothing
+    copied: cast_column writes a copy of the whole table for a List of Image (it flips the
+    decode flag in place only for an Image column). ds as read: a table seen through
+    select, filter or shuffle would lose them here (datasets' own reader gives none)."""
+    from datasets import Dataset
     from datasets.fingerprint import Hasher, generate_fingerprint
 
-    if not _stored_pictures(ds):
+    columns = [c for c in (IMAGES, IMAGE) if c in ds.features and holds_pictures(ds.features[c])]
+    if not columns:
         return ds
     info = ds.info.copy()
-    info.features = Features({**ds.features, IMAGES: List(Image(decode=False))})
+    info.features = _decoding(ds.features, columns, False)
     # Its own fingerprint (the maps after it key their cache files by it), the same for
     # the same rows read again.
     fingerprint = Hasher.hash(("stored pictures undecoded", generate_fingerprint(ds)))
-    return Dataset(ds.data, info=info, split=ds.split, fingerprint=fingerprint)
+    try:
+        return Dataset(ds.data, info=info, split=ds.split, fingerprint=fingerprint)
+    except ValueError:  # stored as another Arrow type than datasets' Image: cast (a copy)
+        return ds.cast(info.features)
 
 
 def resolved(label: str, ds: Dataset, origin: str, method: str) -> Dataset:
@@ -226,6 +246,10 @@ def resolved(label: str, ds: Dataset, origin: str, method: str) -> Dataset:
     nothing)."""
     from datasets import Image, List
 
+    if IMAGE in ds.column_names and holds_pictures(ds.features[IMAGE]):
+        # LLaVA's `image` left by a format that does not read it (grpo's prompts give it to
+        # TRL): decoded again, as read (an Image column's flag flips without a copy)
+        ds = ds.cast_column(IMAGE, Image())
     if IMAGES not in ds.column_names:
         return ds
     column = ds.select_columns([IMAGES, origin])

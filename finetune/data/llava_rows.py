@@ -1,37 +1,45 @@
 """LLaVA's rows (and LLaMA-Factory's image rows): sharegpt turns whose text marks each
 image's place with `<image>`, and the files in `images`, or one in `image`, read as TRL's
-vision rows (data/images.py): each placeholder an image part where it stands. The row
-check and one row's conversion; data/formats.py's sharegpt conversion calls them for a
-file with an `image` or `images` column, in validate (scan.py) as in training (load.py).
-Plain Python on dicts, without `datasets` at import."""
+vision rows (data/images.py): each placeholder an image part where it stands. The
+pictures may be stored in the rows instead (datasets' Image: `image` an Image, `images` a
+list of them, as a parquet file or a hub dataset holds them), read as TRL's rows with
+stored pictures are. The row check and one row's conversion; data/formats.py's sharegpt
+conversion calls them for a file with an `image` or `images` column, in validate
+(scan.py) as in training (load.py). Plain Python on dicts, without `datasets` at
+import."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from finetune.data.images import IMAGES
+from finetune.data.images import IMAGE, IMAGES, holds_pictures, is_picture
 from finetune.data.peer_rows import has_calls, sharegpt_messages
 
 # Where a turn's text holds an image.
 PLACEHOLDER = "<image>"
-IMAGE = "image"
 IMAGE_COLUMNS = (IMAGE, IMAGES)
 
 
-def given_images(row: dict[str, Any]) -> tuple[list[str] | None, str | None]:
-    """A sharegpt row's image files (`image` as a one-item list; None: the row gives none),
-    or the problem."""
+def given_images(row: dict[str, Any]) -> tuple[list | None, str | None]:
+    """A sharegpt row's images, files or stored pictures (`image` as a one-item list;
+    None: the row gives none), or the problem."""
     images, image = row.get(IMAGES), row.get(IMAGE)
     if images is not None and image is not None:
         return None, "gives both `image` and `images`: give the files in one of them"
     if image is not None:
-        if not isinstance(image, str) or not image:
-            return None, "`image` must be an image file path (relative to the data file)"
+        if not _an_image(image):
+            return None, "`image` must be an image file path (relative to the data file) " \
+                         "or a picture stored in the row (datasets' Image: `bytes`)"
         return [image], None
     if images is not None and (not isinstance(images, list)
-                               or not all(isinstance(p, str) and p for p in images)):
-        return None, "`images` must be a list of image file paths (relative to the data file)"
+                               or not all(_an_image(p) for p in images)):
+        return None, "`images` must be a list of image file paths (relative to the data " \
+                     "file) or of pictures stored in the row (datasets' Image: `bytes`)"
     return images, None
+
+
+def _an_image(given: Any) -> bool:
+    return (isinstance(given, str) and bool(given)) or is_picture(given)
 
 
 def with_images(row: dict[str, Any]) -> bool:
@@ -78,11 +86,15 @@ def image_messages(row: dict[str, Any], roles: dict[str, str]) -> dict[str, Any]
     return {"messages": messages, IMAGES: given_images(row)[0]}
 
 
-def image_messages_features():
+def image_messages_features(read):
     """The `messages` and `images` of image_messages, typed as datasets' JSON reader types a
     file of TRL's vision rows: parts of two shapes ({type} and {type, text}) as JSON
-    objects, each kept as written."""
-    from datasets import Json, List, Value
+    objects, each kept as written; `images` as the file's (`read`: its features) give
+    them: paths, or pictures stored in the rows (kept undecoded, as data/images.py's
+    `undecoded` reads them: it decodes them once they are checked)."""
+    from datasets import Image, Json, List, Value
 
     text = Value("string")
-    return {"messages": List({"role": text, "content": List(Json())}), IMAGES: List(text)}
+    stored = any(holds_pictures(read[c]) for c in IMAGE_COLUMNS if c in read)
+    return {"messages": List({"role": text, "content": List(Json())}),
+            IMAGES: List(Image(decode=False) if stored else text)}

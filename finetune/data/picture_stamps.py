@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from typing import Any, Iterable
 
-from finetune.data.images import IMAGES
+from finetune.data.images import IMAGES, holds_pictures
 
 
 def stamps(parts: Iterable[Any]) -> dict[str, list[int]]:
@@ -19,7 +19,7 @@ def stamps(parts: Iterable[Any]) -> dict[str, list[int]]:
     out: dict[str, list[int]] = {}
     for dataset in parts:
         if dataset is None or IMAGES not in (dataset.column_names or ()) or \
-                _stored(dataset.features[IMAGES]):
+                holds_pictures(dataset.features[IMAGES]):
             continue
         for paths in dataset[IMAGES]:
             for path in paths or ():
@@ -27,11 +27,6 @@ def stamps(parts: Iterable[Any]) -> dict[str, list[int]]:
                     stat = os.stat(path)
                     out[path] = [stat.st_size, stat.st_mtime_ns]
     return out
-
-
-def _stored(feature: Any) -> bool:
-    """A column of stored pictures (datasets' Image), not of paths."""
-    return getattr(getattr(feature, "feature", None), "_type", None) == "Image"
 
 
 def changed(recorded: Any) -> str | None:
