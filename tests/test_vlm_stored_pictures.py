@@ -10,6 +10,7 @@ one line at validate as at training."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -128,9 +129,11 @@ def test_training_reads_stored_pictures_with_one_copy_of_the_rows(write, tmp_pat
 
     rows = quickstart_rows("vlm_train", 3)
     data = stored(tmp_path / "train.parquet", rows)
-    before = set(scratch.reads_root().rglob("*.arrow"))
+    # this process's reads (data/scratch.py: <host>.<pid>.<random>/), not other runs'
+    ours = lambda: {p for p in scratch.reads_root().glob(f"*.{os.getpid()}.*/**/*.arrow")}
+    before = ours()
     splits = load_data(load_experiment(config(write, "read", data, data)))
-    written = set(scratch.reads_root().rglob("*.arrow")) - before
+    written = ours() - before
     assert len(written) == 2 * 2, sorted(written)  # train and eval, each read apart
     assert isinstance(splits.train[0]["images"][0], Picture)
 
