@@ -12,6 +12,7 @@ from peft import LoraConfig, PeftModel, get_peft_model, prepare_model_for_kbit_t
 from transformers import PreTrainedModel
 
 from finetune.model import vision_parts
+from finetune.model.frozen_tower import keep_frozen_tower_out_of_autograd
 from finetune.model.load import head
 from finetune.model.vision import is_vision_language
 from finetune.config.schema import Experiment
@@ -42,11 +43,14 @@ def apply_peft(model: PreTrainedModel, experiment: Experiment,
     if experiment.peft.type == "none":
         if is_vision_language(experiment):
             vision_parts.freeze(model, experiment)  # vision.freeze_tower, train_projector
-        return model
-    if experiment.peft.type == "qlora":
-        model = prepare_model_for_kbit_training(
-            model, use_gradient_checkpointing=gradient_checkpointing)
-    return get_peft_model(model, lora_config(experiment, model))
+    else:
+        if experiment.peft.type == "qlora":
+            model = prepare_model_for_kbit_training(
+                model, use_gradient_checkpointing=gradient_checkpointing)
+        model = get_peft_model(model, lora_config(experiment, model))
+    if is_vision_language(experiment):
+        keep_frozen_tower_out_of_autograd(model)  # what trains is decided now
+    return model
 
 
 def match_adapter_precision(model, precision: str) -> None:
