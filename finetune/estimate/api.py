@@ -164,10 +164,6 @@ def _vision_training_note(settings: Settings) -> str:
                "prepare_model_for_kbit_training)" if peft == "qlora" else "")
             + ("; the projector trains whole (modules_to_save)" if training.projector
                else "; the projector frozen"))
-    if settings.checkpointing and not training.tower:
-        text += ("; with activation checkpointing a frozen tower still runs its backward "
-                 "(TRL's enable_input_require_grads hooks its patch embedding too), so its "
-                 "checkpointed layers keep their inputs")
     return text
 
 

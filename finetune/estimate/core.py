@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 
 from finetune.estimate import activations as act
 from finetune.estimate.census import Tensor, lora_targets
-from finetune.estimate.vision_peft import backward_training
+from finetune.estimate.vision_peft import tower_weights
 from finetune.estimate.memory import States, model_states
 from finetune.estimate.settings import Layout, Settings
 from finetune.estimate.shapes import Shape
@@ -108,7 +108,7 @@ def activation_bytes(shape: Shape, settings: Settings, layout: Layout,
     reg = regime(settings, layout)
     full = settings.peft.type == "none"
     saved_head = settings.head == "score" or "lm_head" in (settings.peft.modules_to_save or [])
-    images, tower = backward_training(settings.vision_training, not full, checkpointing)
+    images = settings.vision_training
     policy = act.activations(
         shape, reg, layer_targets(shape, settings), settings.seq_len, settings.logit_tokens,
         settings.sequences, checkpointing, head_trainable=full or saved_head,
@@ -121,7 +121,8 @@ def activation_bytes(shape: Shape, settings: Settings, layout: Layout,
         policy = replace(policy, logits_saved=0, logits_peak=0)
     if shape.vision and settings.images_per_row:
         # The tower and projector are never quantized (llm_int8_skip_modules).
-        unquantized = replace(reg, quantized=0, dora=False, tower=tower)
+        unquantized = replace(reg, quantized=0, dora=False,
+                              tower=tower_weights(images, not full))
         policy = replace(policy, vision=settings.sequences * settings.images_per_row
                          * shape.vision.image_bytes(unquantized, checkpointing, images))
     if settings.value_model != "separate":

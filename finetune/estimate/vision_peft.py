@@ -122,22 +122,12 @@ def frozen_by_name(name: str, shape: Shape, training: Training) -> bool:
     return not training.tower and inside(name, tower_module(shape))
 
 
-def backward_training(training: Training, peft: bool,
-                      checkpointing: bool) -> tuple[Training, str]:
-    """(the vision parts on the backward's path, the tower's weights there: trained, lora
-    or frozen; walk.Regime.tower). Under LoRA a tower that is not frozen has an adapter on
-    every linear. With activation checkpointing, TRL calls enable_input_require_grads
-    under (Q)LoRA, which in transformers 5 hooks the input embeddings of every
-    PreTrainedModel inside the model, the tower's patch embedding too: the frozen tower's
-    output then requires grad, and the backward runs through it."""
-    if not peft:
-        return training, "trained"
-    if training.tower:
-        return training, "lora"
-    if checkpointing:
-        return Training(tower=True, projector=training.projector), "frozen"
-    return training, "trained"
-
+def tower_weights(training: Training, peft: bool) -> str:
+    """The tower's weights on the backward's path (walk.Regime.tower): lora where LoRA
+    puts an adapter on its every linear (a tower that is not frozen under (Q)LoRA), else
+    trained. A frozen tower is on no path: it runs without autograd
+    (finetune.model.frozen_tower), with activation checkpointing too."""
+    return "lora" if peft and training.tower else "trained"
 
 
 def picture_size(experiment: Experiment, size: tuple[int, int] | None) -> tuple[int, int] | None:

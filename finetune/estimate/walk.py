@@ -23,8 +23,8 @@ class Regime:
     attention: str = "sdpa"
     mask_keys: int = 0     # key positions per query in the mask sdpa/eager keeps (0: none)
     liger: bool = False    # use_liger_kernel: Liger's RMSNorm and SwiGLU save less
-    # A vision tower's weights on the gradient path: trained, lora (an adapter on every
-    # linear, the base frozen) or frozen (the backward runs through it, nothing trains)
+    # A vision tower's weights on the gradient path: trained, or lora (an adapter on every
+    # linear, the base frozen); a frozen tower is on none (vision_peft.tower_weights)
     tower: str = "trained"
 
     def for_tower(self) -> "Regime":
