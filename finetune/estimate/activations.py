@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from finetune.estimate import cross_attention
 from finetune.estimate.shapes import Shape
 from finetune.estimate.walk import Regime, _gemma_norm, _linear, _norm, _T, _Walk
 
@@ -63,8 +64,11 @@ def _attention(w: _Walk, q: _T, k: _T, v: _T, shape: Shape, reg: Regime, seq: in
 
 
 def layer_bytes(shape: Shape, reg: Regime, targets: frozenset[str], seq: int,
-                grad: bool = True) -> int:
-    """Bytes saved by one decoder layer, per token. grad: whether its input requires grad."""
+                grad: bool = True, index: int = -1) -> int:
+    """Bytes saved by one decoder layer, per token. grad: whether its input requires grad.
+    index: the layer's (mllama's cross-attention layers walk their own way)."""
+    if index in shape.cross_layers:
+        return cross_attention.layer_bytes(shape, reg, targets, grad)
     w = _Walk()
     h, i = shape.hidden, shape.intermediate
     x = w.new(h, reg.residual)
@@ -111,14 +115,15 @@ def activations(shape: Shape, reg: Regime, layer_targets: list[frozenset[str]], 
                 head_trainable: bool, lm_head: bool, input_grad: bool = False) -> Activations:
     """Per sample. layer_targets: the LoRA-targeted projections of each layer. input_grad:
     the input embeddings require grad (a VLM's image features from a trained part)."""
-    per_layer = [layer_bytes(shape, reg, t, seq) for t in layer_targets]
+    per_layer = [layer_bytes(shape, reg, t, seq, index=n) for n, t in enumerate(layer_targets)]
     if not reg.base_trainable and not checkpointing and not input_grad:
         # Under LoRA the embeddings are frozen, so nothing before the first adapter needs a
         # gradient (with checkpointing, enable_input_require_grads changes that).
         first = next((n for n, t in enumerate(layer_targets) if t), len(per_layer))
         per_layer[:first] = [0] * first
         if first < len(per_layer):
-            per_layer[first] = layer_bytes(shape, reg, layer_targets[first], seq, grad=False)
+            per_layer[first] = layer_bytes(shape, reg, layer_targets[first], seq, grad=False,
+                                           index=first)
     if checkpointing:  # each layer keeps its input; backward recomputes one layer at a time
         layers = len(per_layer) * shape.hidden * reg.residual + max(per_layer)
     else:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from finetune.estimate import activations as act
+from finetune.estimate import cross_attention
 from finetune.estimate.census import Tensor, lora_targets
 from finetune.estimate.vision_peft import tower_weights
 from finetune.estimate.memory import States, model_states
@@ -109,13 +110,14 @@ def activation_bytes(shape: Shape, settings: Settings, layout: Layout,
     full = settings.peft.type == "none"
     saved_head = settings.head == "score" or "lm_head" in (settings.peft.modules_to_save or [])
     images = settings.vision_training
+    targets = layer_targets(shape, settings)
     policy = act.activations(
-        shape, reg, layer_targets(shape, settings), settings.seq_len, settings.logit_tokens,
+        shape, reg, targets, settings.seq_len, settings.logit_tokens,
         settings.sequences, checkpointing, head_trainable=full or saved_head,
         lm_head=settings.head == "lm",
         # image features from a trained tower or projector need the gradient of the
-        # language model's input
-        input_grad=bool(shape.vision and settings.images_per_row)
+        # language model's input (mllama's reach it through cross-attention instead)
+        input_grad=bool(shape.vision and settings.images_per_row and not shape.cross_layers)
         and (images.tower or images.projector))
     if settings.fused_loss:  # Liger's fused linear cross-entropy works chunk by chunk
         policy = replace(policy, logits_saved=0, logits_peak=0)
@@ -125,6 +127,11 @@ def activation_bytes(shape: Shape, settings: Settings, layout: Layout,
                               tower=tower_weights(images, not full))
         policy = replace(policy, vision=settings.sequences * settings.images_per_row
                          * shape.vision.image_bytes(unquantized, checkpointing, images))
+        if shape.cross_layers:  # the language model's cross-attention over each image
+            policy = replace(policy, layers=policy.layers + settings.sequences
+                             * settings.images_per_row * cross_attention.image_bytes(
+                                 shape, reg, targets, settings.seq_len, checkpointing,
+                                 images.tower or images.projector))
     if settings.value_model != "separate":
         return policy
     # ppo: the separate value backbone runs its own forward, fully trained in fp32 + autocast.

@@ -18,7 +18,7 @@ from typing import Any
 
 from finetune.config.vision import image_text_model_types
 from finetune.errors import ConfigError
-from finetune.estimate import vision
+from finetune.estimate import cross_attention, vision
 from finetune.estimate.defaults import with_defaults
 from finetune.estimate.param import Param
 
@@ -55,6 +55,8 @@ class Shape:
     sandwich: bool = False             # Gemma 2/3: norms after attention and the MLP too
     logit_softcap: bool = False        # Gemma 2: logits = cap * tanh(logits / cap)
     attn_softcap: bool = False         # Gemma 2: the attention scores are capped so too
+    cross_layers: tuple[int, ...] = ()  # mllama: cross-attention layers (cross_attention.py)
+    extra_embeddings: int = 0          # mllama: embed_tokens rows past the vocabulary
 
     @property
     def image_tokens(self) -> int:
@@ -147,7 +149,7 @@ def shape_of(config: dict[str, Any], where: str,
     kind = config.get("model_type")
     if kind in vision.COUNTED:
         text, tower = vision.read(config, where, processor)
-        language = shape_of(text, where)
+        language = vision.language(kind, shape_of(text, where), tower)
         return replace(language, model_type=kind, vision=tower, prefix=vision.text_prefix(kind))
     if kind in image_text_model_types():
         raise ConfigError([f"{where}: model_type {kind!r} is a vision-language model the "
@@ -208,9 +210,11 @@ def linears(shape: Shape, head: str, num_labels: int = 1) -> list[Linear]:
     """Every module LoRA can target, in named_modules() order. head: 'lm' or 'score'."""
     h, i = shape.hidden, shape.intermediate
     lm = shape.prefix
-    out = [Linear(f"{lm}embed_tokens", shape.vocab, h, False, "embedding")]
+    out = [Linear(f"{lm}embed_tokens", shape.vocab + shape.extra_embeddings, h, False,
+                  "embedding")]
     for n in range(shape.layers):
-        a, m = f"{lm}layers.{n}.self_attn", f"{lm}layers.{n}.mlp"
+        a = f"{lm}layers.{n}.{cross_attention.attention_name(shape, n)}"
+        m = f"{lm}layers.{n}.mlp"
         out += [Linear(f"{a}.q_proj", h, shape.q_dim, shape.qkv_bias, "layer"),
                 Linear(f"{a}.k_proj", h, shape.kv_dim, shape.qkv_bias, "layer"),
                 Linear(f"{a}.v_proj", h, shape.kv_dim, shape.qkv_bias, "layer"),
@@ -244,10 +248,10 @@ def module_names(shape: Shape, head: str) -> list[str]:
     names = [lm.rstrip("."), f"{lm}embed_tokens", f"{lm}layers"]
     for n in range(shape.layers):
         p = f"{lm}layers.{n}"
-        names += [p, f"{p}.self_attn", f"{p}.self_attn.q_proj", f"{p}.self_attn.k_proj",
-                  f"{p}.self_attn.v_proj", f"{p}.self_attn.o_proj"]
-        if shape.qk_norm:
-            names += [f"{p}.self_attn.q_norm", f"{p}.self_attn.k_norm"]
+        a = f"{p}.{cross_attention.attention_name(shape, n)}"
+        names += [p, a, f"{a}.q_proj", f"{a}.k_proj", f"{a}.v_proj", f"{a}.o_proj"]
+        if shape.qk_norm or n in shape.cross_layers:
+            names += [f"{a}.q_norm", f"{a}.k_norm"]
         names += [f"{p}.mlp", f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj", f"{p}.mlp.down_proj",
                   f"{p}.mlp.act_fn", *(f"{p}.{norm}" for norm in _norms(shape))]
     names += [f"{lm}norm", f"{lm}rotary_emb", "lm_head" if head == "lm" else "score"]
@@ -268,8 +272,8 @@ def parameters(shape: Shape, head: str, num_labels: int = 1) -> list[Param]:
     come first, as transformers registers them."""
     h, lm = shape.hidden, shape.prefix
     params = shape.vision.parameters() if shape.vision else []
-    params.append(Param(f"{lm}embed_tokens.weight", shape.vocab * h, "embedding",
-                        f"{lm}embed_tokens", h))
+    params.append(Param(f"{lm}embed_tokens.weight", (shape.vocab + shape.extra_embeddings) * h,
+                        "embedding", f"{lm}embed_tokens", h))
     for lin in linears(shape, head, num_labels):
         if lin.kind != "layer":
             continue
@@ -284,6 +288,7 @@ def parameters(shape: Shape, head: str, num_labels: int = 1) -> list[Param]:
             layer = lin.name.rsplit(".", 2)[0]
             params += [Param(f"{layer}.{norm}.weight", h, "norm", f"{layer}.{norm}")
                        for norm in _norms(shape)]
+            params += cross_attention.layer_extras(shape, layer)  # mllama's norms and gates
     params.append(Param(f"{lm}norm.weight", h, "norm", f"{lm}norm"))
     if head == "score":
         params.append(Param("score.weight", h * num_labels, "head", "score", num_labels))

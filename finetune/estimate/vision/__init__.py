@@ -2,7 +2,9 @@
 one module per family: LLaVA (llava.py), LLaVA-NeXT (llava_next.py), Qwen2-VL and
 Qwen2.5-VL (qwen2_vl.py), Gemma 3 (gemma3.py), PaliGemma (paligemma.py), Idefics3 and
 SmolVLM (idefics3.py), their SigLIP-layout towers in siglip.py, Mistral 3 (mistral3.py,
-its Pixtral tower's activations in pixtral_activations.py) and InternVL (internvl.py).
+its Pixtral tower's activations in pixtral_activations.py), InternVL (internvl.py) and
+Llama 3.2 Vision (mllama.py; its language model's cross-attention layers in
+estimate/cross_attention.py).
 
 Each family's read(config, where, processor) returns the language model's config (read
 by shapes.shape_of as a text model's) and a vision shape that answers, for the rest of
@@ -20,24 +22,31 @@ from __future__ import annotations
 from typing import Any
 
 from finetune.estimate.vision import (gemma3, idefics3, internvl, llava, llava_next, mistral3,
-                                      paligemma, qwen2_vl)
+                                      mllama, paligemma, qwen2_vl)
 from finetune.estimate.vision.common import Training
 
 FAMILIES = {"llava": llava, "qwen2_vl": qwen2_vl, "qwen2_5_vl": qwen2_vl, "gemma3": gemma3,
             "paligemma": paligemma, "llava_next": llava_next, "idefics3": idefics3,
             "smolvlm": idefics3, "mistral3": mistral3,
-            "internvl": internvl}
+            "internvl": internvl, "mllama": mllama}
 COUNTED = tuple(FAMILIES)
 LANGUAGE_MODEL = "model.language_model."
 # Every family's tower and projector: a VLM's tp_plan is its language model's.
 VISION_PREFIXES = (llava.TOWER, llava.PROJECTOR, qwen2_vl.TOWER, gemma3.TOWER, gemma3.PROJECTOR,
                    paligemma.TOWER, paligemma.PROJECTOR, llava_next.NEWLINE, idefics3.TOWER,
-                   idefics3.PROJECTOR)
+                   idefics3.PROJECTOR, mllama.TOWER, mllama.PROJECTOR)
 
 
 def read(config: dict[str, Any], where: str, processor: dict[str, Any] | None = None):
     """(the language model's config; the vision shape) of a counted model type."""
     return FAMILIES[config["model_type"]].read(config, where, processor)
+
+
+def language(model_type: str, shape, tower):
+    """The language model's shape as the family changes it (mllama: cross-attention
+    layers, extra embedding rows)."""
+    change = getattr(FAMILIES[model_type], "language", None)
+    return change(shape, tower) if change else shape
 
 
 def text_prefix(model_type: str) -> str:
@@ -54,5 +63,5 @@ def part_of(name: str, vision) -> str:
     return "language_model"
 
 
-__all__ = ["COUNTED", "LANGUAGE_MODEL", "Training", "VISION_PREFIXES", "part_of", "read",
-           "text_prefix"]
+__all__ = ["COUNTED", "LANGUAGE_MODEL", "Training", "VISION_PREFIXES", "language", "part_of",
+           "read", "text_prefix"]
