@@ -193,10 +193,10 @@ def test_llava_7b_full_fine_tuning_on_8_gpus():
 
 def test_other_vision_language_models_are_refused_by_name(tmp_path):
     config = json.loads((LLAVA_7B / "config.json").read_text())
-    other = tmp_path / "mllama"
+    other = tmp_path / "llava_onevision"
     other.mkdir()
-    (other / "config.json").write_text(json.dumps({**config, "model_type": "mllama"}))
-    with pytest.raises(ConfigError, match="'mllama' is a vision-language model the "
+    (other / "config.json").write_text(json.dumps({**config, "model_type": "llava_onevision"}))
+    with pytest.raises(ConfigError, match="'llava_onevision' is a vision-language model the "
                                           "estimator does not count yet"):
         read_shape(str(other))
     siglip = tmp_path / "siglip"

@@ -3,8 +3,8 @@ patch-merging projector) and InternVL (an InternViT tower over tiles, a pixel-sh
 projector): their parts against transformers' (Mistral Small 3.1's and InternVL3
 1B/2B's config.json, built on the meta device), the tokens a picture becomes against
 their image processors and models, and what one image keeps for the backward against
-autograd (small models, random weights, CPU autocast). Llama 3.2 Vision (mllama) stays
-refused by name (test_estimate_vision.py)."""
+autograd (small models, random weights, CPU autocast). Llama 3.2 Vision (mllama):
+test_estimate_mllama.py."""
 
 from __future__ import annotations
 
