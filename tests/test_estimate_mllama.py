@@ -16,8 +16,9 @@ from vlm_configs import CPU_AUTOCAST, kept_by_autograd
 from vlm_configs import model_dir as _model
 from finetune.config import load_experiment
 from finetune.errors import ConfigError
-from finetune.estimate import estimate, render_text
+from finetune.estimate import cross_attention, estimate, render_text
 from finetune.estimate.census import census
+from finetune.estimate.core import layer_targets, regime
 from finetune.estimate.shapes import parameters, read_shape
 from finetune.estimate.vision import Training
 
@@ -84,10 +85,16 @@ def test_parts_tiles_and_tokens(tmp_path):
                                          "training.max_length=2048"]), images_per_row=2)
     rows = [{key: b for key, _, b in e.configured.rows} for e in (result, two)]
     assert rows[1]["vision"] == 2 * rows[0]["vision"]
-    assert rows[1]["activations"] > rows[0]["activations"]
+    settings = result.settings
+    cross = cross_attention.image_bytes(
+        result.shape, regime(settings, settings.layout), layer_targets(result.shape, settings),
+        2048, settings.checkpointing, True)
+    assert cross > 0 and rows[1]["activations"] - rows[0]["activations"] == \
+        settings.micro_batch * cross
     # the command, on a directory holding the config, as docs/estimate.md shows
+    # (cold: `estimate` imports no torch, so a fresh process is faster than a warm fork)
     run = run_cli("estimate", str(VLM), f"model.name_or_path={path}", "--image-size",
-                  "1920x1080", "--json", cwd=tmp_path)
+                  "1920x1080", "--json", cwd=tmp_path, cold=True)
     assert run.returncode == 0, run.stderr
     report = json.loads(run.stdout)
     assert report["model"]["parts"] == PARTS and report["model"]["image_tokens"] == 1
@@ -172,7 +179,7 @@ SMALL = {
 SMALL_PROCESSOR = {"size": {"height": 56, "width": 56}, "max_image_tiles": 4}
 
 
-@pytest.mark.slow  # imports torch; a small model and 560-pixel tiles (about 4 s)
+@pytest.mark.slow  # imports torch; a small model and 560-pixel tiles (about 2 s)
 def test_tiles_and_activations_against_autograd(tmp_path):
     """MllamaImageProcessor (560-pixel tiles, at most 4) cuts each picture into the
     estimate's grid. The small model, fp32 weights, CPU autocast, sdpa: what the tower and
@@ -191,7 +198,7 @@ def test_tiles_and_activations_against_autograd(tmp_path):
     from transformers.models.mllama.processing_mllama import (
         convert_sparse_cross_attention_mask_to_dense, get_cross_attention_token_mask)
 
-    from finetune.estimate import activations as act, cross_attention
+    from finetune.estimate import activations as act
 
     big = read_shape(str(_model(tmp_path, LLAMA_32_11B_VISION, PROCESSOR))).vision
     processor = MllamaImageProcessorPil(**PROCESSOR)
