@@ -222,9 +222,9 @@ def test_tiles_and_activations_against_autograd(tmp_path):
 
     def copies(names):  # the 16-bit weight copies autocast makes for matmuls
         return sum(2 * p.numel() for name, p in model.named_parameters()
-                   if name.startswith(names) and p.requires_grad and (
-                       name.endswith("_proj.weight") or (".mlp.fc" in name and name.endswith(".weight"))
-                       or name.endswith(("patch_embedding.weight", "projector.weight"))))
+                   if name.startswith(names) and p.requires_grad and name.endswith((
+                       "_proj.weight", "fc1.weight", "fc2.weight", "patch_embedding.weight",
+                       "projector.weight")))
 
     made = processor(images=[[Image.new("RGB", (640, 480))]], return_tensors="pt")
     pixels = made["pixel_values"].numel() * 4
