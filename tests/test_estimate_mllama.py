@@ -169,8 +169,8 @@ def test_parameters_are_transformers_own(tmp_path):
 SMALL = {
     **LLAMA_32_11B_VISION, "image_token_index": 300,
     "text_config": {**LLAMA_32_11B_VISION["text_config"], "hidden_size": 48,
-                    "intermediate_size": 64, "num_hidden_layers": 3, "num_attention_heads": 2,
-                    "num_key_value_heads": 1, "vocab_size": 300, "pad_token_id": 0,
+                    "intermediate_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4,
+                    "num_key_value_heads": 2, "vocab_size": 300, "pad_token_id": 0,
                     "bos_token_id": 1, "eos_token_id": 2, "cross_attention_layers": [1]},
     "vision_config": {**LLAMA_32_11B_VISION["vision_config"], "hidden_size": 32,
                       "intermediate_size": 48, "attention_heads": 2, "num_hidden_layers": 4,
@@ -189,7 +189,9 @@ def test_tiles_and_activations_against_autograd(tmp_path):
     counts for its decoder layers (the cross-attention layer's per token and per image),
     less what it does not count (the rotary cos/sin and the gates' tanh, once a forward);
     with checkpointing the decoder layers' inputs (the hooks do not see the recomputed
-    layer, nor the vision states and masks the checkpointed layers hold as keywords)."""
+    layer, nor the vision states and masks the checkpointed layers hold as keywords); and
+    so does it under LoRA on the language model's linears with a frozen tower and
+    projector (bf16 base, fp32 adapters)."""
     torch = pytest.importorskip("torch")
     from PIL import Image
     from transformers import AutoConfig, AutoModelForImageTextToText
@@ -275,3 +277,45 @@ def test_tiles_and_activations_against_autograd(tmp_path):
             else:
                 unseen = 2 * seq * shape.head_dim * 4 + 2 * 4 * len(shape.cross_layers)
                 assert measured == counted + unseen, (images, checkpointing)
+
+    # LoRA on every linear of the language model (as all-linear puts it), the base in bf16,
+    # the tower and projector frozen: the vision states need no gradient
+    from dataclasses import replace
+
+    from peft import LoraConfig, get_peft_model
+
+    # (a fresh model: activation_checkpointing_enable left input-grad hooks on the other)
+    model = AutoModelForImageTextToText.from_config(
+        AutoConfig.from_pretrained(path), dtype=torch.bfloat16, attn_implementation="sdpa")
+    lora = get_peft_model(model, LoraConfig(
+        r=4, lora_alpha=8, lora_dropout=0.0,
+        target_modules=r"model\.language_model\.layers\.\d+\.\w+\.\w+_proj")).train()
+    storages = {p.untyped_storage().data_ptr() for p in lora.parameters()}
+    reg = replace(CPU_AUTOCAST, residual=2, base_trainable=False, adapter=4, rank=4)
+    targets = [frozenset(("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                          "down_proj"))] * shape.layers
+    # autocast's copies of the adapters, less lora_A's where its input needs no gradient
+    # (the first layer's q/k/v, the cross-attention's k/v over the frozen vision states)
+    unsaved = ("layers.0.self_attn.q_proj", "layers.0.self_attn.k_proj",
+               "layers.0.self_attn.v_proj", "layers.1.cross_attn.k_proj",
+               "layers.1.cross_attn.v_proj")
+    held = sum(2 * p.numel() for name, p in lora.named_parameters() if "lora_" in name
+               and not ("lora_A" in name and any(f".{m}." in name for m in unsaved)))
+    for images in (1, 2):
+        made = processor(images=[[Image.new("RGB", (640, 480))] * images], return_tensors="pt")
+        ids = torch.randint(3, 300, (1, seq), generator=torch.Generator().manual_seed(0))
+        ids[0, [1, 5][:images]] = 300
+        mask = torch.tensor(convert_sparse_cross_attention_mask_to_dense(
+            [get_cross_attention_token_mask(ids[0].tolist(), 300)], made["num_tiles"], 4, seq))
+        _, kept = kept_by_autograd(lambda: lora.base_model.model.model(
+            input_ids=ids, cross_attention_mask=mask,
+            pixel_values=made["pixel_values"].to(torch.bfloat16),
+            aspect_ratio_ids=made["aspect_ratio_ids"],
+            aspect_ratio_mask=made["aspect_ratio_mask"]).last_hidden_state, storages)
+        text = act.activations(shape, reg, targets, seq, 0, 1, False, head_trainable=False,
+                               lm_head=False)
+        cross = cross_attention.image_bytes(shape, reg, targets, seq, False, False)
+        assert images * vision.image_bytes(reg, False, Training(False, False)) == \
+            made["pixel_values"].numel() * 4  # the frozen tower and projector: pixels only
+        unseen = 2 * seq * shape.head_dim * 2 + 2 * 2 * len(shape.cross_layers)  # bf16 now
+        assert kept - held == text.layers + text.other + images * cross + unseen, images
