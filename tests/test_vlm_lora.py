@@ -13,6 +13,8 @@ import shutil
 import pytest
 
 from conftest import QUICKSTART, TINY_MODEL, run_cli
+from vlm_configs import (GEMMA3_4B, LLAVA_NEXT_7B, PALIGEMMA_3B, QWEN2_VL_2B, QWEN25_VL_3B,
+                         SMOLVLM_256M, tiny_mllama)
 from finetune.config import load_experiment
 from finetune.errors import ConfigError
 
@@ -112,25 +114,67 @@ def test_all_linear_is_the_language_models_linear_layers():
         targets("peft.target_modules=[linear_1]", "vision.train_projector=true")
 
 
-@pytest.mark.slow  # builds the model (torch), on the meta device
-def test_full_training_freezes_what_the_vision_section_says():
+PARTS = {  # model type: (its config, (tower, language model, projector, bare parameters))
+    "llava": (None, ("model.vision_tower", "model.language_model",
+                     ("model.multi_modal_projector",), ())),
+    "llava_next": (LLAVA_NEXT_7B, ("model.vision_tower", "model.language_model",
+                                   ("model.multi_modal_projector",), ("model.image_newline",))),
+    "qwen2_vl": (QWEN2_VL_2B, ("model.visual", "model.language_model", (), ())),
+    "qwen2_5_vl": (QWEN25_VL_3B, ("model.visual", "model.language_model", (), ())),
+    "gemma3": (GEMMA3_4B, ("model.vision_tower", "model.language_model",
+                           ("model.multi_modal_projector",), ())),
+    "paligemma": (PALIGEMMA_3B, ("model.vision_tower", "model.language_model",
+                                 ("model.multi_modal_projector",), ())),
+    "idefics3": (SMOLVLM_256M, ("model.vision_model", "model.text_model", ("model.connector",),
+                                ())),
+    "mllama": (None, ("model.vision_model", "model.language_model",
+                      ("model.multi_modal_projector",), ())),
+}
+
+
+@pytest.mark.slow  # builds each model (torch), on the meta device
+@pytest.mark.parametrize("model_type", list(PARTS))
+def test_every_parameter_is_in_one_part_and_trains_as_its_part_does(model_type, tmp_path):
+    """vision_parts finds the parts through transformers' accessors; every parameter is the
+    tower's, the language model's, the head's or the projector's (LLaVA-NeXT's
+    image_newline, a bare parameter beside them, with the projector): full training with
+    vision.train_projector false freezes the projector's, freeze_tower the tower's."""
     import torch
     from transformers import AutoConfig, AutoModelForImageTextToText
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     from finetune.model import vision_parts
 
+    published, expected = PARTS[model_type]
+    if published is None:  # the bundled tiny LLaVA, the tiny mllama
+        config = AutoConfig.from_pretrained(TINY_VLM if model_type == "llava" else
+                                            tiny_mllama(tmp_path))
+    else:
+        config = CONFIG_MAPPING[model_type](**{k: v for k, v in published.items()
+                                              if k != "model_type"})
+    assert config.model_type == model_type
+
     def trained(*overrides) -> set[str]:
         with torch.device("meta"):
-            model = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(TINY_VLM))
+            model = AutoModelForImageTextToText.from_config(config)
         vision_parts.freeze(model, load_experiment(VLM, list(overrides)))
-        return {n.split(".")[1] for n, p in model.named_parameters()
-                if p.requires_grad and n.startswith("model.")}
+        return {n for n, p in model.named_parameters() if p.requires_grad}
 
-    everything = {"vision_tower", "multi_modal_projector", "language_model"}
-    assert trained() == everything  # full training's defaults
-    assert trained("vision.freeze_tower=true") == everything - {"vision_tower"}
-    assert trained("vision.freeze_tower=true", "vision.train_projector=false") == \
-        {"language_model"}
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(config)
+    found = vision_parts.parts(model)
+    assert (found.tower, found.language, found.projector, found.projector_parameters) == \
+        expected and found.head == "lm_head"
+    names = {n for n, _ in model.named_parameters()}
+    part = lambda *prefixes: {n for n in names if any(vision_parts.inside(n, p)
+                                                      for p in prefixes)}
+    tower, projector = part(found.tower), part(*found.projector, *found.projector_parameters)
+    assert names == tower | part(found.language, found.head) | projector
+    assert trained() == names
+    assert trained("vision.train_projector=false") == names - projector
+    assert trained("vision.freeze_tower=true") == names - tower
+    if model_type == "llava_next":  # with the projector, not with everything else
+        assert "model.image_newline" in projector
 
 
 def test_a_changed_vision_setting_is_another_fingerprint():

@@ -161,3 +161,50 @@ def kept_by_autograd(forward, parameters: set[int]):
 # fp32 weights under CPU autocast (bf16), sdpa: the regime the autograd checks run
 CPU_AUTOCAST = Regime(residual=4, compute=2, autocast=True, base_trainable=True, quantized=0,
                       attention="sdpa", cuda=False)
+
+
+# A tiny Llama 3.2 Vision (model_type mllama): its vision tower cuts each picture into
+# tiles of TILE x TILE pixels (at most 2: 28x28 pictures are one tile, 56x28 two), and the
+# language model reads the picture through cross-attention layers (here 1 of 2), so a
+# picture is one <|image|> token in the text. Built the way configs/quickstart/
+# make_vlm_assets.py builds the tiny LLaVA: the quickstart tokenizer with the image token
+# and a chat template marking the answers with {% generation %}.
+MLLAMA_IMAGE_TOKEN, TILE = "<|image|>", 28
+
+
+def tiny_mllama(directory):
+    """A model directory (config.json and the processor's files) of a tiny mllama, for
+    `model.init: random`."""
+    import sys
+
+    from conftest import QUICKSTART
+
+    sys.path.insert(0, str(QUICKSTART))
+    import make_assets
+    import make_vlm_assets
+    from transformers import MllamaConfig, MllamaProcessor
+    from transformers.models.mllama.image_processing_pil_mllama import MllamaImageProcessorPil
+
+    sys.path.remove(str(QUICKSTART))
+    tokenizer = make_assets.build_tokenizer()
+    tokenizer.add_tokens([MLLAMA_IMAGE_TOKEN], special_tokens=True)
+    template = make_vlm_assets.CHAT_TEMPLATE.replace(make_vlm_assets.IMAGE_TOKEN,
+                                                     MLLAMA_IMAGE_TOKEN)
+    tokenizer.chat_template = template
+    images = MllamaImageProcessorPil(size={"height": TILE, "width": TILE}, max_image_tiles=2)
+    MllamaProcessor(image_processor=images, tokenizer=tokenizer,
+                    chat_template=template).save_pretrained(directory)
+    vision = dict(hidden_size=32, num_hidden_layers=2, num_global_layers=1, attention_heads=2,
+                  intermediate_size=64, vision_output_dim=32 * 3,  # 2 intermediate layers + last
+                  intermediate_layers_indices=[0, 1], image_size=TILE, patch_size=14,
+                  max_num_tiles=2, supported_aspect_ratios=[[1, 1], [1, 2], [2, 1]])
+    # hidden 64: bitsandbytes' CPU kernel needs QLoRA's linear layers at least a block wide
+    text = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                num_hidden_layers=2, cross_attention_layers=[1], num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=256,
+                bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id)
+    MllamaConfig(architectures=["MllamaForConditionalGeneration"], vision_config=vision,
+                 text_config=text, image_token_index=tokenizer.convert_tokens_to_ids(
+                     MLLAMA_IMAGE_TOKEN)).save_pretrained(directory)
+    return directory

@@ -7,7 +7,9 @@ get_encoder(modality="image") is the vision tower (vision_tower, visual, vision_
 ...), get_decoder() the language model, get_output_embeddings() the head; the projector
 is what sits beside the tower and the language model in their parent module with
 weights of its own (LLaVA's and Gemma 3's multi_modal_projector, Idefics3's connector;
-Qwen2-VL's merger lives inside its tower and counts as tower).
+Qwen2-VL's merger lives inside its tower and counts as tower), and the parameters that
+parent holds itself, outside every module (LLaVA-NeXT's image_newline, the learned
+embedding put after each row of image features): trained with the projector.
 
 PEFT's own `all-linear` takes every linear layer but the head: the tower and projector
 too. Here all-linear (finetune's default) becomes the language model's linear layers
@@ -32,6 +34,9 @@ class Parts:
     language: str
     projector: tuple[str, ...]
     head: str | None
+    # bare parameters beside them (LLaVA-NeXT's image_newline): trained with the projector
+    # under full training; PEFT's modules_to_save takes modules only, so LoRA leaves them
+    projector_parameters: tuple[str, ...] = ()
 
 
 def _name(model, module, names: dict[int, str], what: str) -> str:
@@ -49,15 +54,17 @@ def parts(model) -> Parts:
     language = _name(model, model.get_decoder(), names, "language model")
     head_module = model.get_output_embeddings()
     head = names.get(id(head_module)) if head_module is not None else None
-    projector = []
-    for inner in {tower.rpartition(".")[0], language.rpartition(".")[0]}:
+    projector, loose = [], []
+    for inner in sorted({tower.rpartition(".")[0], language.rpartition(".")[0]}):
         parent = model.get_submodule(inner)
         for child, module in parent.named_children():
             name = f"{inner}.{child}" if inner else child
             if name not in (tower, language, head) and name not in projector and \
                     any(True for _ in module.parameters()):
                 projector.append(name)
-    return Parts(tower, language, tuple(projector), head)
+        loose += [f"{inner}.{own}" if inner else own
+                  for own, _ in parent.named_parameters(recurse=False)]
+    return Parts(tower, language, tuple(projector), head, tuple(loose))
 
 
 def inside(name: str, prefix: str) -> bool:
@@ -76,7 +83,7 @@ def freeze(model, experiment: Experiment) -> None:
         return  # everything trains: no part needs finding
     found = parts(model)
     frozen = ([found.tower] if chosen.freeze_tower else []) + \
-        ([] if chosen.train_projector else list(found.projector))
+        ([] if chosen.train_projector else [*found.projector, *found.projector_parameters])
     for name, param in model.named_parameters():
         if any(inside(name, prefix) for prefix in frozen):
             param.requires_grad_(False)
