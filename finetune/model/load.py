@@ -134,6 +134,9 @@ def attention_of(experiment: Experiment, hw: Hardware, config) -> str | None:
         if unable:
             raise RunError(f"model.attn_implementation flash_attention_2: {unable}; set it "
                            "to auto (or sdpa)")
+    if implementation == "flash_attention_2" and experiment.model.attn_implementation == "auto" \
+            and not vision.runs_flash_attention(config):
+        return None  # transformers' default, sdpa (Llama 3.2 Vision: model/vision.py)
     if implementation != attention.VARLEN:
         return implementation
     unsupported = getattr(config, "attn_logit_softcapping", None) is not None or \

@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Callable
 
 from transformers import AutoConfig, AutoModelForImageTextToText, ProcessorMixin
-from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+from transformers.models.auto.modeling_auto import (MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING,
+                                                    MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
 
 from finetune.config import vision
 from finetune.config.schema import Experiment
@@ -51,6 +52,17 @@ def text_tokenizer(processing_class):
 def is_vision_model(model) -> bool:
     config = getattr(model, "config", None)
     return getattr(config, "model_type", None) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+
+def runs_flash_attention(config) -> bool:
+    """Whether transformers runs this model with flash attention: not Llama 3.2 Vision
+    (mllama), whose cross-attention layers take 4D masks (its class says so,
+    _supports_flash_attn); attn_implementation auto then takes sdpa. True for a model that
+    is not a vision-language one (its own check is transformers' at load)."""
+    if config.model_type not in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+        return True
+    return getattr(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING[type(config)], "_supports_flash_attn",
+                   True)
 
 
 def load_saved_weights(model, directory) -> None:
