@@ -514,3 +514,26 @@ def test_llama_32_vision_trains_whole_and_with_lora_generates_and_merges(write, 
                         AutoConfig.from_pretrained(tmp_path / "tiny-mllama")) is None
     assert attention_of(load_experiment(VLM), gpu,
                         AutoConfig.from_pretrained(TINY_VLM)) == "flash_attention_2"
+    # TRL's dpo trainer would train it without its cross_attention_mask: refused before it builds
+    from finetune.trainers.vision import VisionDPOTrainer
+
+    with pytest.raises(ConfigError, match=r"^method: Llama 3.2 Vision \(model_type mllama\) "
+                                          "trains with sft only yet: TRL's dpo trainer"):
+        VisionDPOTrainer(model=model)
+
+
+def test_llama_32_vision_trains_with_sft_only_yet(write, tmp_path):
+    """TRL's dpo and grpo trainers do not carry mllama's cross-attention inputs: refused in
+    one line at validate (a local model), as the trainer refuses them (test above)."""
+    from vlm_configs import model_dir
+
+    model = model_dir(tmp_path, {"model_type": "mllama"})
+    (tmp_path / "x.jsonl").write_text("")
+    experiment = lambda method, extra="": write(
+        f"{method}.yaml", f"method: {method}\nmodel: {{name_or_path: {model}, init: random}}\n"
+                          f"data: {{train: x.jsonl}}\n{extra}")
+    for method, extra in (("dpo", ""), ("grpo", "rewards: {functions: [r.py:right]}\n")):
+        assert f"method: Llama 3.2 Vision (model_type mllama) trains with sft only yet: TRL's " \
+               f"{method} trainer does not carry its cross-attention inputs" in \
+               problems(experiment(method, extra), [])
+    assert load_experiment(experiment("sft")).method == "sft"

@@ -3,7 +3,9 @@ save_pretrained writes the checkpoint's key names (LLaVA's `language_model.model
 which transformers maps back only in from_pretrained; the Trainer's resume loads the
 saved tensors by the module's names, finds none, warns and trains on from the weights it
 started with. Here the weights come back through from_pretrained
-(model/vision.load_saved_weights)."""
+(model/vision.load_saved_weights). A method TRL's trainer cannot train the model with
+(Llama 3.2 Vision's dpo and grpo: config/rules/vision.py) is refused before it builds, as
+validate refuses it for a local model."""
 
 from __future__ import annotations
 
@@ -11,12 +13,21 @@ from pathlib import Path
 
 from trl import DPOTrainer, SFTTrainer
 
-from finetune.errors import DataError
+from finetune.config.rules.vision import method_refused
+from finetune.errors import ConfigError, DataError
 from finetune.model.vision import load_saved_weights
 
 
 class VisionCheckpoints:
-    """Mixed in before a Trainer subclass: its checkpoints' weights loaded back."""
+    """Mixed in before every vision-language Trainer subclass (sft, dpo, grpo): its
+    checkpoints' weights loaded back; a method the model cannot train with refused."""
+
+    def __init__(self, *args, **kwargs):
+        config = getattr(kwargs.get("model"), "config", None)
+        refused = method_refused(getattr(config, "model_type", None), self._name.lower())
+        if refused:
+            raise ConfigError([f"method: {refused}"])
+        super().__init__(*args, **kwargs)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         from peft import PeftModel

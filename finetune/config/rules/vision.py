@@ -14,6 +14,22 @@ from finetune.config.schema import Experiment
 
 Problem = tuple[tuple, str]
 
+# Model types TRL's preference and online trainers cannot train: Llama 3.2 Vision reads
+# its pictures through cross-attention, with inputs those trainers do not carry
+# (DataCollatorForVisionPreference keeps the prompt's cross_attention_mask, shorter than
+# prompt + answer; GRPOTrainer's forward drops aspect_ratio_ids). sft's collator renders
+# whole conversations through the processor, which makes them right.
+SFT_ONLY = {"mllama": "Llama 3.2 Vision (model_type mllama)"}
+
+
+def method_refused(model_type: str | None, method_name: str) -> str | None:
+    """Why this model type cannot train with this method (one line), or None. Validate
+    says it for a local model, the trainer for any (trainers/vision.py)."""
+    if model_type not in SFT_ONLY or method_name == "sft":
+        return None
+    return (f"{SFT_ONLY[model_type]} trains with sft only yet: TRL's {method_name} trainer "
+            "does not carry its cross-attention inputs (docs/vision.md)")
+
 
 def check(exp: Experiment) -> Iterator[Problem]:
     yield from _section(exp)
@@ -24,6 +40,10 @@ def check(exp: Experiment) -> Iterator[Problem]:
         takers = names_where(lambda m: m.vision)
         verb = "trains" if len(takers) == 1 else "train"
         yield ("method",), f"{what}: only {spoken(takers)} {verb} one yet (docs/vision.md)"
+    else:
+        refused = method_refused(vision.model_type(exp.model.name_or_path), exp.method)
+        if refused:
+            yield ("method",), refused
     for key in ("packing", "padding_free"):
         if exp.training.get(key):
             yield ("training", key), f"{what}: rows with images are collated padded, one " \
