@@ -430,9 +430,12 @@ def test_llama_32_vision_trains_whole_and_with_lora_generates_and_merges(write, 
     from transformers import AutoModelForImageTextToText, AutoProcessor
     from trl.trainer.sft_trainer import DataCollatorForVisionLanguageModeling
 
+    from finetune.methods import vision_lengths
     from finetune.model.vision import chat_prompts
 
     whole = mllama_experiment(write, tmp_path, "whole", "  activation_checkpointing: false\n")
+    checked = run_cli("validate", str(whole), cwd=tmp_path)
+    assert checked.returncode == 0, checked.stderr[-3000:]
     # a batch as TRL's vision collator makes it: the answers train, never the image token
     rows = [json.loads(line) for line in (tmp_path / "data" / "rows.jsonl").read_text()
             .splitlines()]
@@ -450,6 +453,12 @@ def test_llama_32_vision_trains_whole_and_with_lora_generates_and_merges(write, 
     start = ids[0].tolist().index(image_token)
     assert batch["cross_attention_mask"][0, :, 0, 0].tolist() == \
         [0] * start + [1] * (ids.shape[1] - start)
+    # against max_length the picture is one token (<|bos|><|user|><|image|>, two tiles or
+    # one): a row is kept while max_length keeps it and a trained token (the answer at 18)
+    measured = vision_lengths.measure(processor, rows[3]["messages"],
+                                      [str(tmp_path / "data" / "wide.png")], True)
+    assert (measured.image_end, measured.first_trained) == (3, 18)
+    assert vision_lengths.fits(measured, 19) and not vision_lengths.fits(measured, 18)
 
     result = run_cli("train", str(whole), cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
