@@ -24,7 +24,7 @@ class VisionCheckpoints:
 
     def __init__(self, *args, **kwargs):
         config = getattr(kwargs.get("model"), "config", None)
-        refused = method_refused(getattr(config, "model_type", None), self._name.lower())
+        refused = method_refused(getattr(config, "model_type", None), _method_of(self))
         if refused:
             raise ConfigError([f"method: {refused}"])
         super().__init__(*args, **kwargs)
@@ -39,6 +39,14 @@ class VisionCheckpoints:
             super()._load_from_checkpoint(resume_from_checkpoint, model)
             return
         load_saved_weights(target, Path(resume_from_checkpoint))
+
+
+def _method_of(trainer) -> str:
+    if isinstance(trainer, (SFTTrainer, DPOTrainer)):
+        return "sft" if isinstance(trainer, SFTTrainer) else "dpo"
+    from trl import GRPOTrainer  # imported already where it trains (methods/grpo.py)
+
+    return "grpo" if isinstance(trainer, GRPOTrainer) else type(trainer).__name__
 
 
 class VisionSFTTrainer(VisionCheckpoints, SFTTrainer):
