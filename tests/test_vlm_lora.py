@@ -4,7 +4,7 @@ untouched unless vision.train_projector), a resumed adapter run ending where the
 uninterrupted one did, `finetune eval` and `finetune generate` on the adapter, and
 `finetune merge` writing a model that loads on its own with the logits of base + adapter;
 QLoRA with the language model quantized and the projector trained whole; and, on the meta
-device for eight model types, every parameter found in one part (model/vision_parts.py)."""
+device for ten model types, every parameter found in one part (model/vision_parts.py)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import shutil
 import pytest
 
 from conftest import QUICKSTART, TINY_MODEL, run_cli
+from test_estimate_vision_more_families import INTERNVL3_1B, MISTRAL_SMALL_31
 from vlm_configs import (GEMMA3_4B, LLAVA_NEXT_7B, PALIGEMMA_3B, QWEN2_VL_2B, QWEN25_VL_3B,
                          SMOLVLM_256M, tiny_mllama)
 from finetune.config import load_experiment
@@ -128,6 +129,10 @@ PARTS = {  # model type: (its config, (tower, language model, projector, bare pa
                                  ("model.multi_modal_projector",), ())),
     "idefics3": (SMOLVLM_256M, ("model.vision_model", "model.text_model", ("model.connector",),
                                 ())),
+    "mistral3": (MISTRAL_SMALL_31, ("model.vision_tower", "model.language_model",
+                                    ("model.multi_modal_projector",), ())),
+    "internvl": (INTERNVL3_1B, ("model.vision_tower", "model.language_model",
+                                ("model.multi_modal_projector",), ())),
     "mllama": (None, ("model.vision_model", "model.language_model",
                       ("model.multi_modal_projector",), ())),
 }
