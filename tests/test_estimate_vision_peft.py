@@ -16,7 +16,7 @@ import pytest
 
 from conftest import QUICKSTART, REPO
 from test_estimate import _held_bytes
-from vlm_configs import QWEN2_VL_2B, kept_by_autograd, model_dir
+from vlm_configs import LLAVA_NEXT_7B, QWEN2_VL_2B, kept_by_autograd, model_dir
 from finetune.config import load_experiment
 from finetune.errors import ConfigError
 from finetune.estimate import as_dict, estimate, render_text
@@ -188,6 +188,9 @@ META_CASES = {  # id: (model directory maker, overrides)
     # full fine-tuning (fp32): the merger inside the tower freezes with it
     "qwen2-vl-2b-full-frozen-tower": (lambda tmp: model_dir(tmp, QWEN2_VL_2B),
                                       ["vision.freeze_tower=true"]),
+    # LLaVA-NeXT's image_newline, a bare parameter beside the tower, freezes with the projector
+    "llava-next-7b-full-frozen-projector": (lambda tmp: model_dir(tmp, LLAVA_NEXT_7B),
+                                            ["vision.train_projector=false"]),
 }
 
 

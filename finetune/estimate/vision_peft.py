@@ -12,7 +12,8 @@ finetune.model.vision_parts and finetune.model.peft build it (torch-free):
 
 The projector is what sits beside the tower (vision_parts.parts): Qwen2-VL's merger lives
 inside its tower, so it freezes and trains with the tower, and LLaVA-NeXT's image_newline
-is a parameter of the model itself, not a projector module (frozen only under LoRA).
+is a parameter of the model itself: it trains and freezes with the projector under full
+fine-tuning, and stays as loaded under LoRA (PEFT's modules_to_save takes modules only).
 """
 
 from __future__ import annotations
@@ -114,7 +115,9 @@ def frozen_by_name(name: str, shape: Shape, training: Training) -> bool:
     Training.projector is the projector beside the tower, else the one inside it
     (Qwen2-VL's merger, which training_of freezes with the tower)."""
     v = shape.vision
-    beside = [f"{m}." for m in projector_modules(shape)]
+    # beside the tower: its modules and bare parameters (LLaVA-NeXT's image_newline)
+    beside = [f"{m}." for m in projector_modules(shape)] + [
+        p for p in _prefixes(v.projector_prefix) if not p.endswith(".")]
     projector = beside or [p for p in _prefixes(v.projector_prefix)
                            if p.startswith(v.tower_prefix)]
     if name.startswith(tuple(projector)):
