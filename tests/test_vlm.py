@@ -141,6 +141,10 @@ def test_finetune_data_shows_rows_as_the_vision_collator_makes_them(write, tmp_p
     assert result.returncode == 0, result.stderr
     assert "<image>" * 16 + " What is it?<|end|><|assistant|>⟦ red<|eos|>⟧" in result.stdout
     assert "row 1 (34 tokens)" in result.stdout  # the 16 image tokens counted
+    # every turn trained: the user's text too, never the image tokens it is given
+    result = run_cli("data", str(path), "training.assistant_only_loss=false", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "<image>" * 16 + "⟦ What is it?" in result.stdout, result.stdout
 
 
 def test_a_prompt_file_names_its_missing_image(tmp_path):
@@ -346,6 +350,12 @@ def test_text_only_rows_train_beside_rows_with_images(write, tmp_path):
         loss.backward()
         tower = [p.grad for n, p in model.named_parameters() if "vision_tower" in n]
         assert any(g is not None and g.abs().sum() > 0 for g in tower) == bool(pictures)
+    # every turn trained (training.assistant_only_loss false): never the image tokens
+    batch, processor, _ = collated_batch(tmp_path / "every-turn",
+                                         ["training.assistant_only_loss=false"], config)
+    pictured = batch["input_ids"] == image_token
+    assert pictured.sum() == 16 and (batch["labels"][pictured] == -100).all()
+    assert ((batch["labels"] != -100) & ~pictured).sum() > 10  # the user's turns train
 
 
 def collated_batch(tmp_path, overrides, config=QUICKSTART / "vlm.yaml"):

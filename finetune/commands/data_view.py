@@ -62,9 +62,10 @@ def _sft_vision(rows, processor, experiment: Experiment, splits, split: str) -> 
     from trl.trainer.sft_trainer import DataCollatorForVisionLanguageModeling
 
     from finetune.methods.sft import assistant_only
+    from finetune.methods.sft_vision import ImageTokensUntrained
 
-    collate = DataCollatorForVisionLanguageModeling(
-        processor, assistant_only_loss=assistant_only(experiment, "messages"))
+    collate = ImageTokensUntrained(DataCollatorForVisionLanguageModeling(
+        processor, assistant_only_loss=assistant_only(experiment, "messages")), processor)
     limit = value(experiment, "max_length")
     for row in rows:
         batch = collate([{"messages": row["messages"], "images": row["images"]}])

@@ -7,7 +7,8 @@ and the prepared-data cache keeps the checked rows (messages and absolute image 
 
 What trains: the assistant turns by default, as for text conversations (sft.py
 assistant_only): TRL masks every token outside the template's {% generation %} markers,
-the prompt and so every image token. With data.weight_column, each row's trained tokens
+the prompt and so every image token. Image tokens never train, every turn trained or
+not (ImageTokensUntrained: TRL's collator leaves them in the labels then). With data.weight_column, each row's trained tokens
 weigh its weight, and the loss is the weighted mean over the global batch as for text
 (trainers/weighted.py)."""
 
@@ -23,6 +24,7 @@ from finetune.data.load import ORIGIN, Splits
 from finetune.data.rows import TURN_WEIGHTS_WITH_IMAGES, WEIGHT
 from finetune.errors import ConfigError, DataError
 from finetune.methods import Job, vision_lengths
+from finetune.model.vision import image_token_ids
 from finetune.trainers.vision import VisionSFTTrainer
 from finetune.trainers.weighted import RowWeightsOnTokens, WeightedVisionSFTTrainer
 
@@ -97,7 +99,8 @@ def build_trainer(job: Job, assistant_only: bool) -> SFTTrainer:
     sizes = job.experiment.vision
     collate = ImagesSized(trainer.data_collator, sizes and sizes.max_pixels,
                           sizes and sizes.min_pixels)  # vision.max_pixels, min_pixels
-    trainer.data_collator = ImageTokensKept(collate, args.max_length)
+    trainer.data_collator = ImageTokensUntrained(ImageTokensKept(collate, args.max_length),
+                                                 job.tokenizer)
     if weighted:  # data.weight_column: each row's loss weighted (trainers/weighted.py)
         trainer.data_collator = RowWeightsOnTokens(trainer.data_collator)
     return trainer
@@ -120,3 +123,21 @@ class ImageTokensKept:
             raise DataError(f"training.max_length {self.max_length} cuts a row of this batch "
                             "inside its image tokens: raise it (`finetune data` shows every "
                             "row's length with its image tokens)") from None
+
+
+class ImageTokensUntrained:
+    """A vision collator's batch with no image token in its labels (model/vision.py
+    image_token_ids): with every turn trained (training.assistant_only_loss false) TRL's
+    collator would train the model to predict the placeholders it is given."""
+
+    def __init__(self, collate, processor):
+        import torch
+
+        self.collate, self.ids = collate, torch.tensor(image_token_ids(processor))
+
+    def __call__(self, rows):
+        import torch
+
+        batch = self.collate(rows)
+        batch["labels"][torch.isin(batch["input_ids"], self.ids)] = -100
+        return batch

@@ -40,6 +40,8 @@ def measure(processor, messages: list[dict], images: list, assistant_only: bool,
             fit=list) -> Measured:
     from trl.data_utils import prepare_multimodal_messages
 
+    from finetune.model.vision import image_token_ids
+
     rendered = prepare_multimodal_messages(copy.deepcopy(messages), images=fit(images or []))
     out = processor.apply_chat_template(
         [rendered], tokenize=True, return_dict=True, return_assistant_tokens_mask=assistant_only,
@@ -47,7 +49,9 @@ def measure(processor, messages: list[dict], images: list, assistant_only: bool,
     ids = list(out["input_ids"][0])
     token = getattr(processor, "image_token_id", None)
     ends = [i + 1 for i, t in enumerate(ids) if t == token]
-    trained = list(out["assistant_masks"][0]) if assistant_only else [1] * len(ids)
+    images = set(image_token_ids(processor))  # never trained (sft_vision.ImageTokensUntrained)
+    trained = [keep and t not in images for keep, t in zip(
+        out["assistant_masks"][0] if assistant_only else [1] * len(ids), ids)]
     first = next((i for i, keep in enumerate(trained) if keep), None)
     return Measured(len(ids), max(ends, default=0), first)
 

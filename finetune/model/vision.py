@@ -49,6 +49,14 @@ def text_tokenizer(processing_class):
     return processing_class.tokenizer if is_processor(processing_class) else processing_class
 
 
+def image_token_ids(processor) -> list[int]:
+    """The tokens a processor puts in the text for pictures: its image token and, where
+    the processor names them (transformers' image_token_ids: Gemma 3's start/end of
+    image, Idefics3's tile markers, Pixtral's row breaks, InternVL's <img>/</img>), the
+    tokens around it."""
+    return [i for i in processor.image_token_ids if i is not None]
+
+
 def is_vision_model(model) -> bool:
     config = getattr(model, "config", None)
     return getattr(config, "model_type", None) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
