@@ -60,23 +60,28 @@ def run_cli(*args: str, cwd: Path, timeout: int = 600,
     ~8 s of imports), or a cold `python -m finetune` with cold=True, with --cold-cli, or
     where no warm interpreter starts."""
     args = tuple(str(arg) for arg in args)
-    warm = None if cold else warm_interpreter()
+    # A torch-free command starts cold in ~1 s: it forks from a warm interpreter already
+    # up for this environment, and never waits ~8 s for one to start (an `online` test).
+    warm = None if cold else warm_interpreter(start=not args or args[0] not in TORCH_FREE)
     if warm is not None:
         return warm.run(list(args), cwd, timeout)
     return subprocess.run([sys.executable, "-m", "finetune", *args], cwd=cwd, text=True,
                           capture_output=True, timeout=timeout)
 
 
+# The commands that import no torch (tests/test_layers.py); `launch`'s and `sweep`'s
+# children are cold `python -m` processes either way.
+TORCH_FREE = {"validate", "render", "estimate", "launch", "slurm", "sweep"}
 # The worker's warm interpreters by environment, the least recently used first; at most
 # WARM_KEPT (a test that sets a variable, then the tests after it).
 _WARM: dict = {}
 WARM_KEPT = 2
 
 
-def warm_interpreter():
+def warm_interpreter(start: bool = True):
     """A WarmInterpreter started with the environment this test has now (the libraries
     read some variables at import: a child must see what a cold process would), started
-    on first use; None with --cold-cli."""
+    on first use (start=False: None where none is up); None with --cold-cli."""
     if _COLD[0]:
         return None
     key = frozenset((k, v) for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST")
@@ -84,6 +89,8 @@ def warm_interpreter():
     if warm is not None and not warm.alive():
         warm.close()
         warm = None
+    if warm is None and not start:
+        return None
     if warm is None:
         from warm import WarmInterpreter
 
