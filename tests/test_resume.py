@@ -28,9 +28,9 @@ STEPS = 40
 
 
 # One chain per path a resume restores differently: sft x1 (the Trainer's RNG and state,
-# finetune's loss window; cold processes, not the warm fork, and stopped by Ctrl-C in a
-# real terminal instead of SIGTERM: the other chains' SIGTERM, a person's way), sft x2
-# (two ranks); dpo x1
+# finetune's loss window; stopped by Ctrl-C in a real terminal, a cold process, instead of
+# SIGTERM: the other chains' SIGTERM, a person's way), sft x2 (two ranks; every attempt
+# cold interpreters, the launched ranks: a resume owes nothing to the warm fork); dpo x1
 # (a reference model); kto x1 (a trainer that samples its rows in order, and a reference
 # model); distill x1 (finetune's EpochOrder sampler, sampled generations from a restored
 # RNG); gkd x1 (Python's restored `random` picks student or data batches). Exhaustive:
@@ -50,11 +50,10 @@ def test_sigterm_and_sigkill_then_resume_is_bitwise_identical(method, processes,
     terminal), killed by SIGKILL, finished.
     Two ranks skip the SIGTERM run: that both save on a signal and resume bitwise is the
     SLURM chain's (test_slurm) and test_launch's USR1/Ctrl-C test's; the kill of both ranks, then
-    the resume from the checkpoint they sealed together, is this chain's. Over 60 s for
-    sft x1 (four cold interpreters, on purpose) and x2 (three `finetune launch`es, three
-    cold interpreters each)."""
+    the resume from the checkpoint they sealed together, is this chain's. Near 60 s for
+    x2: three `finetune launch`es, three cold interpreters each."""
     seed = random.randrange(10**6)
-    cold = (method, processes) == ("sft", 1)  # one chain of real interpreter starts
+    ctrl_c = (method, processes) == ("sft", 1)  # in a terminal: a cold process
     rng = random.Random(seed)
     command = "launch" if processes > 1 else "train"
     extra = f"distill: {{teacher: {tiny_teacher(tmp_path / 'teacher')}}}\n" \
@@ -65,7 +64,7 @@ def test_sigterm_and_sigkill_then_resume_is_bitwise_identical(method, processes,
     # Logs every 3 steps, checkpoints every 4: a resume lands inside a logging window.
     reference = write("ref.yaml", experiment("ref", method, processes=processes, steps=STEPS,
                                              logging_steps=3, extra=extra))
-    whole = Run(command, reference, tmp_path, 0, cold)
+    whole = Run(command, reference, tmp_path, 0)
     assert whole.wait() == 0, whole.text()[-3000:]
 
     config = write("cut.yaml", experiment("cut", method, processes=processes, steps=STEPS,
@@ -74,7 +73,7 @@ def test_sigterm_and_sigkill_then_resume_is_bitwise_identical(method, processes,
     term_at = saved_at = None
     if processes == 1:
         term_at = rng.randint(2, 14)
-        if cold:
+        if ctrl_c:
             first, name = stopped_by_ctrl_c(command, config, run_dir, tmp_path, term_at), "SIGINT"
             assert "Run the same command again to continue" in first.text()
         else:
@@ -87,7 +86,7 @@ def test_sigterm_and_sigkill_then_resume_is_bitwise_identical(method, processes,
         assert f"received {name}" in first.text()
 
     kill_at = rng.randint(saved_at + 1, saved_at + 12) if saved_at else rng.randint(5, 16)
-    second = Run(command, config, tmp_path, 2, cold)
+    second = Run(command, config, tmp_path, 2)
     wait_for_step(second, run_dir, kill_at)
     second.kill_all()
     if saved_at:
@@ -95,7 +94,7 @@ def test_sigterm_and_sigkill_then_resume_is_bitwise_identical(method, processes,
     sealed = checkpoints.scan(run_dir / "checkpoints").newest
     assert sealed is not None, "the kill left no complete checkpoint"
 
-    third = Run(command, config, tmp_path, 3, cold)
+    third = Run(command, config, tmp_path, 3)
     assert third.wait() == 0, third.text()[-3000:]
     assert f"resuming from {sealed}" in third.text()
     # the output layer tied to the embeddings is stored once: not a "missing key" (run/noise.py)
@@ -123,9 +122,10 @@ def test_sigterm_and_sigkill_then_resume_is_bitwise_identical(method, processes,
 @pytest.mark.parametrize("model", ["text", pytest.param("vlm", marks=pytest.mark.exhaustive)])
 def test_deepspeed_zero3_checkpoint_then_resume_is_bitwise_identical(model, write, tmp_path):
     """ZeRO-3 checkpoints are written by every rank (sharded states): sealed only once all
-    are on disk, and resumed bitwise. Near 60 s: two 2-rank DeepSpeed launches (the
-    reference; a run resumed from its checkpoint-8), each rank importing DeepSpeed cold."""
-    text = experiment("z3", "sft", processes=2, steps=24, zero_stage=3).replace(
+    are on disk, and resumed bitwise. Near 40 s: two 2-rank DeepSpeed launches (the
+    reference; a run resumed from its checkpoint-8 for 4 steps, a checkpoint-12 of its
+    own), each rank importing DeepSpeed cold."""
+    text = experiment("z3", "sft", processes=2, steps=12, zero_stage=3).replace(
         "peft: {type: lora, r: 4, dropout: 0.1}\n", "")
     if model == "vlm":
         text = text.replace(str(TINY_MODEL), str(QUICKSTART / "tiny-vlm")).replace(
