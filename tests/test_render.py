@@ -45,9 +45,10 @@ def test_accelerate_loader_accepts_presets(path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("ds", DS_PRESETS, ids=lambda p: p.name)
-def test_deepspeed_presets_resolve_through_transformers(ds):
-    """HfTrainerDeepSpeedConfig fills every "auto" from the training arguments."""
+def test_deepspeed_presets_resolve_through_transformers():
+    """HfTrainerDeepSpeedConfig fills every "auto" from the training arguments, in every
+    preset. In a process of their own (a DeepSpeed config is global to transformers), all in
+    one: one import of transformers, not one per preset."""
     code = f"""
 import json
 from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
@@ -55,22 +56,25 @@ from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
 args = TrainingArguments(output_dir="/tmp/unused", per_device_train_batch_size=3,
                          gradient_accumulation_steps=2, max_grad_norm=0.5, bf16=True,
                          use_cpu=True, report_to="none")
-hf = HfTrainerDeepSpeedConfig({str(ds)!r})
-hf.trainer_config_process(args)
-model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                     num_attention_heads=4, vocab_size=128))
-hf.trainer_config_finalize(args, model, num_training_steps=10)
-text = json.dumps(hf.config)
-assert '"auto"' not in text, text
-c = hf.config
-assert c["train_batch_size"] == 3 * 2 * args.world_size, c
-assert c["train_micro_batch_size_per_gpu"] == 3 and c["gradient_accumulation_steps"] == 2
-assert c["gradient_clipping"] == 0.5 and c["bf16"]["enabled"] is True
-assert c["fp16"]["enabled"] is False
-print("ok", c["zero_optimization"]["stage"])
+for ds in {[str(ds) for ds in DS_PRESETS]!r}:
+    hf = HfTrainerDeepSpeedConfig(ds)
+    hf.trainer_config_process(args)
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128,
+                                         num_hidden_layers=2, num_attention_heads=4,
+                                         vocab_size=128))
+    hf.trainer_config_finalize(args, model, num_training_steps=10)
+    text = json.dumps(hf.config)
+    assert '"auto"' not in text, (ds, text)
+    c = hf.config
+    assert c["train_batch_size"] == 3 * 2 * args.world_size, (ds, c)
+    assert c["train_micro_batch_size_per_gpu"] == 3 and c["gradient_accumulation_steps"] == 2, ds
+    assert c["gradient_clipping"] == 0.5 and c["bf16"]["enabled"] is True, ds
+    assert c["fp16"]["enabled"] is False, ds
+    print("ok", ds, c["zero_optimization"]["stage"])
 """
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-2000:]
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.count("ok ") == len(DS_PRESETS) == 5, result.stdout
 
 
 def test_bundle_files_and_quoting(write, tmp_path):
