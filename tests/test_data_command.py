@@ -114,8 +114,9 @@ def _every_method_config(name: str, tmp_path) -> str:
         (tmp_path / "rewards.py").write_text(
             "def short(completions, **kw):\n    return [0.0 for _ in completions]\n")
         extra += "rewards: {functions: [rewards.py:short]}\n"
-    return f"method: {name}\nmodel: {{name_or_path: {TINY_MODEL}}}\ndata: {{train: {data}}}\n" \
-           + extra
+    # 64 rows: the view of a method is the same for 64 rows as for the file's thousands
+    return f"method: {name}\nmodel: {{name_or_path: {TINY_MODEL}}}\n" \
+           f"data: {{train: {{path: {data}, max_samples: 64}}}}\n" + extra
 
 
 @pytest.mark.slow
