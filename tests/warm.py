@@ -52,6 +52,11 @@ def warm_up() -> None:
     for name in ("SFTTrainer", "DPOTrainer", "KTOTrainer", "RewardTrainer", "GRPOTrainer",
                  "RLOOTrainer", "GKDTrainer"):
         getattr(trl, name, None)
+    # transformers builds its table of checkpoint key renamings (~900 regular expressions,
+    # 0.5-1 s) at a process's first model save or load, and keeps it: built once, here.
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+    get_checkpoint_conversion_mapping("llama")
     if threading.active_count() != 1:  # a fork would copy another thread's locks
         raise RuntimeError(f"threads after the imports: {threading.enumerate()}")
     # The imported modules' objects live as long as the server: out of the collector's
