@@ -71,7 +71,7 @@ def run_cli(*args: str, cwd: Path, timeout: int = 600,
 
 # The commands that import no torch (tests/test_layers.py); `launch`'s and `sweep`'s
 # children are cold `python -m` processes either way.
-TORCH_FREE = {"validate", "render", "estimate", "launch", "slurm", "sweep"}
+TORCH_FREE = {"validate", "render", "estimate", "plot", "push", "launch", "slurm", "sweep"}
 # The worker's warm interpreters by environment, the least recently used first; at most
 # WARM_KEPT (a test that sets a variable, then the tests after it).
 _WARM: dict = {}
