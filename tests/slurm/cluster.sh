@@ -82,8 +82,8 @@ CONF
   fi
   if ! cmp -s "$STATE/slurm.conf" "$CONF" || ! cmp -s "$STATE/cgroup.conf" /etc/slurm/cgroup.conf; then
     stop_daemons
-    install -D -m 0644 "$STATE/slurm.conf" "$CONF"
-    install -m 0644 "$STATE/cgroup.conf" /etc/slurm/cgroup.conf
+    command install -D -m 0644 "$STATE/slurm.conf" "$CONF"  # the program, not install() above
+    command install -m 0644 "$STATE/cgroup.conf" /etc/slurm/cgroup.conf
   fi
   if ! alive "$STATE/slurmctld.pid"; then
     # Fresh state restarts job ids at 1: a step daemon left from an earlier cluster would
