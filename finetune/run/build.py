@@ -119,6 +119,10 @@ def starting_model(experiment: Experiment, hw: Hardware, tokenizer, init_dir: Pa
     set_seed(args.seed)
     model = load_model(experiment, hw, tokenizer, init_dir, initial)
     initial = None  # loaded back from init-model/ (quantized, ZeRO-3): not kept alive
+    # The adapters are drawn from the seed whatever loading drew: loaded under ZeRO-3
+    # (zero.Init), CLIP's __init__ draws its class embedding with torch.randn; loaded on
+    # the meta device, or kept in memory (DDP), a model draws nothing.
+    set_seed(args.seed)
     return args, apply_peft(model, experiment, args.gradient_checkpointing)
 
 
