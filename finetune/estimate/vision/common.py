@@ -63,11 +63,18 @@ def text_config(full: dict[str, Any], kind: str, where: str, default_type: str) 
     return text
 
 
-def vision_config(full: dict[str, Any], kind: str, where: str) -> dict[str, Any]:
+def vision_config(full: dict[str, Any], kind: str, where: str,
+                  towers: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The vision tower's config; its model_type (the first of towers where it names
+    none) one of towers, where given."""
     vision = full.get("vision_config")
     if not isinstance(vision, dict):
         raise ConfigError([f"{where}: {kind} config without a vision_config object: the "
                            "estimator reads the vision tower's shape from it"])
+    tower = vision.get("model_type", towers[0]) if towers else None
+    if towers and tower not in towers:
+        raise ConfigError([f"{where}: a {kind} model with a {tower!r} vision tower is not "
+                           f"counted by the estimator (it counts {', '.join(towers)})"])
     return vision
 
 

@@ -220,11 +220,9 @@ def read(config: dict[str, Any], where: str,
     kind = config["model_type"]
     full = with_defaults(config, *CONFIG)
     text = text_config(full, kind, where, "qwen2")
-    vision = vision_config(full, kind, where)
-    tower = vision.get("model_type", "internvl_vision")
-    if tower != "internvl_vision":
-        raise ConfigError([f"{where}: a {kind} model with a {tower!r} vision tower is not "
-                           "counted by the estimator (it counts internvl_vision)"])
+    towers = ("internvl_vision",)
+    vision = vision_config(full, kind, where, towers)
+    tower = vision.get("model_type", towers[0])
     vision = {**{k: v for k, v in config_defaults(*VISION_CONFIG).items() if v is not None},
               **vision}
     # InternViT-6B's layout (RMSNorm, q/k norms: InternVL 2.5/3's 38B and 78B) is not walked

@@ -128,11 +128,8 @@ def read(config: dict[str, Any], where: str,
     kind = config["model_type"]
     full = with_defaults(config, *config_class)
     text = text_config(full, kind, where, "llama")  # LlavaConfig's default text model
-    vision = vision_config(full, kind, where)
-    tower = vision.get("model_type", "clip_vision_model")
-    if tower not in TOWERS:
-        raise ConfigError([f"{where}: a {kind} model with a {tower!r} vision tower is not "
-                           f"counted by the estimator (it counts {', '.join(TOWERS)})"])
+    vision = vision_config(full, kind, where, TOWERS)
+    tower = vision.get("model_type", TOWERS[0])
     vision = with_defaults(vision, "clip/configuration_clip.py", "CLIPVisionConfig")
     layers = full.get("vision_feature_layer", -2)
     layers = (layers,) if isinstance(layers, int) else tuple(layers)

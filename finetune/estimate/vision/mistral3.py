@@ -164,11 +164,9 @@ def read(config: dict[str, Any], where: str,
                            "estimator reads the language model's shape from it"])
     full = with_defaults(config, *CONFIG)
     text = text_config(full, kind, where, "mistral")
-    vision = vision_config(full, kind, where)
-    tower = vision.get("model_type", "pixtral")
-    if tower != "pixtral":
-        raise ConfigError([f"{where}: a {kind} model with a {tower!r} vision tower is not "
-                           "counted by the estimator (it counts pixtral)"])
+    towers = ("pixtral",)
+    vision = vision_config(full, kind, where, towers)
+    tower = vision.get("model_type", towers[0])
     vision = {**{k: v for k, v in config_defaults(*VISION_CONFIG).items() if v is not None},
               **vision}
     for key in ("patch_size", "image_size"):
