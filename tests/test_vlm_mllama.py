@@ -2,8 +2,10 @@
 (tests/vlm_configs.tiny_mllama): it reads a picture through cross-attention, one
 <|image|> token in the text and the picture's tiles as pixel values; sft whole and with
 LoRA through TRL's vision path, `finetune generate --image`, final/ and `finetune merge`
-loading on their own, and dpo and grpo refused in one line (TRL's trainers do not carry
-its cross-attention inputs)."""
+loading on their own; dpo, its pairs mended (methods/dpo.MllamaPairs: answers without a
+stray <|bos|>, the cross-attention mask over prompt + answer, as the processor builds it
+for the whole text); grpo refused in one line (TRL's GRPOTrainer does not carry its
+cross-attention inputs)."""
 
 from __future__ import annotations
 
@@ -22,7 +24,8 @@ VLM = QUICKSTART / "vlm.yaml"
 DATA = QUICKSTART / "data"
 
 
-def mllama_experiment(write, tmp_path, name: str, extra: str = "") -> object:
+def mllama_experiment(write, tmp_path, name: str, extra: str = "", method: str = "sft",
+                      train: str = "rows.jsonl") -> object:
     """sft of a tiny Llama 3.2 Vision (tests/vlm_configs.tiny_mllama) on four rows: three
     quickstart pictures (32x32: one 28x28 tile) and a wide 56x28 one (two tiles)."""
     from PIL import Image
@@ -40,9 +43,9 @@ def mllama_experiment(write, tmp_path, name: str, extra: str = "") -> object:
         (data / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         tiny_mllama(tmp_path / "tiny-mllama")
     return write(f"{name}.yaml", f"""name: {name}
-method: sft
+method: {method}
 model: {{name_or_path: {tmp_path / 'tiny-mllama'}, init: random}}
-data: {{train: {data / 'rows.jsonl'}}}
+data: {{train: {data / train}}}
 output: {{plot: false}}
 training:
   max_steps: 2
@@ -63,7 +66,8 @@ def test_llama_32_vision_trains_whole_and_with_lora_generates_and_merges(write, 
     vision collator only the answers train; full training trains every part and final/
     loads on its own and answers as `finetune generate --image` does; LoRA goes on the
     language model's linear layers (its cross-attention's too) only, and `finetune merge`
-    writes a model with the logits of base + adapter."""
+    writes a model with the logits of base + adapter. dpo trains on pairs read as the
+    whole texts (dpo_reads_the_pictures_as_over_the_whole_text); grpo is refused."""
     import torch
     from peft import PeftModel
     from safetensors.torch import load_file
@@ -163,27 +167,103 @@ def test_llama_32_vision_trains_whole_and_with_lora_generates_and_merges(write, 
                         AutoConfig.from_pretrained(tmp_path / "tiny-mllama")) is None
     assert attention_of(load_experiment(VLM), gpu,
                         AutoConfig.from_pretrained(TINY_VLM)) == "flash_attention_2"
-    # TRL's dpo trainer would train it without its cross_attention_mask: refused before it builds
-    from finetune.trainers.vision import VisionDPOTrainer
+    # TRL's grpo trainer would train it without its aspect_ratio_ids: refused before it builds
+    from finetune.methods.grpo import ResumableVisionGRPOTrainer
 
     with pytest.raises(ConfigError, match=r"^method: Llama 3.2 Vision \(model_type mllama\) "
-                                          "trains with sft only yet: TRL's dpo trainer"):
-        VisionDPOTrainer(model=model)
+                                          "trains with sft and dpo only yet: TRL's grpo"):
+        ResumableVisionGRPOTrainer(model=model)
+    dpo_reads_the_pictures_as_over_the_whole_text(write, tmp_path)
 
 
-def test_llama_32_vision_trains_with_sft_only_yet(write, tmp_path):
-    """TRL's dpo and grpo trainers do not carry mllama's cross-attention inputs: refused in
-    one line at validate (a local model), as the trainer refuses them (test above)."""
+def test_llama_32_vision_trains_with_sft_and_dpo_only_yet(write, tmp_path):
+    """TRL's grpo trainer does not carry mllama's cross-attention inputs: refused in one
+    line at validate (a local model), as the trainer refuses it (test above); sft and dpo
+    pass."""
     model = model_dir(tmp_path, {"model_type": "mllama"})
     (tmp_path / "x.jsonl").write_text("")
     experiment = lambda method, extra="": write(
         f"{method}.yaml", f"method: {method}\nmodel: {{name_or_path: {model}, init: random}}\n"
                           f"data: {{train: x.jsonl}}\n{extra}")
-    for method, extra in (("dpo", ""), ("grpo", "rewards: {functions: [r.py:right]}\n")):
-        assert f"method: Llama 3.2 Vision (model_type mllama) trains with sft only yet: TRL's " \
-               f"{method} trainer does not carry its cross-attention inputs" in \
-               problems(experiment(method, extra))
-    assert load_experiment(experiment("sft")).method == "sft"
+    assert "method: Llama 3.2 Vision (model_type mllama) trains with sft and dpo only yet: " \
+           "TRL's grpo trainer does not carry its cross-attention inputs" in \
+           problems(experiment("grpo", "rewards: {functions: [r.py:right]}\n"))
+    assert [load_experiment(experiment(m)).method for m in ("sft", "dpo")] == ["sft", "dpo"]
+
+
+def dpo_reads_the_pictures_as_over_the_whole_text(write, tmp_path) -> None:
+    """(Run by the slow test above, which built the model and pictures.) TRL's vision preference collator renders prompt and answers apart: through mllama's
+    processor each answer gains a <|bos|> and the cross-attention mask is the prompt's
+    (fewer rows than tokens). Mended (methods/dpo.MllamaPairs), the batch is what the
+    processor makes of the whole texts prompt + chosen and prompt + rejected, ids and
+    cross-attention mask alike (a pair with one picture, one with two: tokens between the
+    two read the first only); the logps the trainer logs at step 1 are those of a direct
+    forward on the processor's batch; 2 steps train."""
+    import torch
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+    from trl.trainer.dpo_trainer import DataCollatorForVisionPreference
+
+    from finetune.methods.dpo import MllamaPairs
+
+    mllama_experiment(write, tmp_path, "setup")
+    data = tmp_path / "data"
+    picture, text = {"type": "image"}, lambda words: {"type": "text", "text": words}
+    ask = lambda *content: [{"role": "user", "content": list(content)}]
+    said = lambda text: [{"role": "assistant", "content": [{"type": "text", "text": text}]}]
+    pairs = [{"prompt": ask(picture, text("What shape is it?")), "chosen": said("ring"),
+              "rejected": said("a green triangle"), "images": ["0000.png"]},
+             {"prompt": ask(picture, text("or"), picture,
+                                                 text("which is wider?")), "chosen": said("the second"),
+              "rejected": said("first"), "images": ["0000.png", "wide.png"]}]
+    (data / "pairs.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pairs))
+    for p in pairs:
+        p["images"] = [str(data / i) for i in p["images"]]
+    processor = AutoProcessor.from_pretrained(tmp_path / "tiny-mllama")
+    collate = DataCollatorForVisionPreference(processor)
+    trl_batch = collate(json.loads(json.dumps(pairs)))
+    batch = MllamaPairs(collate, processor)(json.loads(json.dumps(pairs)))
+    texts = [processor.apply_chat_template(p["prompt"] + p[answer])
+             for answer in ("chosen", "rejected") for p in pairs]
+    pictures = [p["images"] for p in pairs] * 2
+    whole = processor(text=texts, images=pictures, padding=True, padding_side="right",
+                      add_special_tokens=False, return_tensors="pt")
+    assert trl_batch["input_ids"].shape[1] == whole["input_ids"].shape[1] + 1  # the <|bos|>
+    assert trl_batch["cross_attention_mask"].shape[1] < whole["input_ids"].shape[1]
+    assert torch.equal(batch["attention_mask"], whole["attention_mask"])
+    assert torch.equal(batch["input_ids"], whole["input_ids"] * whole["attention_mask"])
+    assert torch.equal(batch["cross_attention_mask"], whole["cross_attention_mask"])
+    image = processor.image_token_id
+    two = whole["input_ids"][1].tolist()
+    first, second = [i for i, t in enumerate(two) if t == image]
+    assert second > first + 1 and \
+        batch["cross_attention_mask"][1, :, :, 0].tolist()[first + 1] == [1, 0]
+    prompt_lengths = [len(processor(text=[processor.apply_chat_template(
+        p["prompt"], add_generation_prompt=True)], images=[p["images"]],
+        add_special_tokens=False)["input_ids"][0]) for p in pairs] * 2
+    answers = torch.zeros_like(whole["attention_mask"])
+    for row, start in enumerate(prompt_lengths):
+        answers[row, start:] = whole["attention_mask"][row, start:]
+    assert torch.equal(batch["completion_mask"], answers)
+
+    dpo = mllama_experiment(write, tmp_path, "dpo", "  activation_checkpointing: false\n"
+                                                    "  save_strategy: 'no'\n",
+                            method="dpo", train="pairs.jsonl")
+    result = run_cli("train", str(dpo), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    run = tmp_path / "runs" / "dpo"
+    logged = [json.loads(r) for r in (run / "metrics.jsonl").read_text().splitlines()
+              if '"loss"' in r]
+    assert len(logged) == 2
+    model = AutoModelForImageTextToText.from_pretrained(run / "init-model").eval()
+    with torch.no_grad():
+        logits = model(**whole).logits
+    token_logps = torch.log_softmax(logits[:, :-1], dim=-1).gather(
+        2, whole["input_ids"][:, 1:, None])[..., 0]
+    logps = (token_logps * answers[:, 1:]).sum(dim=1)
+    chosen, rejected = logps.chunk(2)
+    assert logged[0]["logps/chosen"] == pytest.approx(chosen.mean().item(), rel=1e-5)
+    assert logged[0]["logps/rejected"] == pytest.approx(rejected.mean().item(), rel=1e-5)
+    assert logged[0]["loss"] == pytest.approx(0.6931, abs=1e-4)  # ln 2: the reference is it
 
 
 def problems(path) -> str:

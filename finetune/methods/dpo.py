@@ -10,6 +10,7 @@ rows with images (data/rows.py) through TRL's own vision path: the rows stay unt
 and DataCollatorForVisionPreference renders the prompt with its pictures and the answers
 for each batch. TRL reads the prompt of such rows as given, so a row without one gets
 the turns chosen and rejected share (TRL's extract_prompt, as it does for text rows).
+Llama 3.2 Vision's pairs are mended after it (MllamaPairs).
 """
 
 from __future__ import annotations
@@ -102,4 +103,50 @@ def build_trainer(job: Job) -> DPOTrainer:
         sizes = job.experiment.vision
         trainer.data_collator = ImagesSized(trainer.data_collator, sizes and sizes.max_pixels,
                                             sizes and sizes.min_pixels)
+        if getattr(job.model.config, "model_type", None) == "mllama":
+            trainer.data_collator = MllamaPairs(trainer.data_collator, job.tokenizer)
     return trainer
+
+
+class MllamaPairs:
+    """A collator wrapper for Llama 3.2 Vision (mllama) pairs, whose processor TRL's vision
+    preference collator calls on prompts and answers apart:
+    - the processor puts <|bos|> before every text without one, so each answer came with
+      a stray <|bos|> token (trained as its first token): it is taken out, the rows packed
+      left again (an answer that itself starts with <|bos|> loses it too);
+    - the collator keeps the prompts' cross_attention_mask (batch x prompt tokens x
+      images x tiles) beside prompt + answer ids: it is built again over those ids with
+      transformers' own mllama functions, as the processor builds it for the whole text
+      (each token from an image's <|image|> token on attends to that image's tiles,
+      counted from the prompts' mask; right padding as the processor pads)."""
+
+    def __init__(self, collate, processor):
+        self.collate, self.processor = collate, processor
+
+    def __call__(self, rows):
+        import torch
+        from transformers.models.mllama.processing_mllama import (
+            convert_sparse_cross_attention_mask_to_dense, get_cross_attention_token_mask)
+
+        batch = self.collate(rows)
+        answer, attention = batch["completion_mask"], batch["attention_mask"]
+        first = answer.argmax(dim=1)  # each row's first answer token (rows flushed left)
+        at = torch.arange(len(first))
+        keep = attention.bool().clone()
+        keep[at, first] &= ~(answer[at, first].bool() & (batch["input_ids"][at, first] ==
+                                                         self.processor.tokenizer.bos_token_id))
+        order = torch.sort((~keep).int(), dim=1, stable=True).indices  # kept tokens first
+        length = int(keep.sum(dim=1).max())
+        kept = keep.gather(1, order)[:, :length]
+        for key in ("input_ids", "attention_mask", "completion_mask"):
+            batch[key] = (batch[key].gather(1, order)[:, :length] * kept).to(batch[key].dtype)
+        if "cross_attention_mask" in batch:  # the prompts had pictures
+            prompts = batch["cross_attention_mask"]
+            tiles = prompts.amax(dim=1).sum(dim=-1).tolist()  # per row, per image
+            ids = batch["input_ids"].masked_fill(~kept, -1).tolist()
+            ranges = [get_cross_attention_token_mask(row, self.processor.image_token_id)
+                      for row in ids]
+            dense = convert_sparse_cross_attention_mask_to_dense(ranges, tiles,
+                                                                 prompts.shape[-1], length)
+            batch["cross_attention_mask"] = torch.from_numpy(dense).to(prompts.dtype)
+        return batch

@@ -4,7 +4,7 @@ which transformers maps back only in from_pretrained; the Trainer's resume loads
 saved tensors by the module's names, finds none, warns and trains on from the weights it
 started with. Here the weights come back through from_pretrained
 (model/vision.load_saved_weights). A method TRL's trainer cannot train the model with
-(Llama 3.2 Vision's dpo and grpo: config/rules/vision.py) is refused before it builds, as
+(Llama 3.2 Vision's grpo: config/rules/vision.py) is refused before it builds, as
 validate refuses it for a local model."""
 
 from __future__ import annotations

@@ -14,20 +14,19 @@ from finetune.config.schema import Experiment
 
 Problem = tuple[tuple, str]
 
-# Model types TRL's preference and online trainers cannot train: Llama 3.2 Vision reads
-# its pictures through cross-attention, with inputs those trainers do not carry
-# (DataCollatorForVisionPreference keeps the prompt's cross_attention_mask, shorter than
-# prompt + answer; GRPOTrainer's forward drops aspect_ratio_ids). sft's collator renders
-# whole conversations through the processor, which makes them right.
-SFT_ONLY = {"mllama": "Llama 3.2 Vision (model_type mllama)"}
+# Model types TRL's online trainer cannot train: Llama 3.2 Vision reads its pictures
+# through cross-attention, with inputs GRPOTrainer does not carry (its forward drops
+# aspect_ratio_ids). sft's collator renders whole conversations through the processor;
+# dpo's mask is built again for prompt + answer (methods/dpo.MllamaPairs).
+NO_GRPO = {"mllama": "Llama 3.2 Vision (model_type mllama)"}
 
 
 def method_refused(model_type: str | None, method_name: str) -> str | None:
     """Why this model type cannot train with this method (one line), or None. Validate
     says it for a local model, the trainer for any (trainers/vision.py)."""
-    if model_type not in SFT_ONLY or method_name == "sft":
+    if model_type not in NO_GRPO or method_name != "grpo":
         return None
-    return (f"{SFT_ONLY[model_type]} trains with sft only yet: TRL's {method_name} trainer "
+    return (f"{NO_GRPO[model_type]} trains with sft and dpo only yet: TRL's grpo trainer "
             "does not carry its cross-attention inputs (docs/vision.md)")
 
 
