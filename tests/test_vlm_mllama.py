@@ -198,7 +198,8 @@ def dpo_reads_the_pictures_as_over_the_whole_text(write, tmp_path) -> None:
     processor makes of the whole texts prompt + chosen and prompt + rejected, ids and
     cross-attention mask alike (a pair with one picture, one with two: tokens between the
     two read the first only); the logps the trainer logs at step 1 are those of a direct
-    forward on the processor's batch; 2 steps train."""
+    forward on the processor's batch; 2 steps train. max_length cuts as it would cut the
+    processor's batch."""
     import torch
     from transformers import AutoModelForImageTextToText, AutoProcessor
     from trl.trainer.dpo_trainer import DataCollatorForVisionPreference
@@ -244,6 +245,13 @@ def dpo_reads_the_pictures_as_over_the_whole_text(write, tmp_path) -> None:
     for row, start in enumerate(prompt_lengths):
         answers[row, start:] = whole["attention_mask"][row, start:]
     assert torch.equal(batch["completion_mask"], answers)
+    # max_length cuts the mended rows (the collator's own cut would count the <|bos|>)
+    cut = whole["input_ids"].shape[1] - 2
+    short = MllamaPairs(collate, processor, cut)(json.loads(json.dumps(pairs)))
+    for key, expected in (("input_ids", whole["input_ids"] * whole["attention_mask"]),
+                          ("completion_mask", answers),
+                          ("cross_attention_mask", whole["cross_attention_mask"])):
+        assert torch.equal(short[key], expected[:, :cut]), key
 
     dpo = mllama_experiment(write, tmp_path, "dpo", "  activation_checkpointing: false\n"
                                                     "  save_strategy: 'no'\n",

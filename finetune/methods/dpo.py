@@ -103,8 +103,10 @@ def build_trainer(job: Job) -> DPOTrainer:
         sizes = job.experiment.vision
         trainer.data_collator = ImagesSized(trainer.data_collator, sizes and sizes.max_pixels,
                                             sizes and sizes.min_pixels)
-        if getattr(job.model.config, "model_type", None) == "mllama":
-            trainer.data_collator = MllamaPairs(trainer.data_collator, job.tokenizer)
+        if getattr(job.model.config, "model_type", None) == "mllama":  # cut after mending
+            pairs, cut = trainer.data_collator.collate, trainer.data_collator.collate.max_length
+            pairs.max_length = None
+            trainer.data_collator = MllamaPairs(trainer.data_collator, job.tokenizer, cut)
     return trainer
 
 
@@ -118,10 +120,12 @@ class MllamaPairs:
       images x tiles) beside prompt + answer ids: it is built again over those ids with
       transformers' own mllama functions, as the processor builds it for the whole text
       (each token from an image's <|image|> token on attends to that image's tiles,
-      counted from the prompts' mask; right padding as the processor pads)."""
+      counted from the prompts' mask; right padding as the processor pads).
+    The rows are cut to max_length here, after the <|bos|> is out (the collator's own cut
+    would count it)."""
 
-    def __init__(self, collate, processor):
-        self.collate, self.processor = collate, processor
+    def __init__(self, collate, processor, max_length: int | None = None):
+        self.collate, self.processor, self.max_length = collate, processor, max_length
 
     def __call__(self, rows):
         import torch
@@ -137,6 +141,8 @@ class MllamaPairs:
                                                          self.processor.tokenizer.bos_token_id))
         order = torch.sort((~keep).int(), dim=1, stable=True).indices  # kept tokens first
         length = int(keep.sum(dim=1).max())
+        if self.max_length is not None:
+            length = min(length, self.max_length)
         kept = keep.gather(1, order)[:, :length]
         for key in ("input_ids", "attention_mask", "completion_mask"):
             batch[key] = (batch[key].gather(1, order)[:, :length] * kept).to(batch[key].dtype)
