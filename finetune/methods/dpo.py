@@ -104,8 +104,8 @@ def build_trainer(job: Job) -> DPOTrainer:
         trainer.data_collator = ImagesSized(trainer.data_collator, sizes and sizes.max_pixels,
                                             sizes and sizes.min_pixels)
         if getattr(job.model.config, "model_type", None) == "mllama":  # cut after mending
-            pairs, cut = trainer.data_collator.collate, trainer.data_collator.collate.max_length
-            pairs.max_length = None
+            pairs = trainer.data_collator.collate  # TRL's collator, inside ImagesSized
+            cut, pairs.max_length = pairs.max_length, None
             trainer.data_collator = MllamaPairs(trainer.data_collator, job.tokenizer, cut)
     return trainer
 
