@@ -1,7 +1,13 @@
 """What the online methods built on TRL's generating trainers (grpo: GRPOTrainer, rloo:
-RLOOTrainer) share: their reward sources, their reference model without PEFT, and the
-exact resume of their generation window. Both trainers keep the same generation state
-and load the reference the same way (trl 1.16), so one implementation serves both.
+RLOOTrainer) share: the preparation of their prompts, their reward sources, their
+reference model without PEFT, and the exact resume of their generation window. Both
+trainers render a prompt (with its pictures, for a vision-language model) the same way,
+keep the same generation state and load the reference the same way (trl 1.16), so one
+implementation serves both.
+
+Prompts: every prompt is rendered and counted against the context; a text model's is
+refused when too long (data/prompts.py), a vision-language model's, with its pictures
+expanded to their image tokens, dropped and counted (methods/vision_lengths.py).
 
 Rewards: the reward model of rewards.model first (if any), then the Python functions of
 rewards.functions in order, weighted by rewards.weights (the config's reward_weights,
@@ -41,15 +47,37 @@ from __future__ import annotations
 import functools
 import inspect
 from contextlib import contextmanager, nullcontext
+from dataclasses import replace
 
 import torch
 from trl.trainer.utils import RepeatSampler
 
 from finetune import compat
+from finetune.data.prompts import checked_prompts, completion_budget, prompt_limit
 from finetune.errors import ConfigError, RunError
-from finetune.methods import Job
+from finetune.methods import Job, vision_lengths
+from finetune.methods.sft_vision import refuse_images
+from finetune.model.vision import is_processor
 from finetune.model.rewards import (reward_call_error, reward_functions, reward_model,
                                     reward_problem, reward_weights, unique_names)
+
+
+def prepare_prompts(splits, tokenizer, experiment):
+    """The method's `prepare` (see the module doc)."""
+    if not is_processor(tokenizer):
+        refuse_images(splits, experiment)
+        return checked_prompts(splits, tokenizer, experiment)
+    sizes = experiment.vision  # for a hub model (config/rules/vision.py: a local one)
+    if sizes is not None and (sizes.max_pixels, sizes.min_pixels) != (None, None):
+        raise ConfigError([f"vision.max_pixels, vision.min_pixels: not supported for "
+                           f"{experiment.method} yet (its trainer opens the pictures "
+                           "itself): fit the pictures ahead"])
+    limit = prompt_limit(experiment)
+    setting, budget = completion_budget(experiment)
+    kept = lambda rows, split: None if rows is None else vision_lengths.kept_prompts(
+        rows, split, tokenizer, limit, setting, budget, splits.notes)
+    # The rows stay rows (splits.tokenized would keep a second copy of eval as eval_rows)
+    return replace(splits, train=kept(splits.train, "train"), eval=kept(splits.eval, "eval"))
 
 
 def checked_reward(function, where: str):
