@@ -84,7 +84,8 @@ OVERRIDES = (
     Member("transformers:Trainer", "_load_from_checkpoint", ("resume_from_checkpoint", "model"),
            users="finetune.trainers.ppo:PPOTrainer finetune.trainers.vision:VisionSFTTrainer "
                  "finetune.trainers.vision:VisionDPOTrainer "
-                 "finetune.methods.grpo:ResumableVisionGRPOTrainer"),
+                 "finetune.methods.grpo:ResumableVisionGRPOTrainer "
+                 "finetune.methods.rloo:ResumableVisionRLOOTrainer"),
     Member("transformers:Trainer", "_load_best_model", users="finetune.trainers.ppo:PPOTrainer"),
     # methods/online.py EpochOrder: the order of an epoch from seed + epoch.
     Member("trl:DistillationTrainer", "_get_train_sampler", ("dataset",),
@@ -93,7 +94,8 @@ OVERRIDES = (
            users="finetune.methods.grpo:ResumableGRPOTrainer "
                  "finetune.methods.grpo:ResumableVisionGRPOTrainer"),
     Member("trl:RLOOTrainer", "_get_train_sampler", ("dataset",),
-           users="finetune.methods.rloo:ResumableRLOOTrainer"),
+           users="finetune.methods.rloo:ResumableRLOOTrainer "
+                 "finetune.methods.rloo:ResumableVisionRLOOTrainer"),
 )
 
 

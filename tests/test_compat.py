@@ -35,6 +35,7 @@ OURS = ("finetune.trainers.classify:ClassifyTrainer",
         "finetune.methods.grpo:ResumableGRPOTrainer",
         "finetune.methods.grpo:ResumableVisionGRPOTrainer",
         "finetune.methods.rloo:ResumableRLOOTrainer",
+        "finetune.methods.rloo:ResumableVisionRLOOTrainer",
         "finetune.methods.gkd:ProcessScaledGKDTrainer")
 # PPOTrainer's own private instance attributes: a Trainer must not have them already.
 PPO_OWN = ("_micro", "_position", "_stats", "_stat_steps")

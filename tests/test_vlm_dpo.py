@@ -161,8 +161,8 @@ def test_pictures_need_a_vision_language_model_and_a_method_that_takes_them(writ
     assert validate_error(path).startswith(f"{where}: the row has images, and model."
                                            f"name_or_path {TINY_MODEL} is not a vision-language")
     path = experiment(write, tmp_path, [pair("pic.png")], model=TINY_MODEL, method="reward")
-    line = f"{where}: the row has images, and method reward does not take images; sft, dpo " \
-           "and grpo train on rows with images (docs/vision.md)"
+    line = f"{where}: the row has images, and method reward does not take images; sft, dpo, " \
+           "grpo and rloo train on rows with images (docs/vision.md)"
     assert validate_error(path) == line
     assert training_error(path) == line.replace("line 1", "row 1")
 
@@ -193,22 +193,26 @@ def test_finetune_data_shows_pairs_as_the_vision_collator_makes_them(write, tmp_
     assert "row 1 (40 tokens)" in result.stdout  # the 16 image tokens counted
 
 
-# ---- grpo: prompts with images ----
+# ---- grpo and rloo: prompts with images ----
 
 REWARDS = "def right(completions, answer, **kwargs):\n" \
-          "    return [float(answer[i] in str(c)) for i, c in enumerate(completions)]\n"
+          "    return [float(answer[i] in str(c)) for i, c in enumerate(completions)]\n" \
+          "def length(completions, **kwargs):\n" \
+          "    return [float(len(str(c))) for c in completions]\n"
 
 
-def grpo_experiment(write, tmp_path, rows: list[dict], extra: str = ""):
-    """grpo on prompts with images (tmp_path/data/prompts.jsonl beside data/pic.png)."""
+def grpo_experiment(write, tmp_path, rows: list[dict], extra: str = "", method: str = "grpo",
+                    reward: str = "right"):
+    """grpo (or rloo) on prompts with images (tmp_path/data/prompts.jsonl beside
+    data/pic.png), run as runs/<method>."""
     data = tmp_path / "data"
     data.mkdir(exist_ok=True)
     shutil.copy(PICTURE, data / "pic.png")
     (data / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (tmp_path / "rewards.py").write_text(REWARDS)
-    return write("grpo.yaml", f"method: grpo\nmodel:\n  name_or_path: {TINY_VLM}\n"
-                              f"  init: random\ndata:\n  train: {data / 'prompts.jsonl'}\n"
-                              f"rewards: {{functions: [rewards.py:right]}}\n{extra}")
+    return write(f"{method}.yaml", f"method: {method}\nmodel:\n  name_or_path: {TINY_VLM}\n"
+                                   f"  init: random\ndata:\n  train: {data / 'prompts.jsonl'}\n"
+                                   f"rewards: {{functions: [rewards.py:{reward}]}}\n{extra}")
 
 
 def question(*images: str) -> dict:
@@ -224,13 +228,14 @@ def test_prompts_and_their_pictures_must_agree(write, tmp_path):
     assert training_error(path) == at_validate.replace("line 2", "row 2")
 
 
-def test_grpo_refuses_picture_bounds_it_would_not_apply(write, tmp_path):
-    path = grpo_experiment(write, tmp_path, [question("pic.png")],
+@pytest.mark.parametrize("method", ["grpo", "rloo"])
+def test_online_methods_refuse_picture_bounds_they_would_not_apply(write, tmp_path, method):
+    path = grpo_experiment(write, tmp_path, [question("pic.png")], method=method,
                            extra="vision:\n  max_pixels: 4096\n")
     with pytest.raises(ConfigError) as caught:
         load_experiment(path)
     [problem] = caught.value.problems
-    assert ": vision.max_pixels: not supported for grpo yet" in problem, problem
+    assert f": vision.max_pixels: not supported for {method} yet" in problem, problem
 
 
 @pytest.mark.slow
@@ -256,6 +261,45 @@ def test_grpo_generates_from_prompts_with_their_pictures(write, tmp_path):
     shown = run_cli("data", str(path), "-n", "1", cwd=tmp_path)  # as the trainer renders it
     assert shown.returncode == 0, shown.stderr
     assert "row 1 (34 tokens)" in shown.stdout and "<image>" * 16 + " What color" in shown.stdout
+
+
+@pytest.mark.slow
+def test_rloo_generates_from_prompts_with_their_pictures_and_resumes(write, tmp_path):
+    """rloo prepares and renders its prompts as grpo does (test above): its steps ran, so
+    they got the pictures, each prompt counted with its 16 image tokens, the one too long
+    dropped and counted. Resumed from its sealed checkpoint-1 (the weights loaded back
+    through from_pretrained, trainers/vision.py: the Trainer's own loading would find none
+    and train on from the starting weights), it ends with the uninterrupted run's weights."""
+    import torch
+    from safetensors.torch import load_file
+
+    too_long = question("pic.png", "pic.png", "pic.png")
+    # length: completions score apart, so step 1 changes the weights
+    path = grpo_experiment(write, tmp_path, [question("pic.png")] * 8 + [too_long],
+                           method="rloo", reward="length", extra=(
+        "training:\n  max_steps: 2\n  save_steps: 1\n  logging_steps: 1\n"
+        "  per_device_train_batch_size: 4\n  num_generations: 4\n"
+        "  max_completion_length: 4\n  activation_checkpointing: false\n"))
+    result = run_cli("train", str(path), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "data.train: 1 of 9 prompt(s) dropped: with their image tokens and " \
+           "training.max_completion_length 4 they exceed the model's context of 64 tokens " \
+           "(max_position_embeddings)" in result.stdout
+    run = tmp_path / "runs" / "rloo"
+    [step] = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()
+              if '"num_tokens"' in line][:1]
+    assert step["num_tokens"] / 4 - step["completions/mean_length"] == 19 - 1 + 16
+    final = load_file(run / "final" / "model.safetensors")
+    start = load_file(run / "init-model" / "model.safetensors")
+    assert any(not torch.equal(final[k], start[k]) for k in final)
+    shutil.rmtree(run / "checkpoints" / "checkpoint-2")
+    shutil.rmtree(run / "final")
+    (run / "summary.json").unlink()
+    again = run_cli("train", str(path), cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resuming from" in again.stdout and "checkpoint-1" in again.stdout
+    resumed = load_file(run / "final" / "model.safetensors")
+    assert all(torch.equal(resumed[k], final[k]) for k in final)
 
 
 @pytest.mark.slow  # imports TRL (and torch)

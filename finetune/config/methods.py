@@ -88,7 +88,7 @@ class Method:
     # sft, whose trainer hands the Trainer's sequence-parallel loss the model's own loss.
     sequence_parallel: bool = False
     # Trains a vision-language model on rows with images (methods/sft_vision.py, dpo.py,
-    # grpo.py).
+    # online.py for grpo and rloo).
     vision: bool = False
     # Training arguments of its own, over finetune's defaults, under the experiment's.
     defaults: dict[str, Any] = field(default_factory=dict, compare=False)
@@ -163,7 +163,7 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     # reference (beta, 0.05 by default) is subtracted from the reward.
     Method("rloo", ("trl", "RLOOConfig"), ("prompt",), "lm", "finetune.methods.rloo",
            sections=("rewards",), completion_length="training.max_completion_length",
-           reference=Reference(switch="beta"), weights=False),
+           reference=Reference(switch="beta"), weights=False, vision=True),
     Method("ppo", ("transformers", "TrainingArguments"), ("prompt",), "lm",
            "finetune.methods.ppo", sections=("ppo", "rewards"),
            completion_length="ppo.max_new_tokens", reference=Reference(),

@@ -5,18 +5,22 @@ leave-one-out baseline). With beta > 0 (RLOOConfig's default 0.05) the KL to the
 reference, summed over the completion's tokens, is subtracted from its reward before
 the baseline (not a loss term, as in grpo).
 
-Reward sources, the reference model without PEFT and the exact resume of the
-generation window (the "rloo" part of finetune's state record) are grpo's: see
-methods/online.py. RLOOTrainer keeps the same generation state as GRPOTrainer.
+The preparation of the prompts (a vision-language model's with their pictures), reward
+sources, the reference model without PEFT and the exact resume of the generation window
+(the "rloo" part of finetune's state record) are grpo's: see methods/online.py.
+RLOOTrainer renders prompts and keeps its generation state as GRPOTrainer does.
 """
 
 from __future__ import annotations
 
 from trl import RLOOTrainer
 
-from finetune.data.prompts import checked_prompts
 from finetune.methods import Job
-from finetune.methods.online import GenerationState, build_online_trainer
+from finetune.methods.online import GenerationState, build_online_trainer, prepare_prompts
+from finetune.model.vision import is_processor
+from finetune.trainers.vision import VisionCheckpoints
+
+prepare = prepare_prompts
 
 
 class ResumableRLOOTrainer(GenerationState, RLOOTrainer):
@@ -26,10 +30,10 @@ class ResumableRLOOTrainer(GenerationState, RLOOTrainer):
     state_part = "rloo"
 
 
-def prepare(splits, tokenizer, experiment):
-    """Every prompt rendered and counted against the context (data/prompts.py)."""
-    return checked_prompts(splits, tokenizer, experiment)
+class ResumableVisionRLOOTrainer(VisionCheckpoints, ResumableRLOOTrainer):
+    """A vision-language model's: its checkpoints' weights loaded back (trainers/vision.py)."""
 
 
 def build_trainer(job: Job) -> RLOOTrainer:
-    return build_online_trainer(job, ResumableRLOOTrainer)
+    vision = is_processor(job.tokenizer)
+    return build_online_trainer(job, ResumableVisionRLOOTrainer if vision else ResumableRLOOTrainer)

@@ -7,13 +7,14 @@ dropped, counted in the start summary, as text rows that train nothing after tru
 are (data/sft_tokens.py). None left is an error naming the setting. Preference pairs
 (dpo) are measured by their prompt, which holds the pictures (kept_pairs).
 
-grpo's prompts (kept_prompts) have no max_length: TRL 1.16's GRPOTrainer generates from
-each prompt whole (no max_prompt_length, nothing truncated, so nothing cut inside its
-image tokens), and a prompt whose tokens, with the completion budget after them, exceed
-the model's context would run it past its positions. Such prompts are dropped and counted
-the same way: how many image tokens a picture becomes is the processor's (Qwen2-VL's
-grow with the picture), not something the rows show. Text prompts stay refused naming
-the row (data/prompts.py): their length is the text as written."""
+grpo's and rloo's prompts (kept_prompts) have no max_length: TRL 1.16's GRPOTrainer and
+RLOOTrainer generate from each prompt whole (no max_prompt_length, nothing truncated, so
+nothing cut inside its image tokens), and a prompt whose tokens, with the completion
+budget after them, exceed the model's context would run it past its positions. Such
+prompts are dropped and counted the same way: how many image tokens a picture becomes is
+the processor's (Qwen2-VL's grow with the picture), not something the rows show. Text
+prompts stay refused naming the row (data/prompts.py): their length is the text as
+written."""
 
 from __future__ import annotations
 
@@ -92,11 +93,12 @@ def kept_pairs(rows: Dataset, split: str, processor, max_length: int | None, fit
 
 def kept_prompts(rows: Dataset, split: str, processor, limit: int | None, setting: str,
                  budget: int, notes: list[str]) -> Dataset:
-    """grpo's prompts whose tokens (each rendered with its pictures and the generation
-    prompt, as GRPOTrainer renders it to generate) leave `budget` tokens of the model's
-    context for the completion (limit: the context less the budget; None: the context is
-    unknown, all kept); a note counting the others; a DataError when none does. A prompt
-    that is not a list of messages is a DataError naming its row."""
+    """grpo's or rloo's prompts whose tokens (each rendered with its pictures and the
+    generation prompt, as GRPOTrainer and RLOOTrainer render it to generate) leave
+    `budget` tokens of the model's context for the completion (limit: the context less the
+    budget; None: the context is unknown, all kept); a note counting the others; a
+    DataError when none does. A prompt that is not a list of messages is a DataError
+    naming its row."""
     from finetune.model.vision import chat_prompts
 
     images = rows[IMAGES] if IMAGES in rows.column_names else [None] * len(rows)

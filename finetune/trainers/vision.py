@@ -4,7 +4,7 @@ which transformers maps back only in from_pretrained; the Trainer's resume loads
 saved tensors by the module's names, finds none, warns and trains on from the weights it
 started with. Here the weights come back through from_pretrained
 (model/vision.load_saved_weights). A method TRL's trainer cannot train the model with
-(Llama 3.2 Vision's grpo: config/rules/vision.py) is refused before it builds, as
+(Llama 3.2 Vision's grpo and rloo: config/rules/vision.py) is refused before it builds, as
 validate refuses it for a local model."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from finetune.model.vision import load_saved_weights
 
 
 class VisionCheckpoints:
-    """Mixed in before every vision-language Trainer subclass (sft, dpo, grpo): its
+    """Mixed in before every vision-language Trainer subclass (sft, dpo, grpo, rloo): its
     checkpoints' weights loaded back; a method the model cannot train with refused."""
 
     def __init__(self, *args, **kwargs):
@@ -42,11 +42,14 @@ class VisionCheckpoints:
 
 
 def _method_of(trainer) -> str:
-    if isinstance(trainer, (SFTTrainer, DPOTrainer)):
-        return "sft" if isinstance(trainer, SFTTrainer) else "dpo"
-    from trl import GRPOTrainer  # imported already where it trains (methods/grpo.py)
+    from trl import GRPOTrainer, RLOOTrainer  # imported already where they train
 
-    return "grpo" if isinstance(trainer, GRPOTrainer) else type(trainer).__name__
+    for cls, name in ((SFTTrainer, "sft"), (DPOTrainer, "dpo"), (GRPOTrainer, "grpo"),
+                      (RLOOTrainer, "rloo")):
+        if isinstance(trainer, cls):
+            return name
+    raise TypeError(f"{type(trainer).__name__}: no method trains a vision-language model "
+                    "with it")
 
 
 class VisionSFTTrainer(VisionCheckpoints, SFTTrainer):

@@ -1,7 +1,8 @@
-"""What a vision-language model (config/vision.py) trains with so far: sft, dpo and grpo,
-whole or with (Q)LoRA, rows collated padded; and the `vision:` section, which only such a
-model takes. Known from a local model's config.json; a hub model's is read at training
-(methods/sft_vision.py, methods/dpo.py and model/vision_parts.py refuse the same settings
+"""What a vision-language model (config/vision.py) trains with so far: the methods whose
+record says `vision` (sft, dpo, grpo and rloo), whole or with (Q)LoRA, rows collated
+padded; and the `vision:` section, which only such a model takes. Known from a local
+model's config.json; a hub model's is read at training (methods/sft_vision.py,
+methods/dpo.py, methods/online.py and model/vision_parts.py refuse the same settings
 there)."""
 
 from __future__ import annotations
@@ -14,20 +15,22 @@ from finetune.config.schema import Experiment
 
 Problem = tuple[tuple, str]
 
-# Model types TRL's online trainer cannot train: Llama 3.2 Vision reads its pictures
-# through cross-attention, with inputs GRPOTrainer does not carry (its forward drops
-# aspect_ratio_ids). sft's collator renders whole conversations through the processor;
-# dpo's mask is built again for prompt + answer (methods/dpo.MllamaPairs).
-NO_GRPO = {"mllama": "Llama 3.2 Vision (model_type mllama)"}
+# Model types TRL's generating trainers cannot train: Llama 3.2 Vision reads its pictures
+# through cross-attention, with inputs GRPOTrainer and RLOOTrainer do not carry (their
+# forward drops aspect_ratio_ids and cross_attention_mask, TRL 1.16). sft's collator
+# renders whole conversations through the processor; dpo's mask is built again for
+# prompt + answer (methods/dpo.MllamaPairs).
+NOT_GENERATING = {"mllama": "Llama 3.2 Vision (model_type mllama)"}
 
 
 def method_refused(model_type: str | None, method_name: str) -> str | None:
     """Why this model type cannot train with this method (one line), or None. Validate
     says it for a local model, the trainer for any (trainers/vision.py)."""
-    if model_type not in NO_GRPO or method_name != "grpo":
+    if model_type not in NOT_GENERATING or not method(method_name).generates:
         return None
-    return (f"{NO_GRPO[model_type]} trains with sft and dpo only yet: TRL's grpo trainer "
-            "does not carry its cross-attention inputs (docs/vision.md)")
+    takers = spoken(names_where(lambda m: m.vision and not m.generates))
+    return (f"{NOT_GENERATING[model_type]} trains with {takers} only yet: TRL 1.16's "
+            f"{method_name} trainer does not carry its cross-attention inputs (docs/vision.md)")
 
 
 def check(exp: Experiment) -> Iterator[Problem]:
