@@ -20,16 +20,16 @@ Problem = tuple[tuple, str]
 # forward drops aspect_ratio_ids and cross_attention_mask, TRL 1.16). sft's collator
 # renders whole conversations through the processor; dpo's mask is built again for
 # prompt + answer (methods/dpo.MllamaPairs).
-NOT_GENERATING = {"mllama": "Llama 3.2 Vision (model_type mllama)"}
+NO_GENERATING_METHOD = {"mllama": "Llama 3.2 Vision (model_type mllama)"}
 
 
 def method_refused(model_type: str | None, method_name: str) -> str | None:
     """Why this model type cannot train with this method (one line), or None. Validate
     says it for a local model, the trainer for any (trainers/vision.py)."""
-    if model_type not in NOT_GENERATING or not method(method_name).generates:
+    if model_type not in NO_GENERATING_METHOD or not method(method_name).generates:
         return None
     takers = spoken(names_where(lambda m: m.vision and not m.generates))
-    return (f"{NOT_GENERATING[model_type]} trains with {takers} only yet: TRL 1.16's "
+    return (f"{NO_GENERATING_METHOD[model_type]} trains with {takers} only yet: TRL 1.16's "
             f"{method_name} trainer does not carry its cross-attention inputs (docs/vision.md)")
 
 
