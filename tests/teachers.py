@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from conftest import DATA, TINY_MODEL
+from conftest import DATA, QUICKSTART, TINY_MODEL
 
 
 def tiny_teacher(directory: Path, seed: int = 1234, vocab_size: int | None = None) -> Path:
@@ -51,3 +51,19 @@ def held_out_kl(student_dir, teacher_dir) -> float:
             total += (p.exp() * (p - q)).sum().item()
             count += p.shape[0]
     return total / count
+
+
+def tiny_vlm_teacher(directory: Path, seed: int = 1234) -> Path:
+    """A model directory of the tiny vision-language model (configs/quickstart/tiny-vlm:
+    config, processor), random weights from `seed`; made once per directory."""
+    if (directory / "config.json").is_file():
+        return directory
+    import torch
+    from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
+
+    source = QUICKSTART / "tiny-vlm"
+    torch.manual_seed(seed)
+    AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(source)) \
+        .save_pretrained(directory)
+    AutoProcessor.from_pretrained(source).save_pretrained(directory)
+    return directory

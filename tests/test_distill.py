@@ -1,7 +1,9 @@
 """method distill (TRL's DistillationTrainer): validation of distill.teacher naming its
 YAML path, end-to-end runs with full fine-tuning, LoRA and QLoRA from a teacher that is a
 model directory or a finetune run (full final/ or a LoRA adapter), the vocabulary check,
-refused weights, and a learning test: the student's held-out KL toward the teacher falls.
+refused weights, and a learning test: the student's held-out KL toward the teacher falls;
+a vision-language student from a vision-language teacher that sees the prompts' pictures,
+and a teacher that would not see them (or would see pictures its student cannot) refused.
 Exact resume and data parallelism are in test_resume.py and test_data_parallel.py."""
 
 from __future__ import annotations
@@ -13,8 +15,8 @@ import yaml
 
 from conftest import DATA, QUICKSTART, REPO, TINY_MODEL, run_cli
 from finetune.config.load import load_experiment
-from finetune.errors import ConfigError
-from teachers import held_out_kl, tiny_teacher
+from finetune.errors import ConfigError, DataError
+from teachers import held_out_kl, tiny_teacher, tiny_vlm_teacher
 
 # One worker runs this module: its module fixture (teachers) trains once, not once per worker.
 pytestmark = pytest.mark.xdist_group("distill")
@@ -159,3 +161,108 @@ def test_the_student_learns_the_teacher(teachers, write, tmp_path):
           f"{before_loss:.3f} -> {after_loss:.3f} in {summary['seconds']} s")
     assert after < 0.5 * before
     assert after_loss < 0.5 * before_loss
+
+
+# ---- a vision-language student ----
+
+TINY_VLM = QUICKSTART / "tiny-vlm"
+
+
+def vlm_experiment(teacher, student=TINY_VLM) -> str:
+    """distill of the tiny VLM on the quickstart's conversations with pictures (their
+    prompts: a picture and a question)."""
+    return (f"method: distill\nmodel:\n  name_or_path: {student}\n  init: random\n"
+            f"distill: {{teacher: {teacher}}}\n"
+            f"data:\n  train: {{path: {QUICKSTART}/data/vlm_train.jsonl, max_samples: 8}}\n"
+            "output: {plot: false}\n"
+            "training:\n  max_steps: 2\n  per_device_train_batch_size: 4\n"
+            "  logging_steps: 1\n  max_completion_length: 4\n"
+            "  activation_checkpointing: false\n")
+
+
+def test_a_teacher_sees_pictures_exactly_when_its_student_does(write):
+    """validate, for local models: a text teacher of a VLM student would score answers
+    about pictures it never saw; a VLM teacher of a text student would see none."""
+    assert f"distill.teacher: {TINY_MODEL} is a text model and the student a " \
+           "vision-language one: it would score answers about pictures it cannot see" in \
+        _problems(write, vlm_experiment(TINY_MODEL))
+    assert f"distill.teacher: {TINY_VLM} is a vision-language model and the student a text " \
+           "one" in _problems(write, experiment(TINY_VLM))
+    assert _problems(write, vlm_experiment(TINY_VLM)) == ""
+
+
+@pytest.mark.slow
+def test_a_vlm_student_learns_from_a_vlm_teacher_that_sees_the_pictures(write, tmp_path):
+    """Two steps through `finetune train` from the prompts of conversations with pictures,
+    each prompt's tokens, its picture's 16 image tokens included, as finetune measures
+    them when it drops prompts too long; then the trainer finetune builds, in process:
+    the teacher's vision tower gets the very pixel values of the batch, and blanking them
+    (a hook on the teacher's tower only) changes the distill loss. A text teacher is one
+    line at training too (methods/teacher.py; validate: the test above)."""
+    import dataclasses
+
+    import torch
+
+    from finetune.methods import Job
+    from finetune.methods.teacher import teacher_model
+    from finetune.model.hardware import resolve_hardware
+    from finetune.model.vision import chat_prompts
+    from finetune.run.build import method_trainer, starting_model, tokenizer_and_data
+
+    config = write("vlm.yaml", vlm_experiment(tiny_vlm_teacher(tmp_path / "teacher")))
+    result = run_cli("train", str(config), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [json.loads(line) for line in
+               (tmp_path / "runs" / "vlm" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "loss" in r]
+    assert len(steps) == 2 and all(0 < r["loss"] < 10 for r in steps), steps
+    # The two steps read the 8 prompts once: their tokens as the trainer counted them
+    prompts = steps[1]["num_tokens"] - 4 * sum(r["completions/mean_length"] for r in steps)
+
+    experiment = load_experiment(config)
+    run_dir = tmp_path / "runs" / "in-process"  # beside the run: its prepared data shared
+    run_dir.mkdir()
+    hw = resolve_hardware(experiment)
+    processor, data = tokenizer_and_data(experiment, run_dir)
+    args, model = starting_model(experiment, hw, processor, run_dir, 0, run_dir, None)
+    job = Job(experiment=experiment, run_dir=run_dir, hardware=hw, tokenizer=processor,
+              model=model, data=data, args=args)
+    # ... are those finetune measures a prompt by (vision_lengths.kept_prompts), with
+    # each picture's 16 image tokens
+    measured = [chat_prompts(processor, [row["prompt"]], [row["images"]])["input_ids"]
+                for row in data.train]
+    assert prompts == sum(ids.shape[1] for ids in measured) and \
+        all((ids == processor.image_token_id).sum() == 16 for ids in measured)
+    text = experiment.model_copy(update={"distill": experiment.distill.model_copy(
+        update={"teacher": str(TINY_MODEL)})})
+    with pytest.raises(ConfigError) as caught:
+        teacher_model(dataclasses.replace(job, experiment=text))
+    assert caught.value.problems == [
+        f"distill.teacher: {TINY_MODEL} is a text model and the student a vision-language "
+        "one: it would score answers about pictures it cannot see; give a vision-language "
+        "teacher of the student's family (same processor)"]
+
+    from finetune.data.load import ORIGIN
+    from finetune.methods.distill import _prompt_of  # a picture only the answer shows
+    answered = {"messages": [{"role": "user", "content": "Draw it."}, {"role": "assistant",
+                "content": [{"type": "image"}]}], "images": ["x.png"], ORIGIN: "f row 3"}
+    with pytest.raises(DataError, match="^f row 3: an image part in the last assistant "
+                                        "answer, which distill leaves out"):
+        _prompt_of(answered, "messages")
+
+    trainer = method_trainer(job)
+    seen = []
+    tower = trainer.teacher_model.model.vision_tower
+    tower.register_forward_pre_hook(lambda module, args: seen.append(args[0].clone()))
+    trainer.model.train()
+    inputs = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+    with torch.no_grad():
+        seeing = trainer.compute_loss(trainer.model, inputs).item()
+        blank = tower.register_forward_pre_hook(lambda module, args: (torch.zeros_like(args[0]),))
+        blanked = trainer.compute_loss(trainer.model, inputs).item()
+        blank.remove()
+    assert inputs["pixel_values"].shape == (4, 3, 32, 32)
+    assert len(seen) == 2 and all(torch.equal(s, inputs["pixel_values"]) for s in seen)
+    print(f"distill loss {seeing:.5f} with the teacher seeing the pictures, {blanked:.5f} "
+          "with its pictures blanked")
+    assert abs(seeing - blanked) > 1e-4 * abs(seeing)

@@ -176,7 +176,7 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     # mean over the generated completions: no per-sample weights.
     Method("distill", ("trl", "DistillationConfig"), ("prompt", "prompt_completion", "messages"),
            "lm", "finetune.methods.distill", sections=("distill",),
-           completion_length="training.max_completion_length", weights=False),
+           completion_length="training.max_completion_length", weights=False, vision=True),
     # Generalized knowledge distillation through TRL's experimental GKDTrainer: the JSD of
     # training.beta toward distill.teacher's logits on the data's completions (lmbda 0: no
     # generation), the student's own samples (a fraction lmbda of the batches) or the

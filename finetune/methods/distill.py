@@ -12,6 +12,14 @@ turns before their last assistant turn.
 
 The teacher (distill.teacher) is loaded by methods/teacher.py, as for method gkd.
 
+A vision-language student generates from prompts with pictures (`images`; a
+conversation's pictures stay with its prompt, so none may sit in the answer the prompt
+leaves out), each prompt measured with its image tokens and dropped when the context
+cannot hold it with max_completion_length, as grpo's (methods/online.prepare_prompts). Its teacher is a vision-language model with the student's
+processor: TRL 1.16's DistillationTrainer passes the same multimodal inputs
+(pixel_values, ...) to the student's and the teacher's backbones (_compute_loss), so the
+teacher scores each completion seeing the prompt's pictures.
+
 Exact resume: the training order per epoch is methods/online.py's EpochOrder (as grpo's
 and rloo's); the sampled completions then follow from the RNG state the checkpoint
 restores.
@@ -23,12 +31,14 @@ from datasets import Dataset
 from trl import DistillationTrainer
 
 from finetune.config.schema import Experiment
+from finetune.data.images import IMAGES, image_parts
 from finetune.data.load import ORIGIN, Splits
-from finetune.data.prompts import checked_prompts
 from finetune.errors import ConfigError, DataError
 from finetune.methods import Job
-from finetune.methods.online import EpochOrder
+from finetune.methods.online import EpochOrder, prepare_prompts
 from finetune.methods.teacher import teacher_model
+from finetune.model.vision import is_processor
+from finetune.trainers.vision import VisionCheckpoints
 
 
 def _prompt_of(row: dict, fmt: str) -> dict:
@@ -42,7 +52,13 @@ def _prompt_of(row: dict, fmt: str) -> dict:
     if not prompt or prompt[-1]["role"] == "assistant":
         raise DataError(f"{row[ORIGIN]}: no prompt to distill from: the conversation has no "
                         "turn before its last assistant answer")
-    return {"prompt": prompt}
+    if row.get(IMAGES) is None:
+        return {"prompt": prompt}
+    if image_parts(messages[len(prompt):]):
+        raise DataError(f"{row[ORIGIN]}: an image part in the last assistant answer, which "
+                        "distill leaves out (the student generates it): pictures belong to "
+                        "the prompt")
+    return {"prompt": prompt, IMAGES: row[IMAGES]}
 
 
 def _prompts(rows: Dataset | None, fmt: str) -> Dataset | None:
@@ -52,24 +68,32 @@ def _prompts(rows: Dataset | None, fmt: str) -> Dataset | None:
 
 
 def prepare(splits: Splits, tokenizer, experiment: Experiment) -> Splits:
-    """Prompt rows, each rendered and counted against the model's context."""
+    """Prompt rows, each rendered and counted against the model's context: a text
+    model's refused when too long, a vision-language model's, with its pictures, dropped
+    and counted (as grpo's)."""
     if splits.format != "prompt":
         splits = Splits(train=_prompts(splits.train, splits.format),
                         eval=_prompts(splits.eval, splits.format), format=splits.format,
                         mix=splits.mix, notes=[*splits.notes, "distill: the student "
                         "generates its own completions; the data's are not used"])
-    return checked_prompts(splits, tokenizer, experiment)
+    return prepare_prompts(splits, tokenizer, experiment)
 
 
 class ResumableDistillationTrainer(EpochOrder, DistillationTrainer):
     """DistillationTrainer whose training order survives a resume (see the module doc)."""
 
 
+class ResumableVisionDistillationTrainer(VisionCheckpoints, ResumableDistillationTrainer):
+    """A vision-language student's: its checkpoints' weights loaded back (trainers/vision.py)."""
+
+
 def build_trainer(job: Job) -> DistillationTrainer:
     if job.args.use_vllm:
         raise ConfigError(["training.use_vllm: not supported by finetune's distill "
                            "(generation runs in the trainer)"])
-    return ResumableDistillationTrainer(
+    trainer = ResumableVisionDistillationTrainer if is_processor(job.tokenizer) \
+        else ResumableDistillationTrainer
+    return trainer(
         model=job.model, teacher_model=teacher_model(job), args=job.args,
         train_dataset=job.data.train, eval_dataset=job.data.eval,
         processing_class=job.tokenizer, callbacks=job.callbacks)

@@ -4,8 +4,8 @@ which transformers maps back only in from_pretrained; the Trainer's resume loads
 saved tensors by the module's names, finds none, warns and trains on from the weights it
 started with. Here the weights come back through from_pretrained
 (model/vision.load_saved_weights). A method TRL's trainer cannot train the model with
-(Llama 3.2 Vision's grpo and rloo: config/rules/vision.py) is refused before it builds, as
-validate refuses it for a local model."""
+(Llama 3.2 Vision's grpo, rloo and distill: config/rules/vision.py) is refused before
+it builds, as validate refuses it for a local model."""
 
 from __future__ import annotations
 
@@ -19,8 +19,9 @@ from finetune.model.vision import load_saved_weights
 
 
 class VisionCheckpoints:
-    """Mixed in before every vision-language Trainer subclass (sft, dpo, grpo, rloo): its
-    checkpoints' weights loaded back; a method the model cannot train with refused."""
+    """Mixed in before every vision-language Trainer subclass (sft, dpo, grpo, rloo,
+    distill): its checkpoints' weights loaded back; a method the model cannot train with
+    refused."""
 
     def __init__(self, *args, **kwargs):
         config = getattr(kwargs.get("model"), "config", None)
@@ -42,10 +43,11 @@ class VisionCheckpoints:
 
 
 def _method_of(trainer) -> str:
-    from trl import GRPOTrainer, RLOOTrainer  # imported already where they train
+    # imported already where they train
+    from trl import DistillationTrainer, GRPOTrainer, RLOOTrainer
 
     for cls, name in ((SFTTrainer, "sft"), (DPOTrainer, "dpo"), (GRPOTrainer, "grpo"),
-                      (RLOOTrainer, "rloo")):
+                      (RLOOTrainer, "rloo"), (DistillationTrainer, "distill")):
         if isinstance(trainer, cls):
             return name
     raise TypeError(f"{type(trainer).__name__}: no method trains a vision-language model "

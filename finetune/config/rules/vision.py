@@ -1,12 +1,13 @@
 """What a vision-language model (config/vision.py) trains with so far: the methods whose
-record says `vision` (sft, dpo, grpo and rloo), whole or with (Q)LoRA, rows collated
-padded; and the `vision:` section, which only such a model takes. Known from a local
-model's config.json; a hub model's is read at training (methods/sft_vision.py,
-methods/dpo.py, methods/online.py and model/vision_parts.py refuse the same settings
-there)."""
+record says `vision` (sft, dpo, grpo, rloo and distill, from a vision-language teacher),
+whole or with (Q)LoRA, rows collated padded; and the `vision:` section, which only such
+a model takes. Known from a local model's config.json; a hub model's is read at training
+(methods/sft_vision.py, methods/dpo.py, methods/online.py, methods/teacher.py and
+model/vision_parts.py refuse the same settings there)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Iterator
 
 from finetune.config import vision
@@ -17,9 +18,10 @@ Problem = tuple[tuple, str]
 
 # Model types TRL's generating trainers cannot train: Llama 3.2 Vision reads its pictures
 # through cross-attention, with inputs GRPOTrainer and RLOOTrainer do not carry (their
-# forward drops aspect_ratio_ids and cross_attention_mask, TRL 1.16). sft's collator
-# renders whole conversations through the processor; dpo's mask is built again for
-# prompt + answer (methods/dpo.MllamaPairs).
+# forward drops aspect_ratio_ids and cross_attention_mask, TRL 1.16), nor
+# DistillationTrainer (its _get_last_hidden_state passes a fixed list of keys, none of
+# mllama's). sft's collator renders whole conversations through the processor; dpo's mask
+# is built again for prompt + answer (methods/dpo.MllamaPairs).
 NO_GENERATING_METHOD = {"mllama": "Llama 3.2 Vision (model_type mllama)"}
 
 
@@ -33,8 +35,26 @@ def method_refused(model_type: str | None, method_name: str) -> str | None:
             f"{method_name} trainer does not carry its cross-attention inputs (docs/vision.md)")
 
 
+def teacher_refused(student_sees: bool, teacher_sees: bool, teacher: str) -> str | None:
+    """Why distill.teacher cannot teach this student (one line), or None: the teacher
+    scores the student's completions after the student's prompts, pictures included, so
+    it takes pictures exactly when the student does. A text teacher of a VLM would
+    judge answers about pictures it never saw. Validate says it for local models,
+    methods/teacher.py at training for any."""
+    if student_sees and not teacher_sees:
+        return (f"{teacher} is a text model and the student a vision-language one: it "
+                "would score answers about pictures it cannot see; give a vision-language "
+                "teacher of the student's family (same processor)")
+    if teacher_sees and not student_sees:
+        return (f"{teacher} is a vision-language model and the student a text one: a "
+                "teacher that takes pictures teaches a vision-language student (method "
+                "distill) only")
+    return None
+
+
 def check(exp: Experiment) -> Iterator[Problem]:
     yield from _section(exp)
+    yield from _teacher(exp)
     if not vision.is_vision_language(exp.model.name_or_path):
         return
     what = f"{exp.model.name_or_path} is a vision-language model"
@@ -51,6 +71,23 @@ def check(exp: Experiment) -> Iterator[Problem]:
             yield ("training", key), f"{what}: rows with images are collated padded, one " \
                                      "row per sequence (TRL's vision collator)"
     yield from _collated(exp, what)
+
+
+def _teacher(exp: Experiment) -> Iterator[Problem]:
+    """A local distill.teacher against a local student (teacher_refused)."""
+    teacher = getattr(getattr(exp, "distill", None), "teacher", None)
+    student = vision.model_type(exp.model.name_or_path)
+    if teacher is None or student is None:
+        return
+    run_final = Path(teacher) / "final"  # a finetune run: its final/ model
+    found = vision.model_type(str(run_final if (Path(teacher) / "experiment.yaml").is_file()
+                                  else teacher))
+    if found is None:  # a hub id or an adapter: said at training
+        return
+    types = vision.image_text_model_types()
+    refused = teacher_refused(student in types, found in types, teacher)
+    if refused:
+        yield ("distill", "teacher"), refused
 
 
 def _collated(exp: Experiment, what: str) -> Iterator[Problem]:
