@@ -85,11 +85,13 @@ OVERRIDES = (
            users="finetune.trainers.ppo:PPOTrainer finetune.trainers.vision:VisionSFTTrainer "
                  "finetune.trainers.vision:VisionDPOTrainer "
                  "finetune.methods.grpo:ResumableVisionGRPOTrainer "
-                 "finetune.methods.rloo:ResumableVisionRLOOTrainer"),
+                 "finetune.methods.rloo:ResumableVisionRLOOTrainer "
+                 "finetune.methods.distill:ResumableVisionDistillationTrainer"),
     Member("transformers:Trainer", "_load_best_model", users="finetune.trainers.ppo:PPOTrainer"),
     # methods/online.py EpochOrder: the order of an epoch from seed + epoch.
     Member("trl:DistillationTrainer", "_get_train_sampler", ("dataset",),
-           users="finetune.methods.distill:ResumableDistillationTrainer"),
+           users="finetune.methods.distill:ResumableDistillationTrainer "
+                 "finetune.methods.distill:ResumableVisionDistillationTrainer"),
     Member("trl:GRPOTrainer", "_get_train_sampler", ("dataset",),
            users="finetune.methods.grpo:ResumableGRPOTrainer "
                  "finetune.methods.grpo:ResumableVisionGRPOTrainer"),

@@ -34,6 +34,8 @@ OURS = ("finetune.trainers.classify:ClassifyTrainer",
         "finetune.trainers.vision:VisionDPOTrainer",
         "finetune.methods.grpo:ResumableGRPOTrainer",
         "finetune.methods.grpo:ResumableVisionGRPOTrainer",
+        "finetune.methods.distill:ResumableDistillationTrainer",
+        "finetune.methods.distill:ResumableVisionDistillationTrainer",
         "finetune.methods.rloo:ResumableRLOOTrainer",
         "finetune.methods.rloo:ResumableVisionRLOOTrainer",
         "finetune.methods.gkd:ProcessScaledGKDTrainer")

@@ -202,7 +202,7 @@ def test_what_a_vision_language_model_cannot_train_with_yet_is_refused_at_valida
     with pytest.raises(ConfigError) as caught:
         load_experiment(QUICKSTART / "vlm.yaml", ["method=kto", "data.train=x.jsonl"])
     said = str(caught.value)
-    assert "method: " in said and "only sft, dpo, grpo and rloo train one yet" in said
+    assert "method: " in said and "only sft, dpo, grpo, rloo and distill train one yet" in said
 
 
 @pytest.mark.slow

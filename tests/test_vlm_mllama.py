@@ -4,8 +4,8 @@
 LoRA through TRL's vision path, `finetune generate --image`, final/ and `finetune merge`
 loading on their own; dpo, its pairs mended (methods/dpo.MllamaPairs: answers without a
 stray <|bos|>, the cross-attention mask over prompt + answer, as the processor builds it
-for the whole text); grpo and rloo refused in one line (TRL's GRPOTrainer and RLOOTrainer
-do not carry its cross-attention inputs)."""
+for the whole text); grpo, rloo and distill refused in one line (TRL's GRPOTrainer,
+RLOOTrainer and DistillationTrainer do not carry its cross-attention inputs)."""
 
 from __future__ import annotations
 
@@ -167,13 +167,16 @@ def test_llama_32_vision_trains_whole_and_with_lora_generates_and_merges(write, 
                         AutoConfig.from_pretrained(tmp_path / "tiny-mllama")) is None
     assert attention_of(load_experiment(VLM), gpu,
                         AutoConfig.from_pretrained(TINY_VLM)) == "flash_attention_2"
-    # TRL's grpo and rloo trainers would train it without its aspect_ratio_ids: refused
-    # before they build
+    # TRL's grpo, rloo and distill trainers would train it without its aspect_ratio_ids:
+    # refused before they build
     from finetune.methods.grpo import ResumableVisionGRPOTrainer
+    from finetune.methods.distill import ResumableVisionDistillationTrainer
     from finetune.methods.rloo import ResumableVisionRLOOTrainer
 
+
     for name, trainer in (("grpo", ResumableVisionGRPOTrainer),
-                          ("rloo", ResumableVisionRLOOTrainer)):
+                          ("rloo", ResumableVisionRLOOTrainer),
+                          ("distill", ResumableVisionDistillationTrainer)):
         with pytest.raises(ConfigError, match=r"^method: Llama 3.2 Vision \(model_type mllama\) "
                                               f"trains with sft and dpo only yet: TRL 1.16's "
                                               f"{name} trainer"):
@@ -182,18 +185,20 @@ def test_llama_32_vision_trains_whole_and_with_lora_generates_and_merges(write, 
 
 
 def test_llama_32_vision_trains_with_sft_and_dpo_only_yet(write, tmp_path):
-    """TRL's grpo and rloo trainers do not carry mllama's cross-attention inputs: refused
-    in one line at validate (a local model), as the trainers refuse it (test above); sft
-    and dpo pass."""
+    """TRL's grpo, rloo and distill trainers do not carry mllama's cross-attention
+    inputs: refused in one line at validate (a local model), as the trainers refuse it
+    (test above); sft and dpo pass."""
     model = model_dir(tmp_path, {"model_type": "mllama"})
     (tmp_path / "x.jsonl").write_text("")
     experiment = lambda method, extra="": write(
         f"{method}.yaml", f"method: {method}\nmodel: {{name_or_path: {model}, init: random}}\n"
                           f"data: {{train: x.jsonl}}\n{extra}")
-    for online in ("grpo", "rloo"):
+    for method, extra in (("grpo", "rewards: {functions: [r.py:right]}\n"),
+                          ("rloo", "rewards: {functions: [r.py:right]}\n"),
+                          ("distill", f"distill: {{teacher: {model}}}\n")):
         assert "method: Llama 3.2 Vision (model_type mllama) trains with sft and dpo only " \
-               f"yet: TRL 1.16's {online} trainer does not carry its cross-attention inputs" \
-               in problems(experiment(online, "rewards: {functions: [r.py:right]}\n"))
+               f"yet: TRL 1.16's {method} trainer does not carry its cross-attention inputs" \
+               in problems(experiment(method, extra))
     assert [load_experiment(experiment(m)).method for m in ("sft", "dpo")] == ["sft", "dpo"]
 
 
