@@ -9,6 +9,7 @@ Exact resume and data parallelism are in test_resume.py and test_data_parallel.p
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import yaml
@@ -192,13 +193,14 @@ def test_a_teacher_sees_pictures_exactly_when_its_student_does(write):
 
 
 @pytest.mark.slow
-def test_a_vlm_student_learns_from_a_vlm_teacher_that_sees_the_pictures(write, tmp_path):
+def test_a_vlm_student_distills_from_a_vlm_teacher_that_sees_the_pictures(write, tmp_path):
     """Two steps through `finetune train` from the prompts of conversations with pictures,
     each prompt's tokens, its picture's 16 image tokens included, as finetune measures
     them when it drops prompts too long; then the trainer finetune builds, in process:
     the teacher's vision tower gets the very pixel values of the batch, and blanking them
     (a hook on the teacher's tower only) changes the distill loss. A text teacher is one
-    line at training too (methods/teacher.py; validate: the test above)."""
+    line at training too (methods/teacher.py; validate: the test above), and so is one
+    whose processor prepares pictures otherwise; the run just trained teaches."""
     import dataclasses
 
     import torch
@@ -233,14 +235,28 @@ def test_a_vlm_student_learns_from_a_vlm_teacher_that_sees_the_pictures(write, t
                 for row in data.train]
     assert prompts == sum(ids.shape[1] for ids in measured) and \
         all((ids == processor.image_token_id).sum() == 16 for ids in measured)
-    text = experiment.model_copy(update={"distill": experiment.distill.model_copy(
-        update={"teacher": str(TINY_MODEL)})})
+    taught_by = lambda teacher: teacher_model(dataclasses.replace(job, experiment=(
+        experiment.model_copy(update={"distill": experiment.distill.model_copy(
+            update={"teacher": str(teacher)})}))))
     with pytest.raises(ConfigError) as caught:
-        teacher_model(dataclasses.replace(job, experiment=text))
+        taught_by(TINY_MODEL)
     assert caught.value.problems == [
         f"distill.teacher: {TINY_MODEL} is a text model and the student a vision-language "
         "one: it would score answers about pictures it cannot see; give a vision-language "
         "teacher of the student's family (same processor)"]
+    # the run just trained (its final/ and processor) teaches; one whose processor cuts
+    # the pictures otherwise does not
+    assert type(taught_by(tmp_path / "runs" / "vlm")).__name__ == "LlavaForConditionalGeneration"
+    other = shutil.copytree(tmp_path / "teacher", tmp_path / "other")
+    settings = json.loads((other / "processor_config.json").read_text())
+    settings["image_processor"]["image_mean"] = [0.5, 0.5, 0.5]
+    (other / "processor_config.json").write_text(json.dumps(settings))
+    with pytest.raises(ConfigError) as caught:
+        taught_by(other)
+    assert caught.value.problems == [
+        "distill.teacher: the teacher's processor differs from the student's in "
+        "image_processor; the teacher sees the pictures as the student's processor prepares "
+        "them"]
 
     from finetune.data.load import ORIGIN
     from finetune.methods.distill import _prompt_of  # a picture only the answer shows
