@@ -24,7 +24,8 @@ from finetune.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED
 
 DATASETS = {"sft": "sft_train", "sft-vlm": "vlm_train", "reward": "pref_train", "dpo": "pref_train",
             "orpo": "pref_train", "cpo": "pref_train", "simpo": "pref_train",
-            "distill": "sft_train", "kto": "pref_train", "gkd": "sft_train"}
+            "distill": "sft_train", "distill-vlm": "vlm_train", "kto": "pref_train",
+            "gkd": "sft_train"}
 
 
 def experiment(name: str, method: str, *, processes: int = 1, steps: int = 40,
@@ -33,7 +34,8 @@ def experiment(name: str, method: str, *, processes: int = 1, steps: int = 40,
                logging_steps: int = 1) -> str:
     """fp32 CPU, fixed seed, a checkpoint every 4 steps, several epochs (24 samples);
     DDP over `processes`, or DeepSpeed ZeRO at `zero_stage`; a free port unless given.
-    method sft-vlm: sft of the tiny LLaVA (whole) on rows with images."""
+    method sft-vlm (distill-vlm): sft (distill) of the tiny LLaVA (whole) on rows with
+    images."""
     if port is None:
         port = free_port()
     strategy = "ddp" if zero_stage is None else \
@@ -41,7 +43,7 @@ def experiment(name: str, method: str, *, processes: int = 1, steps: int = 40,
     distributed = (f"distributed: {{strategy: {strategy}, num_processes: {processes}, "
                    f"device: cpu, main_process_port: {port}}}\n" if processes > 1 else "")
     peft = "peft: {type: lora, r: 4, dropout: 0.1}\n" if method == "sft" else ""
-    model = TINY_MODEL.parent / "tiny-vlm" if method == "sft-vlm" else TINY_MODEL
+    model = TINY_MODEL.parent / "tiny-vlm" if method.endswith("-vlm") else TINY_MODEL
     return (f"name: {name}\nmethod: {method.removesuffix('-vlm')}\nmodel: {{name_or_path: "
             f"{model}, init: random}}\n{peft}"
             f"data:\n  train: {{path: {DATA}/{DATASETS[method]}.jsonl, max_samples: {samples}}}\n"
@@ -49,7 +51,8 @@ def experiment(name: str, method: str, *, processes: int = 1, steps: int = 40,
             f"training:\n  max_steps: {steps}\n  per_device_train_batch_size: {batch}\n"
             f"  gradient_accumulation_steps: {accumulation}\n  learning_rate: 1e-3\n"
             f"  logging_steps: {logging_steps}\n  save_steps: 4\n  seed: 5\n"
-            + ("  max_completion_length: 8\n" if method == "distill" else "  max_length: 64\n")
+            + ("  max_completion_length: 8\n" if method.startswith("distill") else
+               "  max_length: 64\n")
             + "  activation_checkpointing: false\n" + extra)
 
 

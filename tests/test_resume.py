@@ -20,7 +20,7 @@ from conftest import DATA, QUICKSTART, TINY_MODEL, run_cli
 from finetune.rundir import checkpoints
 from resumable import (Run, assert_continues, assert_identical, experiment, final_weights,
                        losses, stopped_by_ctrl_c, stopped_by_sigterm, wait_for_step)
-from teachers import tiny_teacher
+from teachers import tiny_teacher, tiny_vlm_teacher
 
 pytestmark = pytest.mark.slow  # every test trains, stops and resumes runs
 
@@ -37,13 +37,15 @@ STEPS = 40
 # reward x2 (sft x2's path with a score head), orpo x2 and cpo x1 (TRL's experimental
 # preference trainers: the Trainer's restore, as sft's), kto x2 (kto x1's order and
 # reference model on sft x2's two ranks), sft-vlm x1 (a whole VLM: its weights restored
-# through from_pretrained, trainers/vision.py; its processor in every checkpoint).
+# through from_pretrained, trainers/vision.py; its processor in every checkpoint),
+# distill-vlm x1 (distill x1's path with a whole VLM student and a VLM teacher).
 @pytest.mark.parametrize("method,processes", [
     ("sft", 1), ("sft", 2), pytest.param("reward", 2, marks=pytest.mark.exhaustive),
     pytest.param("sft-vlm", 1, marks=pytest.mark.exhaustive),
     ("dpo", 1), pytest.param("orpo", 2, marks=pytest.mark.exhaustive),
     pytest.param("cpo", 1, marks=pytest.mark.exhaustive), ("kto", 1),
-    pytest.param("kto", 2, marks=pytest.mark.exhaustive), ("distill", 1), ("gkd", 1)])
+    pytest.param("kto", 2, marks=pytest.mark.exhaustive), ("distill", 1),
+    pytest.param("distill-vlm", 1, marks=pytest.mark.exhaustive), ("gkd", 1)])
 def test_sigterm_and_sigkill_then_resume_is_bitwise_identical(method, processes, write,
                                                               tmp_path):
     """Four runs per chain: uninterrupted, stopped by SIGTERM (sft x1: Ctrl-C in a
@@ -58,6 +60,8 @@ def test_sigterm_and_sigkill_then_resume_is_bitwise_identical(method, processes,
     command = "launch" if processes > 1 else "train"
     extra = f"distill: {{teacher: {tiny_teacher(tmp_path / 'teacher')}}}\n" \
         if method == "distill" else ""
+    if method == "distill-vlm":
+        extra = f"distill: {{teacher: {tiny_vlm_teacher(tmp_path / 'teacher')}}}\n"
     if method == "gkd":
         extra = ("  lmbda: 0.5\n  max_new_tokens: 8\n"
                  f"distill: {{teacher: {tiny_teacher(tmp_path / 'teacher')}}}\n")
