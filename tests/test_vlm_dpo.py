@@ -162,7 +162,7 @@ def test_pictures_need_a_vision_language_model_and_a_method_that_takes_them(writ
                                            f"name_or_path {TINY_MODEL} is not a vision-language")
     path = experiment(write, tmp_path, [pair("pic.png")], model=TINY_MODEL, method="reward")
     line = f"{where}: the row has images, and method reward does not take images; sft, dpo, " \
-           "grpo and rloo train on rows with images (docs/vision.md)"
+           "grpo, rloo and distill train on rows with images (docs/vision.md)"
     assert validate_error(path) == line
     assert training_error(path) == line.replace("line 1", "row 1")
 
