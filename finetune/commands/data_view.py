@@ -176,6 +176,29 @@ def _kto(rows, tokenizer, experiment: Experiment, splits, split: str) -> Iterato
                      limit is not None and len(head) >= limit)
 
 
+def _kto_vision(rows, processor, experiment: Experiment, splits, split: str) -> Iterator[Sample]:
+    """Unpaired rows with images as TRL's DataCollatorForVisionUnpairedPreference makes
+    them in training (the prompt's pictures expanded to their tokens), one row at a time
+    and uncut; dropped where the prompt alone fills max_length, as finetune drops it
+    (methods/vision_lengths.py kept_unpaired)."""
+    from trl.trainer.kto_trainer import DataCollatorForVisionUnpairedPreference
+
+    from finetune.data.image_size import ImagesSized
+
+    sizes = experiment.vision  # vision.max_pixels, min_pixels: fitted as in training
+    collate = ImagesSized(DataCollatorForVisionUnpairedPreference(processor, calculate_kl=False),
+                          sizes and sizes.max_pixels, sizes and sizes.min_pixels)
+    limit = value(experiment, "max_length")
+    for row in rows:
+        batch = collate([{key: row.get(key) for key in ("prompt", "completion", "label")} |
+                         {"images": row.get("images") or []}])
+        ids, trained = batch["input_ids"][0].tolist(), batch["completion_mask"][0].bool().tolist()
+        name = "desirable" if row["label"] else "undesirable"
+        prompt = trained.index(True) if True in trained else len(ids)
+        yield Sample(row[ORIGIN], [(name, ids, trained)],
+                     limit is not None and isinstance(row["prompt"], list) and prompt >= limit)
+
+
 def _last_turn(rows, tokenizer, experiment: Experiment, splits, split: str) -> Iterator[Sample]:
     """gkd's conversations as TRL's GKD collator renders them: the last (assistant) turn
     trained, the turns before it the prompt, cut from its start where the row is longer
@@ -262,8 +285,8 @@ def report(experiment: Experiment, shown: int) -> list[str]:
              f"between {OPEN} and {CLOSE}"] + [f"note: {note}" for note in splits.notes]
     sample = _view(experiment)
     if vision:  # rows as the vision collators make them
-        sample = {_sft: _sft_vision, _dpo: _dpo_vision, _prompts: _prompts_vision}.get(
-            sample, sample)
+        sample = {_sft: _sft_vision, _dpo: _dpo_vision, _kto: _kto_vision,
+                  _prompts: _prompts_vision}.get(sample, sample)
     if sample in (_sft, _sft_vision):
         from finetune.methods.sft import trained_tokens
 

@@ -150,7 +150,8 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     # KTOTrainer's loss weighs by label only (desirable_weight, undesirable_weight).
     Method("kto", ("trl", "KTOConfig"), ("unpaired_preference", "preference"), "lm",
            "finetune.methods.kto", sections=("kto",), max_length="training.max_length",
-           reference=Reference(setting="kto.ref_model"), shared_prompt=True, weights=False),
+           reference=Reference(setting="kto.ref_model"), shared_prompt=True, weights=False,
+           vision=True),
     # Our own trainers take transformers' arguments; their options are in their sections.
     Method("classify", ("transformers", "TrainingArguments"), ("classification",), "score",
            "finetune.methods.classify", sections=("classify",), labels="classify.labels",

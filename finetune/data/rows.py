@@ -20,7 +20,7 @@ FORMATS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "text": (("text",), ()),
     "preference": (("chosen", "rejected"), ("prompt", IMAGES)),
     # kto: one completion, labelled desirable (true) or not (false); no partner needed.
-    "unpaired_preference": (("prompt", "completion", "label"), ()),
+    "unpaired_preference": (("prompt", "completion", "label"), (IMAGES,)),
     "classification": (("text", "label"), ()),
     "prompt": (("prompt",), ()),  # every other column is kept for the reward functions
 }
@@ -178,6 +178,8 @@ def check_row(row: dict[str, Any], fmt: str, labels: list[str] | None = None) ->
         return f"mixes plain text and message lists across {', '.join(fields)}"
     if fmt == "prompt":
         return _prompt_images_problem(row)
+    if fmt == "unpaired_preference":
+        return _unpaired_images_problem(row)
     return _preference_images_problem(row) if fmt == "preference" else None
 
 
@@ -189,6 +191,15 @@ def _prompt_images_problem(row: dict[str, Any]) -> str | None:
         return "`images` needs a conversational `prompt` (a list of messages): a text " \
                "prompt has no place for a picture" if images else None
     return count_problem(images, row["prompt"], "prompt")
+
+
+def _unpaired_images_problem(row: dict[str, Any]) -> str | None:
+    """An unpaired row's pictures, as TRL's DataCollatorForVisionUnpairedPreference reads
+    them: the prompt's, as for a pair (none in the completion)."""
+    if isinstance(row["completion"], list) and image_parts(row["completion"]):
+        return "an image part in `completion`: pictures belong to the prompt (TRL's " \
+               "unpaired preference collator gives them to the prompt only)"
+    return _prompt_images_problem(row)
 
 
 def _preference_images_problem(row: dict[str, Any]) -> str | None:

@@ -8,6 +8,15 @@ ones), would train on one label at a time. prepare shuffles both splits once, wi
 data seed. The reference model is passed explicitly, as for dpo: a frozen copy of the
 starting policy, the model named in kto.ref_model, or under (Q)LoRA none (TRL then keeps
 a frozen copy of the starting adapter).
+
+A vision-language model (its processor is the processing class) trains on unpaired rows
+with images (`images` beside prompt, completion and label; pairs with images unpaired,
+each of the two rows keeping the pictures: data/load.py) through TRL's own vision path:
+the rows stay untokenized and DataCollatorForVisionUnpairedPreference renders each batch,
+the prompt with its pictures then the completion, and the KL term's mismatched pairs by
+giving each row's prompt (and pictures) the completion of the row before it in the batch.
+The pictures are in the prompt, so no image token is trained. Llama 3.2 Vision is refused
+(config/rules/vision.py).
 """
 
 from __future__ import annotations
@@ -20,11 +29,19 @@ from trl.data_utils import common_prefix_length
 
 from finetune.config.derived.effective import value
 from finetune.config.schema import Experiment
+from finetune.data.image_size import ImagesSized, fitter
+from finetune.data.images import IMAGES
 from finetune.data.load import ORIGIN, Splits
 from finetune.data.mix import seed_of
-from finetune.methods import Job
+from finetune.errors import ConfigError
+from finetune.methods import Job, vision_lengths
 from finetune.methods.pairs import frozen_reference, require_a_row_that_fits
+from finetune.methods.sft_vision import refuse_images
 from finetune.model.tokenizer import render_chat
+from finetune.model.vision import is_processor
+
+# The columns TRL's vision collator reads; every other one is dropped before it.
+VISION_COLUMNS = ("prompt", "completion", "label", IMAGES)
 
 
 def prompt_length(tokenizer, row: dict[str, Any]) -> int:
@@ -46,16 +63,60 @@ def prompt_length(tokenizer, row: dict[str, Any]) -> int:
 def prepare(splits: Splits, tokenizer, experiment: Experiment) -> Splits:
     """Shuffled once (see the module's note) and checked, not tokenized (KTOTrainer does
     that): every chat row renders, and some row is left once KTOTrainer drops those whose
-    prompt alone fills max_length."""
+    prompt alone fills max_length. A vision-language model's rows: _vision_rows."""
     seed = seed_of(experiment)
     shuffled = lambda rows: None if rows is None else rows.shuffle(seed=seed).flatten_indices()
     splits = dataclasses.replace(splits, train=shuffled(splits.train), eval=shuffled(splits.eval))
+    if is_processor(tokenizer):
+        return _vision_rows(splits, tokenizer, experiment)
+    refuse_images(splits, experiment)
     require_a_row_that_fits(splits, value(experiment, "max_length"),
                             lambda row: prompt_length(tokenizer, row), "KTOTrainer", "completion")
     return splits
 
 
+def vision_problems(experiment: Experiment) -> list[str]:
+    """Settings TRL's KTOTrainer and its vision collator refuse for rows with images
+    (validate says the same for a local model: config/rules/vision.py)."""
+    training, problems = experiment.training, []
+    if training.get("precompute_ref_log_probs"):
+        problems.append("training.precompute_ref_log_probs: not supported for a "
+                        "vision-language model (TRL renders its rows batch by batch)")
+    if training.get("pad_to_multiple_of") is not None:
+        problems.append("training.pad_to_multiple_of: not supported for a vision-language "
+                        "model (TRL's vision preference collators do not pad to it)")
+    return problems
+
+
+def _vision_rows(splits: Splits, processor, experiment: Experiment) -> Splits:
+    """The shuffled rows with the columns the collator reads (and ORIGIN, which
+    data/prepare.py removes), `images` empty for a file without pictures (TRL's vision
+    path renders them without); less the rows whose prompt max_length would cut inside
+    its image tokens or leave without a completion token, counted
+    (methods/vision_lengths.py)."""
+    problems = vision_problems(experiment)
+    if problems:
+        raise ConfigError(problems)
+    max_length, fit = value(experiment, "max_length"), fitter(experiment)
+
+    def rows(ds, split):
+        if IMAGES not in ds.column_names:
+            ds = ds.add_column(IMAGES, [[] for _ in range(len(ds))])
+        ds = vision_lengths.kept_unpaired(ds, split, processor, max_length, fit, splits.notes)
+        return ds.select_columns([*VISION_COLUMNS, ORIGIN])
+
+    return splits.tokenized(rows)
+
+
 def build_trainer(job: Job) -> KTOTrainer:
-    return KTOTrainer(model=job.model, ref_model=frozen_reference(job), args=job.args,
-                      train_dataset=job.data.train, eval_dataset=job.data.eval,
-                      processing_class=job.tokenizer, callbacks=job.callbacks)
+    trainer_class, vision = KTOTrainer, is_processor(job.tokenizer)
+    if vision:  # a vision-language model
+        from finetune.trainers.vision import VisionKTOTrainer as trainer_class
+    trainer = trainer_class(model=job.model, ref_model=frozen_reference(job), args=job.args,
+                            train_dataset=job.data.train, eval_dataset=job.data.eval,
+                            processing_class=job.tokenizer, callbacks=job.callbacks)
+    if vision:  # vision.max_pixels, min_pixels: the pictures fitted before the collator
+        sizes = job.experiment.vision
+        trainer.data_collator = ImagesSized(trainer.data_collator, sizes and sizes.max_pixels,
+                                            sizes and sizes.min_pixels)
+    return trainer

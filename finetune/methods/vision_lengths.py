@@ -5,7 +5,9 @@ whose image tokens reach past max_length would be cut inside them (the processor
 such a batch), and one whose trained tokens all lie past it would train nothing: both are
 dropped, counted in the start summary, as text rows that train nothing after truncation
 are (data/sft_tokens.py). None left is an error naming the setting. Preference pairs
-(dpo) are measured by their prompt, which holds the pictures (kept_pairs).
+(dpo) are measured by their prompt, which holds the pictures (kept_pairs); kto's unpaired
+rows by their prompt too, with the generation prompt that comes before the completion
+(kept_unpaired).
 
 grpo's and rloo's prompts (kept_prompts) have no max_length: TRL 1.16's GRPOTrainer and
 RLOOTrainer generate from each prompt whole (no max_prompt_length, nothing truncated, so
@@ -89,6 +91,27 @@ def kept_pairs(rows: Dataset, split: str, processor, max_length: int | None, fit
                      "raise it",
                      f"data.{split}: {{}} pair(s) dropped: training.max_length {max_length} "
                      "would cut their prompt's image tokens")
+
+
+def kept_unpaired(rows: Dataset, split: str, processor, max_length: int | None, fit,
+                  notes: list[str]) -> Dataset:
+    """kto's rows whose prompt (rendered with its pictures and the generation prompt, as
+    TRL's unpaired vision collator renders it before the completion) is shorter than
+    max_length: its image tokens whole and a completion token left, as KTOTrainer's text
+    path drops a row whose prompt fills max_length. A row with a text prompt has no
+    pictures and is kept. A note counting the others; a DataError when none is left."""
+    if max_length is None:
+        return rows
+    from finetune.model.vision import chat_prompts
+
+    keep = [not isinstance(prompt, list) or chat_prompts(
+        processor, [prompt], [images or []], fit)["input_ids"].shape[1] < max_length
+        for prompt, images in zip(rows["prompt"], rows[IMAGES])]
+    return _selected(rows, keep, notes, f"data.{split}: no row's prompt fits "
+                     f"training.max_length {max_length} with its image tokens and a "
+                     f"completion token {SHOWN}: raise it",
+                     f"data.{split}: {{}} row(s) dropped: training.max_length {max_length} "
+                     "would cut their prompt's image tokens or leave no completion token")
 
 
 def kept_prompts(rows: Dataset, split: str, processor, limit: int | None, setting: str,

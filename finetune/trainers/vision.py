@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from trl import DPOTrainer, SFTTrainer
+from trl import DPOTrainer, KTOTrainer, SFTTrainer
 
 from finetune.config.rules.vision import method_refused
 from finetune.errors import ConfigError, DataError
@@ -19,7 +19,7 @@ from finetune.model.vision import load_saved_weights
 
 
 class VisionCheckpoints:
-    """Mixed in before every vision-language Trainer subclass (sft, dpo, grpo, rloo,
+    """Mixed in before every vision-language Trainer subclass (sft, dpo, kto, grpo, rloo,
     distill): its checkpoints' weights loaded back; a method the model cannot train with
     refused."""
 
@@ -46,8 +46,9 @@ def _method_of(trainer) -> str:
     # imported already where they train
     from trl import DistillationTrainer, GRPOTrainer, RLOOTrainer
 
-    for cls, name in ((SFTTrainer, "sft"), (DPOTrainer, "dpo"), (GRPOTrainer, "grpo"),
-                      (RLOOTrainer, "rloo"), (DistillationTrainer, "distill")):
+    for cls, name in ((SFTTrainer, "sft"), (DPOTrainer, "dpo"), (KTOTrainer, "kto"),
+                      (GRPOTrainer, "grpo"), (RLOOTrainer, "rloo"),
+                      (DistillationTrainer, "distill")):
         if isinstance(trainer, cls):
             return name
     raise TypeError(f"{type(trainer).__name__}: no method trains a vision-language model "
@@ -58,15 +59,25 @@ class VisionSFTTrainer(VisionCheckpoints, SFTTrainer):
     pass
 
 
-class VisionDPOTrainer(VisionCheckpoints, DPOTrainer):
+class ImageTokensCut:
+    """TRL's own error (DPOTrainer's, KTOTrainer's) for a training.max_length that cuts a
+    prompt inside its image tokens, as one line saying which setting to raise (the rows
+    that would be cut are dropped while preparing: methods/vision_lengths.py)."""
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        """TRL's own error for a training.max_length that cuts a pair's prompt inside its
-        image tokens, as one line saying which setting to raise."""
         try:
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         except ValueError as exc:
             if "image placeholder" not in str(exc):
                 raise
-            raise DataError(f"training.max_length {self.args.max_length} cuts a pair of this "
+            raise DataError(f"training.max_length {self.args.max_length} cuts a row of this "
                             "batch inside its prompt's image tokens: raise it (`finetune data` "
                             "shows every row's length)") from None
+
+
+class VisionDPOTrainer(VisionCheckpoints, ImageTokensCut, DPOTrainer):
+    pass
+
+
+class VisionKTOTrainer(VisionCheckpoints, ImageTokensCut, KTOTrainer):
+    pass

@@ -1,9 +1,9 @@
 """What a vision-language model (config/vision.py) trains with so far: the methods whose
-record says `vision` (sft, dpo, grpo, rloo and distill, from a vision-language teacher),
-whole or with (Q)LoRA, rows collated padded; and the `vision:` section, which only such
-a model takes. Known from a local model's config.json; a hub model's is read at training
-(methods/sft_vision.py, methods/dpo.py, methods/online.py, methods/teacher.py and
-model/vision_parts.py refuse the same settings there)."""
+record says `vision` (sft, dpo, kto, grpo, rloo and distill, from a vision-language
+teacher), whole or with (Q)LoRA, rows collated padded; and the `vision:` section, which
+only such a model takes. Known from a local model's config.json; a hub model's is read
+at training (methods/sft_vision.py, methods/dpo.py, methods/kto.py, methods/online.py,
+methods/teacher.py and model/vision_parts.py refuse the same settings there)."""
 
 from __future__ import annotations
 
@@ -16,23 +16,36 @@ from finetune.config.schema import Experiment
 
 Problem = tuple[tuple, str]
 
-# Model types TRL's generating trainers cannot train: Llama 3.2 Vision reads its pictures
-# through cross-attention, with inputs GRPOTrainer and RLOOTrainer do not carry (their
-# forward drops aspect_ratio_ids and cross_attention_mask, TRL 1.16), nor
-# DistillationTrainer (its _get_last_hidden_state passes a fixed list of keys, none of
-# mllama's). sft's collator renders whole conversations through the processor; dpo's mask
-# is built again for prompt + answer (methods/dpo.MllamaPairs).
-NO_GENERATING_METHOD = {"mllama": "Llama 3.2 Vision (model_type mllama)"}
+# Model types that read their pictures through cross-attention, with inputs some of TRL's
+# trainers do not carry: GRPOTrainer and RLOOTrainer drop aspect_ratio_ids and
+# cross_attention_mask, DistillationTrainer passes a fixed list of keys, none of
+# mllama's, and KTO's vision collator keeps the prompt's mask beside prompt +
+# completion (the forward fails; TRL 1.16). sft's collator renders whole conversations
+# through the processor; dpo's mask is built again for prompt + answer
+# (methods/dpo.MllamaPairs).
+CROSS_ATTENTION = {"mllama": "Llama 3.2 Vision (model_type mllama)"}
 
 
 def method_refused(model_type: str | None, method_name: str) -> str | None:
     """Why this model type cannot train with this method (one line), or None. Validate
     says it for a local model, the trainer for any (trainers/vision.py)."""
-    if model_type not in NO_GENERATING_METHOD or not method(method_name).generates:
+    why = _why(model_type, method_name)
+    if why is None:
         return None
-    takers = spoken(names_where(lambda m: m.vision and not m.generates))
-    return (f"{NO_GENERATING_METHOD[model_type]} trains with {takers} only yet: TRL 1.16's "
-            f"{method_name} trainer does not carry its cross-attention inputs (docs/vision.md)")
+    takers = spoken(names_where(lambda m: m.vision and _why(model_type, m.name) is None))
+    return f"{CROSS_ATTENTION[model_type]} trains with {takers} only yet: {why} " \
+           "(docs/vision.md)"
+
+
+def _why(model_type: str | None, method_name: str) -> str | None:
+    if model_type not in CROSS_ATTENTION:
+        return None
+    if method(method_name).generates:
+        return f"TRL 1.16's {method_name} trainer does not carry its cross-attention inputs"
+    if method_name == "kto":
+        return ("TRL 1.16's kto collator keeps the prompt's cross-attention mask beside "
+                "prompt + completion")
+    return None
 
 
 def teacher_refused(student_sees: bool, teacher_sees: bool, teacher: str) -> str | None:
@@ -101,6 +114,10 @@ def _collated(exp: Experiment, what: str) -> Iterator[Problem]:
     if training.get("precompute_ref_log_probs"):
         yield ("training", "precompute_ref_log_probs"), f"{what}: not supported (TRL " \
                                                         "renders its rows batch by batch)"
+    pairs = "preference" in method(exp.method).formats  # dpo, kto
+    if training.get("pad_to_multiple_of") is not None and pairs:
+        yield ("training", "pad_to_multiple_of"), f"{what}: not supported (TRL's vision " \
+                                                  "preference collators do not pad to it)"
     if exp.data.weight_column is not None and method(exp.method).sequences == 2:
         yield ("data", "weight_column"), f"{what}: weighted pairs are not supported for " \
                                          "one yet"
