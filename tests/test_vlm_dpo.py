@@ -81,8 +81,10 @@ def test_preference_rows_with_images_validate(write, tmp_path):
         assert f": {len(rows)} rows, format preference" in result.stdout
 
 
-def test_a_missing_picture_is_the_same_line_at_validate_and_at_training(write, tmp_path):
-    path = experiment(write, tmp_path, [pair("pic.png"), pair("pics/missing.png")])
+@pytest.mark.parametrize("method", ["dpo", "kto"])  # kto: the pairs unpaired after the check
+def test_a_missing_picture_is_the_same_line_at_validate_and_at_training(write, tmp_path, method):
+    path = experiment(write, tmp_path, [pair("pic.png"), pair("pics/missing.png")],
+                      method=method)
     result = run_cli("validate", str(path), cwd=tmp_path)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     line = f"{tmp_path / 'data' / 'pairs.jsonl'} line 2: images[0] 'pics/missing.png': no " \
@@ -162,7 +164,7 @@ def test_pictures_need_a_vision_language_model_and_a_method_that_takes_them(writ
                                            f"name_or_path {TINY_MODEL} is not a vision-language")
     path = experiment(write, tmp_path, [pair("pic.png")], model=TINY_MODEL, method="reward")
     line = f"{where}: the row has images, and method reward does not take images; sft, dpo, " \
-           "grpo, rloo and distill train on rows with images (docs/vision.md)"
+           "kto, grpo, rloo and distill train on rows with images (docs/vision.md)"
     assert validate_error(path) == line
     assert training_error(path) == line.replace("line 1", "row 1")
 

@@ -43,8 +43,8 @@ def test_the_vision_section_is_checked_at_validate(write):
     # LoRA and QLoRA on a VLM validate now; the other refusals stay
     for peft in ("lora", "qlora"):
         load_experiment(VLM, [f"peft.type={peft}", "vision.train_projector=true"])
-    assert "only sft, dpo, grpo, rloo and distill train one yet" in problems(
-        VLM, ["method=kto", "data.train=x.jsonl"])
+    assert "only sft, dpo, kto, grpo, rloo and distill train one yet" in problems(
+        VLM, ["method=orpo", "data.train=x.jsonl"])
 
 
 def test_images_are_fitted_to_the_pixel_bounds_aspect_kept():

@@ -4,8 +4,9 @@
 LoRA through TRL's vision path, `finetune generate --image`, final/ and `finetune merge`
 loading on their own; dpo, its pairs mended (methods/dpo.MllamaPairs: answers without a
 stray <|bos|>, the cross-attention mask over prompt + answer, as the processor builds it
-for the whole text); grpo, rloo and distill refused in one line (TRL's GRPOTrainer,
-RLOOTrainer and DistillationTrainer do not carry its cross-attention inputs)."""
+for the whole text); grpo, rloo, distill and kto refused in one line each (TRL's
+GRPOTrainer, RLOOTrainer and DistillationTrainer do not carry its cross-attention inputs;
+KTO's vision collator keeps the prompt's mask)."""
 
 from __future__ import annotations
 
@@ -186,8 +187,10 @@ def test_llama_32_vision_trains_whole_and_with_lora_generates_and_merges(write, 
 
 def test_llama_32_vision_trains_with_sft_and_dpo_only_yet(write, tmp_path):
     """TRL's grpo, rloo and distill trainers do not carry mllama's cross-attention
-    inputs: refused in one line at validate (a local model), as the trainers refuse it
-    (test above); sft and dpo pass."""
+    inputs, and KTO's vision collator keeps the prompt's cross-attention mask beside
+    prompt + completion (the forward fails on it): each refused in one line at validate
+    (a local model), as the trainers refuse them (trainers/vision.py; the test above);
+    sft and dpo pass."""
     model = model_dir(tmp_path, {"model_type": "mllama"})
     (tmp_path / "x.jsonl").write_text("")
     experiment = lambda method, extra="": write(
@@ -199,6 +202,9 @@ def test_llama_32_vision_trains_with_sft_and_dpo_only_yet(write, tmp_path):
         assert "method: Llama 3.2 Vision (model_type mllama) trains with sft and dpo only " \
                f"yet: TRL 1.16's {method} trainer does not carry its cross-attention inputs" \
                in problems(experiment(method, extra))
+    assert "method: Llama 3.2 Vision (model_type mllama) trains with sft and dpo only yet: " \
+           "TRL 1.16's kto collator keeps the prompt's cross-attention mask" in \
+           problems(experiment("kto"))
     assert [load_experiment(experiment(m)).method for m in ("sft", "dpo")] == ["sft", "dpo"]
 
 
