@@ -174,6 +174,7 @@ def test_pictures_need_a_vision_language_model_and_a_method_that_takes_them(writ
     ("training:\n  precompute_ref_log_probs: true\n", "training.precompute_ref_log_probs"),
     ("data:\n  weight_column: w\n", "data.weight_column"),
     ("training:\n  padding_free: true\n", "training.padding_free"),
+    ("training:\n  pad_to_multiple_of: 8\n", "training.pad_to_multiple_of"),  # dpo's, kto's
 ])
 def test_what_trl_refuses_for_pairs_with_images_is_refused_at_validate(write, setting, key):
     path = write("exp.yaml", f"extends: {QUICKSTART / 'vlm-dpo.yaml'}\n{setting}")
@@ -306,15 +307,22 @@ def test_rloo_generates_from_prompts_with_their_pictures_and_resumes(write, tmp_
 
 @pytest.mark.slow  # imports TRL (and torch)
 def test_training_refuses_what_validate_refuses_for_a_hub_model():
-    """A hub vision-language model is known as one at training only: methods/dpo.py
-    refuses there the settings config/rules/vision.py refuses for a local one."""
+    """A hub vision-language model is known as one at training only: methods/dpo.py and
+    methods/kto.py refuse there the settings config/rules/vision.py refuses for a local
+    one."""
     from finetune.methods.dpo import vision_problems
+
+    from finetune.methods import kto
 
     overrides = ["training.truncation_mode=keep_end", "training.precompute_ref_log_probs=true",
                  "data.weight_column=w"]
     experiment = load_experiment(QUICKSTART / "dpo.yaml", overrides)  # a text model: valid
     assert [p.split(":")[0] for p in vision_problems(experiment)] == [
         "training.truncation_mode", "training.precompute_ref_log_probs", "data.weight_column"]
+    experiment = load_experiment(QUICKSTART / "dpo.yaml", [
+        "method=kto", "training.precompute_ref_log_probs=true", "training.pad_to_multiple_of=8"])
+    assert [p.split(":")[0] for p in kto.vision_problems(experiment)] == [
+        "training.precompute_ref_log_probs", "training.pad_to_multiple_of"]
 
 
 @pytest.mark.slow  # loads the processor (and torch)
