@@ -84,6 +84,7 @@ OVERRIDES = (
     Member("transformers:Trainer", "_load_from_checkpoint", ("resume_from_checkpoint", "model"),
            users="finetune.trainers.ppo:PPOTrainer finetune.trainers.vision:VisionSFTTrainer "
                  "finetune.trainers.vision:VisionDPOTrainer "
+                 "finetune.trainers.vision:VisionKTOTrainer "
                  "finetune.methods.grpo:ResumableVisionGRPOTrainer "
                  "finetune.methods.rloo:ResumableVisionRLOOTrainer "
                  "finetune.methods.distill:ResumableVisionDistillationTrainer"),
