@@ -358,6 +358,49 @@ def test_text_only_rows_train_beside_rows_with_images(write, tmp_path):
     assert ((batch["labels"] != -100) & ~pictured).sum() > 10  # the user's turns train
 
 
+@pytest.mark.slow  # builds the model and a trainer
+@pytest.mark.parametrize("family", ["gemma3", "qwen2_vl"])
+def test_the_markers_around_image_tokens_never_train(family, write, tmp_path):
+    """Every turn trained (training.assistant_only_loss false): the markers the processor
+    puts around a picture's tokens are masked with them, though transformers'
+    image_token_ids names only the image token for these (model/vision.py _markers):
+    Gemma 3's <start_of_image>/<end_of_image>, Qwen2-VL's <|vision_start|>/<|vision_end|>."""
+    import torch
+    from vlm_configs import GEMMA3_TOKENS, QWEN2_VL_IMAGE, tiny_gemma3, tiny_qwen2_vl
+
+    from finetune.methods.vision_lengths import measure
+
+    if family == "qwen2_vl":  # transformers' Qwen2-VL processor takes a video processor,
+        pytest.importorskip("torchvision")  # which needs torchvision
+        build, tokens = tiny_qwen2_vl, QWEN2_VL_IMAGE.replace("><", ">\n<").split("\n")
+    else:
+        build, tokens = tiny_gemma3, [GEMMA3_TOKENS[k] for k in ("boi_token", "image_token",
+                                                                 "eoi_token")]
+    model = build(tmp_path / family)
+    data = tmp_path / "data"
+    data.mkdir()
+    shutil.copy(PICTURE, data / "pic.png")
+    text = {"messages": [{"role": "user", "content": "Say red."},
+                         {"role": "assistant", "content": "red"}]}
+    (data / "rows.jsonl").write_text(json.dumps(row("pic.png")) + "\n" + json.dumps(text) + "\n")
+    config = write("exp.yaml", f"method: sft\nmodel: {{name_or_path: {model}, init: random}}\n"
+                               f"data: {{train: {data / 'rows.jsonl'}}}\n"
+                               "training: {per_device_train_batch_size: 2, "
+                               "assistant_only_loss: false}\n")
+    batch, processor, _ = collated_batch(tmp_path / "run", [], config)
+    start, image, end = processor.tokenizer.convert_tokens_to_ids(tokens)
+    ids, labels = batch["input_ids"], batch["labels"]
+    assert [(ids == t).sum().item() for t in (start, image, end)] == [1, 4, 1]
+    assert (labels[torch.isin(ids, torch.tensor([start, image, end]))] == -100).all()
+    trained = [processor.tokenizer.decode(i[l != -100]) for i, l in zip(ids, labels)]
+    assert any("What is it?" in t for t in trained) and \
+        any("Say red." in t for t in trained), trained  # the user's turns train
+    # max_length is measured to the end marker (Gemma 3's image_token_id is its start)
+    pictured = next(i[m.bool()] for i, m in zip(ids, batch["attention_mask"]) if start in i)
+    measured = measure(processor, row("pic.png")["messages"], [str(data / "pic.png")], False)
+    assert measured.image_end == pictured.tolist().index(end) + 1
+
+
 def collated_batch(tmp_path, overrides, config=QUICKSTART / "vlm.yaml"):
     """(a training batch as the run's trainer collates it, the processor, the model): the
     experiment built the way `finetune train` builds it (run/build.py), its first batch

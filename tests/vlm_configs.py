@@ -208,3 +208,100 @@ def tiny_mllama(directory):
                  text_config=text, image_token_index=tokenizer.convert_tokens_to_ids(
                      MLLAMA_IMAGE_TOKEN)).save_pretrained(directory)
     return directory
+
+
+# A tiny Qwen2-VL: 8x8 patches merged 2x2, so a 32x32 picture is 4 <|image_pad|> tokens in
+# the text, between <|vision_start|> and <|vision_end|> as its chat template puts them.
+# Built as tiny_mllama is, on the quickstart tokenizer with those tokens added.
+QWEN2_VL_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
+
+
+def tiny_qwen2_vl(directory):
+    """A model directory (config.json and the processor's files) of a tiny Qwen2-VL, for
+    `model.init: random`."""
+    import sys
+
+    from conftest import QUICKSTART
+
+    sys.path.insert(0, str(QUICKSTART))
+    import make_assets
+    import make_vlm_assets
+    from transformers import Qwen2VLConfig, Qwen2VLProcessor
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import \
+        Qwen2VLImageProcessorPil
+    from transformers.models.qwen2_vl.video_processing_qwen2_vl import \
+        Qwen2VLVideoProcessor  # needs torchvision, as transformers' Qwen2-VL processor does
+
+    sys.path.remove(str(QUICKSTART))
+    tokenizer = make_assets.build_tokenizer()
+    tokenizer.add_tokens(["<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
+                          "<|video_pad|>"], special_tokens=True)
+    template = make_vlm_assets.CHAT_TEMPLATE.replace(make_vlm_assets.IMAGE_TOKEN,
+                                                     QWEN2_VL_IMAGE)
+    tokenizer.chat_template = template
+    sizes = dict(patch_size=8, merge_size=2, temporal_patch_size=2,
+                 size={"shortest_edge": 16 * 16, "longest_edge": 64 * 64})
+    Qwen2VLProcessor(image_processor=Qwen2VLImageProcessorPil(**sizes), tokenizer=tokenizer,
+                     video_processor=Qwen2VLVideoProcessor(**sizes),
+                     chat_template=template).save_pretrained(directory)
+    ids = {f"{name}_token_id": tokenizer.convert_tokens_to_ids(token) for name, token in
+           (("vision_start", "<|vision_start|>"), ("vision_end", "<|vision_end|>"),
+            ("image", "<|image_pad|>"), ("video", "<|video_pad|>"))}
+    vision = dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, patch_size=8,
+                  spatial_merge_size=2, temporal_patch_size=2)
+    text = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                max_position_embeddings=256, bos_token_id=tokenizer.bos_token_id,
+                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                 "mrope_section": [2, 3, 3]})  # head dim 16: 8 frequencies
+    Qwen2VLConfig(architectures=["Qwen2VLForConditionalGeneration"], vision_config=vision,
+                  text_config=text, **ids).save_pretrained(directory)
+    return directory
+
+
+# A tiny Gemma 3: a 1-layer SigLIP tower on 32x32 pictures (4 x 4 patches of 8, pooled to
+# 2 x 2), so a picture is <start_of_image>, 4 <image_soft_token> and <end_of_image> in the
+# text (the processor puts them in place of the <start_of_image> its chat template
+# writes). Built as tiny_mllama is, on the quickstart tokenizer with those tokens added.
+GEMMA3_TOKENS = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
+                 "image_token": "<image_soft_token>"}
+
+
+def tiny_gemma3(directory):
+    """A model directory (config.json and the processor's files) of a tiny Gemma 3, for
+    `model.init: random`."""
+    import sys
+
+    from conftest import QUICKSTART
+
+    sys.path.insert(0, str(QUICKSTART))
+    import make_assets
+    import make_vlm_assets
+    from transformers import Gemma3Config, Gemma3Processor
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    sys.path.remove(str(QUICKSTART))
+    tokenizer = make_assets.build_tokenizer()
+    tokenizer.add_tokens(list(GEMMA3_TOKENS.values()), special_tokens=True)
+    tokenizer.save_pretrained(directory)  # read again with the tokens named
+    tokenizer = type(tokenizer).from_pretrained(directory, extra_special_tokens=GEMMA3_TOKENS)
+    template = make_vlm_assets.CHAT_TEMPLATE.replace(make_vlm_assets.IMAGE_TOKEN,
+                                                     GEMMA3_TOKENS["boi_token"])
+    tokenizer.chat_template = template
+    images = Gemma3ImageProcessorPil(size={"height": 32, "width": 32})
+    Gemma3Processor(image_processor=images, tokenizer=tokenizer, image_seq_length=4,
+                    chat_template=template).save_pretrained(directory)
+    ids = {f"{name}_token_index": tokenizer.convert_tokens_to_ids(GEMMA3_TOKENS[f"{name}_token"])
+           for name in ("boi", "eoi", "image")}
+    vision = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64,
+                  num_hidden_layers=1, num_attention_heads=2, image_size=32, patch_size=8,
+                  vision_use_head=False)
+    text = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=16, max_position_embeddings=256, sliding_window=64,
+                bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id)
+    Gemma3Config(architectures=["Gemma3ForConditionalGeneration"], vision_config=vision,
+                 text_config=text, mm_tokens_per_image=4, **ids).save_pretrained(directory)
+    return directory

@@ -35,7 +35,7 @@ SHOWN = "(`finetune data` shows every row's length with its image tokens)"
 @dataclass(frozen=True)
 class Measured:
     length: int                 # tokens, the images' expanded
-    image_end: int              # one past the last image token (0: no image)
+    image_end: int              # one past the last image token or marker (0: no image)
     first_trained: int | None   # the first trained token (None: none)
 
 
@@ -50,9 +50,8 @@ def measure(processor, messages: list[dict], images: list, assistant_only: bool,
         [rendered], tokenize=True, return_dict=True, return_assistant_tokens_mask=assistant_only,
         processor_kwargs={"add_special_tokens": False})
     ids = list(out["input_ids"][0])
-    token = getattr(processor, "image_token_id", None)
-    ends = [i + 1 for i, t in enumerate(ids) if t == token]
     images = set(image_token_ids(processor))  # never trained (sft_vision.ImageTokensUntrained)
+    ends = [i + 1 for i, t in enumerate(ids) if t in images]  # end markers included
     trained = [keep and t not in images for keep, t in zip(
         out["assistant_masks"][0] if assistant_only else [1] * len(ids), ids)]
     first = next((i for i, keep in enumerate(trained) if keep), None)

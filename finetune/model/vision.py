@@ -50,11 +50,34 @@ def text_tokenizer(processing_class):
 
 
 def image_token_ids(processor) -> list[int]:
-    """The tokens a processor puts in the text for pictures: its image token and, where
-    the processor names them (transformers' image_token_ids: Gemma 3's start/end of
-    image, Idefics3's tile markers, Pixtral's row breaks, InternVL's <img>/</img>), the
-    tokens around it."""
-    return [i for i in processor.image_token_ids if i is not None]
+    """The tokens a processor puts in the text for pictures: its image token and the
+    markers around it, those transformers' image_token_ids names (Pixtral's row breaks
+    and end, InternVL's <img>/</img>) and those it leaves out (_MARKERS)."""
+    tokenizer = text_tokenizer(processor)
+    named = [tokenizer.convert_tokens_to_ids(token) for token in _markers(processor)]
+    return list(dict.fromkeys(i for i in [*processor.image_token_ids, *named]
+                              if i is not None and i != tokenizer.unk_token_id))
+
+
+def _markers(processor) -> list[str]:
+    """The marker tokens a processor puts around its image tokens that its image_token_ids
+    (transformers 5.23) leaves out, read from its tokenizer as the processor reads them:
+    Qwen2-VL's and Qwen2.5-VL's <|vision_start|>/<|vision_end|>, Gemma 3's start and end
+    of image, Idefics3's and SmolVLM's <fake_token_around_image>, <global-img> and tile
+    tags <row_r_col_c> (up to 6 x 6, as the processor counts them). The newlines some put
+    between tiles and around a picture are text tokens, and train."""
+    tokenizer = text_tokenizer(processor)
+    kind = type(processor).__name__
+    if kind in ("Qwen2VLProcessor", "Qwen2_5_VLProcessor"):
+        return [getattr(tokenizer, "vision_start_token", None) or "<|vision_start|>",
+                getattr(tokenizer, "vision_end_token", None) or "<|vision_end|>"]
+    if kind == "Gemma3Processor":
+        return [tokenizer.boi_token, tokenizer.eoi_token]
+    if kind in ("Idefics3Processor", "SmolVLMProcessor"):
+        return [processor.fake_image_token,
+                getattr(processor, "global_image_token", None) or processor.global_image_tag,
+                *(f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7))]
+    return []
 
 
 def is_vision_model(model) -> bool:
