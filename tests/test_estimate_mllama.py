@@ -16,6 +16,7 @@ from vlm_configs import CPU_AUTOCAST, kept_by_autograd
 from vlm_configs import model_dir as _model
 from finetune.config import load_experiment
 from finetune.errors import ConfigError
+from finetune.estimate import activations as act
 from finetune.estimate import cross_attention, estimate, render_text
 from finetune.estimate.census import census
 from finetune.estimate.core import layer_targets, regime
@@ -91,6 +92,19 @@ def test_parts_tiles_and_tokens(tmp_path):
         2048, settings.checkpointing, True)
     assert cross > 0 and rows[1]["activations"] - rows[0]["activations"] == \
         settings.micro_batch * cross
+    assert "cross-attention layers: counted for every row, as in a batch with a picture" \
+        in text
+    # rows without pictures: transformers skips the cross-attention layers for the batch
+    none = estimate(load_experiment(VLM, [f"model.name_or_path={path}",
+                                          "training.max_length=2048"]), images_per_row=0)
+    rows.append({key: b for key, _, b in none.configured.rows})
+    targets = layer_targets(result.shape, settings)
+    skipped = sum(act.layer_bytes(result.shape, regime(settings, settings.layout), targets[n],
+                                  2048, index=n) for n in result.shape.cross_layers)
+    assert not settings.checkpointing and rows[2]["vision"] == 0
+    assert rows[0]["activations"] - rows[2]["activations"] == \
+        settings.micro_batch * (cross + 2048 * skipped)
+    assert "cross-attention layers: not counted, no row has a picture" in render_text(none)
     # the command, on a directory holding the config, as docs/estimate.md shows
     # (cold: `estimate` imports no torch, so a fresh process is faster than a warm fork)
     run = run_cli("estimate", str(VLM), f"model.name_or_path={path}", "--image-size",
@@ -201,8 +215,6 @@ def test_tiles_and_activations_against_autograd(tmp_path):
     from transformers.models.mllama.processing_mllama import (
         convert_sparse_cross_attention_mask_to_dense, get_cross_attention_token_mask)
 
-    from finetune.estimate import activations as act
-
     big = read_shape(str(_model(tmp_path, LLAMA_32_11B_VISION, PROCESSOR))).vision
     processor = MllamaImageProcessorPil(**PROCESSOR)
     ratios = get_all_supported_aspect_ratios(4)
@@ -249,34 +261,44 @@ def test_tiles_and_activations_against_autograd(tmp_path):
 
     seq, layers = 16, [frozenset()] * shape.layers
     scalars = (5 + 2 * vision.global_layers) * 4  # the tower's gates' tanh, once a forward
-    for images in (1, 2):
-        made = processor(images=[[Image.new("RGB", (640, 480))] * images], return_tensors="pt")
+    for images in (0, 1, 2):  # 0: a batch without pictures skips the cross-attention layers
+        made = processor(images=[[Image.new("RGB", (640, 480))] * images], return_tensors="pt") \
+            if images else {}
         ids = torch.randint(3, 300, (1, seq), generator=torch.Generator().manual_seed(0))
         ids[0, [1, 5][:images]] = 300
-        mask = torch.tensor(convert_sparse_cross_attention_mask_to_dense(
-            [get_cross_attention_token_mask(ids[0].tolist(), 300)], made["num_tiles"], 4, seq))
+        pictures = {} if not images else dict(
+            cross_attention_mask=torch.tensor(convert_sparse_cross_attention_mask_to_dense(
+                [get_cross_attention_token_mask(ids[0].tolist(), 300)], made["num_tiles"], 4,
+                seq)), pixel_values=made["pixel_values"],
+            aspect_ratio_ids=made["aspect_ratio_ids"], aspect_ratio_mask=made["aspect_ratio_mask"])
+        skipped = frozenset(() if images else shape.cross_layers)
         for checkpointing in (False, True):
             if checkpointing:
                 model.activation_checkpointing_enable({"use_reentrant": False})
-            _, kept = kept_by_autograd(lambda: model.model(
-                input_ids=ids, cross_attention_mask=mask, pixel_values=made["pixel_values"],
-                aspect_ratio_ids=made["aspect_ratio_ids"],
-                aspect_ratio_mask=made["aspect_ratio_mask"]).last_hidden_state, storages)
+            _, kept = kept_by_autograd(lambda: model.model(input_ids=ids, **pictures)
+                                       .last_hidden_state, storages)
             model.activation_checkpointing_disable()
             text = act.activations(shape, CPU_AUTOCAST, layers, seq, 0, 1, checkpointing,
-                                   head_trainable=False, lm_head=False)
+                                   head_trainable=False, lm_head=False, skipped=skipped)
             cross = cross_attention.image_bytes(shape, CPU_AUTOCAST, layers, seq,
                                                 checkpointing, True)
             counted = text.layers + text.other + images * (
                 cross + vision.image_bytes(CPU_AUTOCAST, checkpointing))
-            measured = kept - copies(parts if checkpointing else ("model.",)) + \
-                made["pixel_values"].numel() * 4 + (images - 1) * scalars
+            if images:
+                measured = kept - copies(parts if checkpointing else ("model.",)) + \
+                    made["pixel_values"].numel() * 4 + (images - 1) * scalars
+            else:  # no copies of the tower's, the projector's, the skipped layers' weights
+                measured = kept - (0 if checkpointing else copies(("model.language_model.",))
+                                   - copies(tuple(f"model.language_model.layers.{n}."
+                                                  for n in shape.cross_layers)))
+            run = [n for n in range(shape.layers) if n not in skipped]
             if checkpointing:
                 unseen = seq * max(act.layer_bytes(shape, CPU_AUTOCAST, frozenset(), seq,
-                                                   index=n) for n in range(shape.layers))
+                                                   index=n) for n in run)
                 assert measured == counted - unseen - images * cross, (images, checkpointing)
             else:
-                unseen = 2 * seq * shape.head_dim * 4 + 2 * 4 * len(shape.cross_layers)
+                unseen = 2 * seq * shape.head_dim * 4 + 2 * 4 * len(set(shape.cross_layers) &
+                                                                     set(run))
                 assert measured == counted + unseen, (images, checkpointing)
 
     # LoRA on every linear of the language model (as all-linear puts it), the base in bf16,

@@ -112,20 +112,25 @@ class Activations:
 
 def activations(shape: Shape, reg: Regime, layer_targets: list[frozenset[str]], seq: int,
                 logit_tokens: int, sequences: int, checkpointing: bool,
-                head_trainable: bool, lm_head: bool, input_grad: bool = False) -> Activations:
+                head_trainable: bool, lm_head: bool, input_grad: bool = False,
+                skipped: frozenset[int] = frozenset()) -> Activations:
     """Per sample. layer_targets: the LoRA-targeted projections of each layer. input_grad:
-    the input embeddings require grad (a VLM's image features from a trained part)."""
-    per_layer = [layer_bytes(shape, reg, t, seq, index=n) for n, t in enumerate(layer_targets)]
+    the input embeddings require grad (a VLM's image features from a trained part).
+    skipped: layers the forward does not run (mllama's cross-attention layers in a batch
+    without pictures): they keep nothing."""
+    run = [n for n in range(len(layer_targets)) if n not in skipped]
+    per_layer = [layer_bytes(shape, reg, t, seq, index=n) if n in run else 0
+                 for n, t in enumerate(layer_targets)]
     if not reg.base_trainable and not checkpointing and not input_grad:
         # Under LoRA the embeddings are frozen, so nothing before the first adapter needs a
         # gradient (with checkpointing, enable_input_require_grads changes that).
-        first = next((n for n, t in enumerate(layer_targets) if t), len(per_layer))
+        first = next((n for n in run if layer_targets[n]), len(per_layer))
         per_layer[:first] = [0] * first
         if first < len(per_layer):
             per_layer[first] = layer_bytes(shape, reg, layer_targets[first], seq, grad=False,
                                            index=first)
     if checkpointing:  # each layer keeps its input; backward recomputes one layer at a time
-        layers = len(per_layer) * shape.hidden * reg.residual + max(per_layer)
+        layers = len(run) * shape.hidden * reg.residual + max(per_layer)
     else:
         layers = sum(per_layer)
     w = _Walk()

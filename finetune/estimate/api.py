@@ -145,6 +145,13 @@ def _vision_assumptions(settings: Settings, shape: Shape) -> list[str]:
     if tokens > settings.seq_len:
         out.append(f"{images} is {tokens} image tokens, more than the {settings.seq_len} "
                    "tokens of a row: training refuses such rows (max_length cuts the image)")
+    if shape.cross_layers:  # mllama: transformers decides per batch (MllamaTextModel)
+        out.append("cross-attention layers: not counted, no row has a picture (transformers "
+                   "skips them for a batch without one)" if not n else
+                   "cross-attention layers: counted for every row, as in a batch with a "
+                   "picture (the worst batch: transformers runs them for every row of it, a "
+                   "row without one over padded pictures, and skips them only for a batch "
+                   "without any)")
     return out
 
 

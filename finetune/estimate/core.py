@@ -118,7 +118,11 @@ def activation_bytes(shape: Shape, settings: Settings, layout: Layout,
         # image features from a trained tower or projector need the gradient of the
         # language model's input (mllama's reach it through cross-attention instead)
         input_grad=bool(shape.vision and settings.images_per_row and not shape.cross_layers)
-        and (images.tower or images.projector))
+        and (images.tower or images.projector),
+        # mllama: transformers skips the cross-attention layers for a batch without
+        # pictures (and runs them for every row of one with a picture)
+        skipped=frozenset(shape.cross_layers) if shape.vision and not settings.images_per_row
+        else frozenset())
     if settings.fused_loss:  # Liger's fused linear cross-entropy works chunk by chunk
         policy = replace(policy, logits_saved=0, logits_peak=0)
     if shape.vision and settings.images_per_row:

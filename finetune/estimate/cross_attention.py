@@ -12,7 +12,9 @@ walked as activations.layer_bytes walks a self-attention layer) and part per ima
 (image_bytes): k_proj and v_proj over the vision states, k_norm, the keys and values sdpa
 keeps, and the cross-attention mask, a key per text token and vision position, in the
 model's dtype (which autocast casts for every layer's sdpa call, and sdpa saves that cast).
-A row without images skips these layers; the estimate counts them as run.
+transformers skips these layers for a batch without pictures and runs them for every row of
+a batch with one: the estimate counts them for every row, unless no row has a picture
+(images_per_row 0: core.activation_bytes passes them as skipped).
 """
 
 from __future__ import annotations
