@@ -217,7 +217,12 @@ TEMPLATES = {
     "syntax error": "{% for m in messages %}{{ m.content }{% endfor %}",
     "fails to render": "{{ bos_token }}{% for m in messages %}{{ raise_exception('no ' "
                        "+ m.role) }}{% endfor %}",
+    # renders rows 1 and 2, not row 3's system turn in the middle: validate renders every row
+    "fails on row 3": "{{ bos_token }}{% for m in messages %}{% if m.role == 'system' and not "
+                      "loop.first %}{{ raise_exception('a system turn comes first') }}{% endif %}"
+                      "{{ m.content + eos_token }}{% endfor %}",
 }
+LATE_SYSTEM = {"messages": [USER, {"role": "system", "content": "be brief"}, ASSISTANT]}
 
 
 @pytest.mark.slow
@@ -239,10 +244,13 @@ def test_validate_refuses_chat_rows_training_cannot_render(write, tmp_path, case
         (tmp_path / "chat.jinja").write_text(TEMPLATES[case])
         extra += "  chat_template: chat.jinja\n"
     (tokenizer / "tokenizer_config.json").write_text(json.dumps(settings))
-    path = jsonl(tmp_path, "chat.jsonl", [CHAT] * 3)
+    path = jsonl(tmp_path, "chat.jsonl", [CHAT] * 2 + [LATE_SYSTEM])
     exp = load_experiment(config(write, "sft", path, extra))
     with pytest.raises(DataError) as trained:
         prepare(exp, load_tokenizer(exp), preparation(exp))
     result = run_cli("validate", str(tmp_path / "exp.yaml"), cwd=tmp_path)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.replace(f"{path} line ", f"{path} row ") == f"error: {trained.value}\n"
+    if case == "fails on row 3":
+        assert str(trained.value).startswith(f"{path} row 3: the chat template cannot render "
+                                             "it (TemplateError: a system turn comes first)")

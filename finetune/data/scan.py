@@ -289,7 +289,7 @@ def check_data(experiment: Experiment) -> list[str]:
     counts: dict[str, int] = {}
     total = sum(f.stat().st_size for paths in files.values() for f in paths)
     lines, fmt = [], None if experiment.data.format == "auto" else experiment.data.format
-    first: dict[str, tuple[str, dict[str, Any]]] = {}  # each split's first row, as read
+    rendered = chat_template.RowRenderer(experiment)  # rows in chat format, as training
     progress = Progress(total)
     try:
         for split in ("train", "eval"):
@@ -303,7 +303,7 @@ def check_data(experiment: Experiment) -> list[str]:
                 for path in files[where]:
                     check = FileCheck(str(path), fmt, experiment, source, where)
                     for at, row in file_rows(path, progress):
-                        first.setdefault(split, (at, check.check(at, row)))
+                        rendered(split, at, check.check(at, row))
                     check.finish()
                     if experiment.data.streaming and split == "train" and check.trained != "text":
                         raise DataError(f"{where}: {path} is format {check.fmt}; data.streaming "
@@ -314,7 +314,7 @@ def check_data(experiment: Experiment) -> list[str]:
                 counts[where] = rows
     finally:
         progress.bar.close()
-    chat_template.check_rows(experiment, first)  # rows in chat format: training's template checks
+    rendered.finish()
     train, evaluation = counted_rows(experiment, counts)
     if experiment.data.streaming:
         train = None  # read as training goes: its passes are the stream's

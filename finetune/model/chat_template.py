@@ -109,21 +109,37 @@ def render(template: str, messages: list[dict[str, Any]], where: str,
         raise cannot_render(where, exc) from None
 
 
-def check_rows(experiment: Experiment, first: dict[str, tuple[str, dict[str, Any]]]) -> None:
-    """validate: training's verdict on the chat template, from the first row of each split
-    ((where, row) by split): rows in chat format need a template, and
-    tokenizer.chat_template must render them. A tokenizer whose files cannot be read here
-    (a hub id) is left to training, but for rendering the experiment's own template."""
-    chats = {split: item for split, item in first.items() if conversational(item[1])}
-    if not chats:
-        return
-    template, found = setting(experiment), _tokenizer_config(experiment)
-    if template is None:
-        if found is not None and not _has_own(*found):
-            raise missing(next(iter(chats)), experiment)
-        return
-    tokens = _tokens(experiment, found[1]) if found else None
-    for where, row in chats.values():
-        messages = [m for key in ("prompt", "messages", "completion", "chosen")
-                    if isinstance(row.get(key), list) for m in row[key]]
-        render(template, messages, where, tokens)
+class RowRenderer:
+    """validate: training's verdict on the chat template, row by row (training renders
+    every row): rows in chat format need a template (finish() says so, after every row is
+    read, as training reads them before it renders), and tokenizer.chat_template must
+    render each of them. A tokenizer whose files cannot be read here (a hub id) is left to
+    training, but for rendering the experiment's own template."""
+
+    def __init__(self, experiment: Experiment):
+        self.experiment, self.template = experiment, setting(experiment)
+        self.found = _tokenizer_config(experiment)
+        self.tokens = _tokens(experiment, self.found[1]) if self.found else None
+        self.first_chat: str | None = None  # the first split with a row in chat format
+        self.rendered = 0
+
+    def __call__(self, split: str, where: str, row: dict[str, Any]) -> None:
+        if not conversational(row):
+            return
+        self.first_chat = self.first_chat or split
+        if self.template is None:
+            return
+        prompt = row.get("prompt") if isinstance(row.get("prompt"), list) else []
+        # as training renders them: the conversation (prompt and its answer), and a
+        # preference row's prompt with its rejected answer too
+        first = prompt + [m for key in ("messages", "completion", "chosen")
+                          if isinstance(row.get(key), list) for m in row[key]]
+        for messages in [first] + ([prompt + row["rejected"]]
+                                   if isinstance(row.get("rejected"), list) else []):
+            render(self.template, messages, where, self.tokens)
+        self.rendered += 1
+
+    def finish(self) -> None:
+        if self.first_chat and self.template is None and self.found is not None \
+                and not _has_own(*self.found):
+            raise missing(self.first_chat, self.experiment)
