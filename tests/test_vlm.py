@@ -401,6 +401,37 @@ def test_the_markers_around_image_tokens_never_train(family, write, tmp_path):
     assert measured.image_end == pictured.tolist().index(end) + 1
 
 
+@pytest.mark.slow  # imports transformers' Idefics3 processor (and torch)
+def test_idefics3s_tile_markers_are_image_tokens():
+    """Idefics3 (SmolVLM) cuts a picture into tiles, each behind <fake_token_around_image>
+    and its <row_r_col_c> tag, then the whole picture behind <global-img>: every token of
+    that expansion but its newlines (text) is one image_token_ids masks."""
+    import sys
+
+    from PIL import Image
+    from transformers import Idefics3Processor
+    from transformers.models.idefics3.image_processing_pil_idefics3 import \
+        Idefics3ImageProcessorPil
+
+    from finetune.model.vision import image_token_ids
+
+    sys.path.insert(0, str(QUICKSTART))
+    import make_assets
+
+    sys.path.remove(str(QUICKSTART))
+    tokenizer = make_assets.build_tokenizer()
+    tokenizer.add_tokens(["<global-img>"] + [f"<row_{r}_col_{c}>" for r in range(1, 7)
+                                             for c in range(1, 7)], special_tokens=True)
+    processor = Idefics3Processor(image_processor=Idefics3ImageProcessorPil(
+        size={"longest_edge": 64}, max_image_size={"longest_edge": 32}), tokenizer=tokenizer,
+        image_seq_len=2)
+    ids = processor(text=["<image>hi"], images=[[Image.new("RGB", (64, 40))]])["input_ids"][0]
+    masked = set(image_token_ids(processor))
+    tokens = tokenizer.convert_ids_to_tokens(ids)
+    assert tokens.count("<fake_token_around_image>") == 6 and "<row_2_col_2>" in tokens
+    assert "".join(t for i, t in zip(ids, tokens) if i not in masked) == "ĠĊĠĊĊĠhi"
+
+
 def collated_batch(tmp_path, overrides, config=QUICKSTART / "vlm.yaml"):
     """(a training batch as the run's trainer collates it, the processor, the model): the
     experiment built the way `finetune train` builds it (run/build.py), its first batch

@@ -52,7 +52,7 @@ def text_tokenizer(processing_class):
 def image_token_ids(processor) -> list[int]:
     """The tokens a processor puts in the text for pictures: its image token and the
     markers around it, those transformers' image_token_ids names (Pixtral's row breaks
-    and end, InternVL's <img>/</img>) and those it leaves out (_MARKERS)."""
+    and end, InternVL's <img>/</img>) and those it leaves out (_markers)."""
     tokenizer = text_tokenizer(processor)
     named = [tokenizer.convert_tokens_to_ids(token) for token in _markers(processor)]
     return list(dict.fromkeys(i for i in [*processor.image_token_ids, *named]
