@@ -179,9 +179,11 @@ def wait_for_step(run: Run, run_dir: Path, step: int, timeout: float = 300) -> N
 
 
 def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    """What the run trained: the adapter where there is one (a random-init adapter run's
+    final/ holds its untrained base beside it: model/peft.py embed_base), else the model."""
     final = run_dir / "final"
-    name = "model.safetensors" if (final / "model.safetensors").exists() \
-        else "adapter_model.safetensors"
+    name = "adapter_model.safetensors" if (final / "adapter_model.safetensors").exists() \
+        else "model.safetensors"
     return load_file(final / name)
 
 
