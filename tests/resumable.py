@@ -22,7 +22,8 @@ from conftest import DATA, TINY_MODEL, warm_interpreter, free_port
 from warm import WarmProcess
 from finetune.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED
 
-DATASETS = {"sft": "sft_train", "sft-vlm": "vlm_train", "reward": "pref_train", "dpo": "pref_train",
+DATASETS = {"sft": "sft_train", "sft-vlm": "vlm_train", "dpo-vlm": "vlm_pref_train",
+            "reward": "pref_train", "dpo": "pref_train",
             "orpo": "pref_train", "cpo": "pref_train", "simpo": "pref_train",
             "distill": "sft_train", "distill-vlm": "vlm_train", "kto": "pref_train",
             "gkd": "sft_train"}
@@ -35,14 +36,14 @@ def experiment(name: str, method: str, *, processes: int = 1, steps: int = 40,
     """fp32 CPU, fixed seed, a checkpoint every 4 steps, several epochs (24 samples);
     DDP over `processes`, or DeepSpeed ZeRO at `zero_stage`; a free port unless given.
     method sft-vlm (distill-vlm): sft (distill) of the tiny LLaVA (whole) on rows with
-    images."""
+    images; dpo-vlm: dpo of its LoRA on pairs with images."""
     if port is None:
         port = free_port()
     strategy = "ddp" if zero_stage is None else \
         f"deepspeed, deepspeed: {{zero_stage: {zero_stage}}}"
     distributed = (f"distributed: {{strategy: {strategy}, num_processes: {processes}, "
                    f"device: cpu, main_process_port: {port}}}\n" if processes > 1 else "")
-    peft = "peft: {type: lora, r: 4, dropout: 0.1}\n" if method == "sft" else ""
+    peft = "peft: {type: lora, r: 4, dropout: 0.1}\n" if method in ("sft", "dpo-vlm") else ""
     model = TINY_MODEL.parent / "tiny-vlm" if method.endswith("-vlm") else TINY_MODEL
     return (f"name: {name}\nmethod: {method.removesuffix('-vlm')}\nmodel: {{name_or_path: "
             f"{model}, init: random}}\n{peft}"

@@ -25,6 +25,7 @@ from teachers import tiny_teacher, tiny_vlm_teacher
 pytestmark = pytest.mark.slow  # every test trains, stops and resumes runs
 
 STEPS = 40
+VLM_STEPS = 24  # 4 epochs of the 24 rows: the tiny VLM's steps cost more than the text model's
 
 
 # One chain per path a resume restores differently: sft x1 (the Trainer's RNG and state,
@@ -37,11 +38,16 @@ STEPS = 40
 # reward x2 (sft x2's path with a score head), orpo x2 and cpo x1 (TRL's experimental
 # preference trainers: the Trainer's restore, as sft's), kto x2 (kto x1's order and
 # reference model on sft x2's two ranks), sft-vlm x1 (a whole VLM: its weights restored
-# through from_pretrained, trainers/vision.py; its processor in every checkpoint),
-# distill-vlm x1 (distill x1's path with a whole VLM student and a VLM teacher).
+# through from_pretrained, trainers/vision.py; its processor in every checkpoint; that
+# restore runs in the default lane in test_vlm.py's resumed run, to the eval loss).
+# dpo-vlm x1: LoRA on the tiny VLM, as VLMs are trained (TRL's vision preference collator;
+# the reference TRL's frozen copy of the starting adapter, saved in every checkpoint's
+# ref/ and loaded back beside the trained one: the Trainer's restore of several adapters,
+# which no text chain takes; the processor in every checkpoint). It does not cover
+# sft-vlm's restore of whole weights (an adapter is the Trainer's own loading).
 @pytest.mark.parametrize("method,processes", [
     ("sft", 1), ("sft", 2), pytest.param("reward", 2, marks=pytest.mark.exhaustive),
-    pytest.param("sft-vlm", 1, marks=pytest.mark.exhaustive),
+    pytest.param("sft-vlm", 1, marks=pytest.mark.exhaustive), ("dpo-vlm", 1),
     ("dpo", 1), pytest.param("orpo", 2, marks=pytest.mark.exhaustive),
     pytest.param("cpo", 1, marks=pytest.mark.exhaustive), ("kto", 1),
     pytest.param("kto", 2, marks=pytest.mark.exhaustive), ("distill", 1),
@@ -55,6 +61,7 @@ def test_sigterm_and_sigkill_then_resume_is_bitwise_identical(method, processes,
     the resume from the checkpoint they sealed together, is this chain's. Near 60 s for
     x2: three `finetune launch`es, three cold interpreters each."""
     seed = random.randrange(10**6)
+    steps = VLM_STEPS if method.endswith("-vlm") else STEPS
     ctrl_c = (method, processes) == ("sft", 1)  # in a terminal: a cold process
     rng = random.Random(seed)
     command = "launch" if processes > 1 else "train"
@@ -66,17 +73,17 @@ def test_sigterm_and_sigkill_then_resume_is_bitwise_identical(method, processes,
         extra = ("  lmbda: 0.5\n  max_new_tokens: 8\n"
                  f"distill: {{teacher: {tiny_teacher(tmp_path / 'teacher')}}}\n")
     # Logs every 3 steps, checkpoints every 4: a resume lands inside a logging window.
-    reference = write("ref.yaml", experiment("ref", method, processes=processes, steps=STEPS,
+    reference = write("ref.yaml", experiment("ref", method, processes=processes, steps=steps,
                                              logging_steps=3, extra=extra))
     whole = Run(command, reference, tmp_path, 0)
     assert whole.wait() == 0, whole.text()[-3000:]
 
-    config = write("cut.yaml", experiment("cut", method, processes=processes, steps=STEPS,
+    config = write("cut.yaml", experiment("cut", method, processes=processes, steps=steps,
                                           logging_steps=3, extra=extra))
     run_dir = tmp_path / "runs" / "cut"
     term_at = saved_at = None
     if processes == 1:
-        term_at = rng.randint(2, 14)
+        term_at = rng.randint(2, min(14, steps - 16))
         if ctrl_c:
             first, name = stopped_by_ctrl_c(command, config, run_dir, tmp_path, term_at), "SIGINT"
             assert "Run the same command again to continue" in first.text()
@@ -89,7 +96,8 @@ def test_sigterm_and_sigkill_then_resume_is_bitwise_identical(method, processes,
         assert checkpoints.problem(run_dir / "checkpoints" / f"checkpoint-{saved_at}") is None
         assert f"received {name}" in first.text()
 
-    kill_at = rng.randint(saved_at + 1, saved_at + 12) if saved_at else rng.randint(5, 16)
+    kill_at = rng.randint(saved_at + 1, min(saved_at + 12, steps - 6)) if saved_at \
+        else rng.randint(5, 16)
     second = Run(command, config, tmp_path, 2)
     wait_for_step(second, run_dir, kill_at)
     second.kill_all()
@@ -115,9 +123,11 @@ def test_sigterm_and_sigkill_then_resume_is_bitwise_identical(method, processes,
     # checkpoints/ holds checkpoints: no library's draft model card (TRL writes one there)
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()
                   if not p.name.startswith("checkpoint-")) == []
-    assert [s for s, *_ in losses(run_dir)] == [1, *range(3, STEPS + 1, 3)]
-    if method == "sft-vlm":  # the sealed checkpoint loads as a model with its processor
+    assert [s for s, *_ in losses(run_dir)] == [1, *range(3, steps + 1, 3)]
+    if method.endswith("-vlm"):  # the sealed checkpoint loads as a model with its processor
         assert "processor_config.json" in checkpoints.read_manifest(sealed)["files"]
+    if method == "dpo-vlm":  # and the reference adapter resumed from it
+        assert "ref/adapter_model.safetensors" in checkpoints.read_manifest(sealed)["files"]
 
 
 # vlm: sft of the tiny LLaVA on rows with images (its processor in the checkpoint). Its
