@@ -45,12 +45,27 @@ def apply_peft(model: PreTrainedModel, experiment: Experiment,
             vision_parts.freeze(model, experiment)  # vision.freeze_tower, train_projector
     else:
         if experiment.peft.type == "qlora":
+            keep_4bit_layers_differentiable(model)
             model = prepare_model_for_kbit_training(
                 model, use_gradient_checkpointing=gradient_checkpointing)
         model = get_peft_model(model, lora_config(experiment, model))
     if is_vision_language(experiment):
         keep_frozen_tower_out_of_autograd(model)  # what trains is decided now
     return model
+
+
+def keep_4bit_layers_differentiable(model) -> None:
+    """bitsandbytes (0.50) repacks a 4-bit layer's weight for its CPU inference kernel at
+    the layer's first forward in eval mode without autograd (an evaluation) on a CPU with
+    AVX512-BF16, and keeps it so: every later forward runs that kernel, which has no
+    backward, so after an evaluation (before training, or every eval_steps) no gradient
+    went back through the quantized layers (to the LoRA of the layers below them, to a
+    projector trained whole). A training run's layers keep the kernel they train with."""
+    import bitsandbytes as bnb
+
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            module.support_avx512bf16_for_cpu = False
 
 
 def match_adapter_precision(model, precision: str) -> None:
