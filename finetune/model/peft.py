@@ -54,6 +54,12 @@ def apply_peft(model: PreTrainedModel, experiment: Experiment,
     return model
 
 
+def trainable_tensors(model) -> dict[str, torch.Tensor]:
+    """The trainable weights' tensors before the trainer is built, for
+    match_adapter_precision to put back (references: nothing is copied)."""
+    return {name: param.data for name, param in model.named_parameters() if param.requires_grad}
+
+
 def keep_4bit_layers_differentiable(model) -> None:
     """bitsandbytes (0.50) repacks a 4-bit layer's weight for its CPU inference kernel at
     the layer's first forward in eval mode without autograd (an evaluation) on a CPU with
@@ -68,15 +74,22 @@ def keep_4bit_layers_differentiable(model) -> None:
             module.support_avx512bf16_for_cpu = False
 
 
-def match_adapter_precision(model, precision: str) -> None:
+def match_adapter_precision(model, precision: str, before: dict[str, torch.Tensor]) -> None:
     """TRL casts every trainable weight of a quantized model to bf16 (the QLoRA paper's
     choice), the reward head too, which then meets fp32 activations in an fp32 run. In an
-    fp32 run the adapters are kept in fp32, as the precision setting says."""
+    fp32 run the adapters are kept in fp32, as the precision setting says: the tensors they
+    had before the trainer was built (`before`: trainable_tensors), not the bf16 ones cast
+    back, which would start training from rounded weights (a projector or head trained
+    whole, LoRA's A) and, where the method keeps a reference (dpo, kto, grpo, rloo), off
+    it: TRL's frozen copy of the starting adapter, made before the cast, keeps them exact."""
     if precision != "fp32":
         return
-    for param in model.parameters():
+    for name, param in model.named_parameters():
         if param.requires_grad and param.dtype != torch.float32:
-            param.data = param.data.float()
+            kept = before.get(name)
+            fits = kept is not None and kept.dtype == torch.float32 and \
+                kept.shape == param.shape
+            param.data = kept if fits else param.data.float()
 
 
 ADAPTER_CONFIG = "adapter_config.json"

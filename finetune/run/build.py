@@ -22,7 +22,7 @@ from finetune.model.hardware import Hardware
 from finetune.run.launched import launch_problems, process_group_problems
 from finetune.methods import Job, build_trainer, preparation
 from finetune.model.load import initial_weights, load_model
-from finetune.model.peft import apply_peft, match_adapter_precision
+from finetune.model.peft import apply_peft, match_adapter_precision, trainable_tensors
 from finetune.model.tokenizer import load_processor, load_tokenizer
 from finetune.model.vision import is_vision_language
 
@@ -128,10 +128,12 @@ def starting_model(experiment: Experiment, hw: Hardware, tokenizer, init_dir: Pa
 
 def method_trainer(job: Job) -> Any:
     """The method's trainer for the job, as training runs it."""
+    qlora = job.experiment.peft.type == "qlora"
+    before = trainable_tensors(job.model) if qlora else {}  # TRL casts them to bf16
     trainer = build_trainer(job)
     if job.experiment.distributed.strategy == "fsdp" and not trainer.is_fsdp_enabled:
         raise RunError("distributed.strategy is fsdp, but the Trainer runs without FSDP: start "
                        "it with `finetune launch` (its accelerate.yaml turns FSDP on)")
-    if job.experiment.peft.type == "qlora":
-        match_adapter_precision(trainer.model, job.hardware.precision)
+    if qlora:
+        match_adapter_precision(trainer.model, job.hardware.precision, before)
     return trainer
