@@ -44,7 +44,8 @@ VLM_STEPS = 24  # 4 epochs of the 24 rows: the tiny VLM's steps cost more than t
 # the reference TRL's frozen copy of the starting adapter, saved in every checkpoint's
 # ref/ and loaded back beside the trained one: the Trainer's restore of several adapters,
 # which no text chain takes; the processor in every checkpoint). It does not cover
-# sft-vlm's restore of whole weights (an adapter is the Trainer's own loading).
+# sft-vlm's restore of whole weights (an adapter is the Trainer's own loading). distill-vlm
+# x1 (exhaustive): distill x1's path with a whole VLM student and a VLM teacher.
 @pytest.mark.parametrize("method,processes", [
     ("sft", 1), ("sft", 2), pytest.param("reward", 2, marks=pytest.mark.exhaustive),
     pytest.param("sft-vlm", 1, marks=pytest.mark.exhaustive), ("dpo-vlm", 1),
