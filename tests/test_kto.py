@@ -90,6 +90,15 @@ def test_train_writes_a_complete_run_directory(peft, data, write, tmp_path):
     assert (final / weights).exists() and (final / "tokenizer.json").exists()
     if peft != "none":
         assert f"peft {peft}" in result.stdout and "(100.00%)" not in result.stdout
+    if peft == "lora":
+        # TRL's reference is a frozen copy of the starting adapter (`ref`): the last
+        # checkpoint keeps it for a resume, final/ holds the trained adapter only
+        last = run / "checkpoints" / f"checkpoint-{STEPS}"
+        assert (last / "ref" / "adapter_model.safetensors").is_file()
+        assert not (final / "ref").exists()
+        adapter, trained = (load_file(d / weights) for d in (final, last))
+        assert adapter.keys() == trained.keys() and len(adapter) > 0
+        assert all(torch.equal(adapter[k], trained[k]) for k in adapter)
     assert "finetune: done in" in result.stdout
 
 

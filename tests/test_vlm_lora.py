@@ -378,6 +378,14 @@ def test_qlora_on_the_tiny_vlm_quantizes_the_language_model_and_trains_the_proje
     assert sorted(k for k in saved if ".lora_" not in k) == whole
     initial = load_file(run / "init-model" / "model.safetensors")
     assert not torch.equal(saved[trained], initial["multi_modal_projector.linear_1.weight"])
+    # the reference adapter (`ref`) stays in the checkpoint, for a resume; final/ holds
+    # the trained adapter only, the checkpoint's
+    last = run / "checkpoints" / "checkpoint-2"
+    assert (last / "ref" / "adapter_model.safetensors").is_file()
+    assert not (run / "final" / "ref").exists()
+    checkpointed = load_file(last / "adapter_model.safetensors")
+    assert checkpointed.keys() == saved.keys()
+    assert all(torch.equal(saved[k], checkpointed[k]) for k in saved)
     # final/ loads on its own (its base embedded), the adapter and trained projector on it
     loaded = AutoModelForImageTextToText.from_pretrained(run / "final").state_dict()
     assert torch.equal(loaded["model.multi_modal_projector.modules_to_save.default.linear_1."

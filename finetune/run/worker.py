@@ -132,6 +132,7 @@ def _save_final(trainer, tokenizer, run_dir: Path, main: bool,
         trainer.save_model(str(staging))
         trainer.args.distributed_state.wait_for_everyone()  # every rank's part is written
         if main:
+            _leave_out_other_adapters(trainer, staging)
             tokenizer.save_pretrained(str(staging))
             if embedded_base is not None:
                 embed_base(staging, embedded_base)
@@ -142,6 +143,19 @@ def _save_final(trainer, tokenizer, run_dir: Path, main: bool,
                        f"{exc.strerror or exc}); run again to continue from the last "
                        "checkpoint") from None
     return final
+
+
+def _leave_out_other_adapters(trainer, staging: Path) -> None:
+    """final/ is the trained adapter: under (Q)LoRA TRL's dpo, kto, grpo and rloo keep
+    their reference as a frozen copy of the starting adapter, an adapter named `ref`, and
+    PEFT saves every adapter but `default` into a subfolder of its name. Checkpoints keep
+    it (a resumed run loads it back from there). The Trainer's save_model, the one place
+    that gathers the weights under FSDP and ZeRO-3, offers no choice of adapters, so the
+    others' subfolders are taken out of final/ before it appears."""
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    for name in getattr(model, "peft_config", {}):
+        if name != "default":
+            shutil.rmtree(staging / name, ignore_errors=True)
 
 
 def _write_results(run_dir: Path, summary: dict[str, Any], plot_title: str | None) -> None:
