@@ -240,12 +240,6 @@ def test_an_adapter_run_moved_elsewhere_scores_what_training_reported(method, pe
                                                                       tmp_path, write):
     text = LORA.format(method=method, model=TINY_MODEL, peft=peft, data=DATA, train=files[0],
                        evaluation=files[1])
-    if peft == "qlora":
-        # On a CPU with AVX512-BF16, bitsandbytes repacks a 4-bit layer for its bf16
-        # inference kernel at the first forward without gradients (Linear4bit.forward)
-        # and keeps it so: an evaluation before training changes the numerics training
-        # and its after-evaluation run on. Without one, they are a fresh process's.
-        text += "evaluation:\n  before_training: false\n"
     config = write("exp.yaml", text)
     train(config, tmp_path)
     run = tmp_path / "moved" / "run"
