@@ -1,6 +1,7 @@
 """kto on a vision-language model: unpaired rows with images (TRL's `prompt` /
 `completion` / `label` + `images`) checked by validate and by training alike, and
-preference pairs with images read as two unpaired rows that both keep the pictures;
+preference pairs with images read as two unpaired rows that both keep the pictures, and
+LLaMA-Factory's kto rows (`messages` + `label`) with images read alike;
 training through TRL's KTOTrainer and its vision collator on the tiny VLM, a row whose
 prompt max_length would cut dropped and counted. The refusals shared with dpo (a missing
 picture; what TRL refuses): tests/test_vlm_dpo.py; Llama 3.2 Vision's:
@@ -14,6 +15,7 @@ import shutil
 import pytest
 
 from conftest import QUICKSTART, run_cli
+from finetune.config import load_experiment
 from test_vlm import collated_batch
 from test_vlm_dpo import PICTURE, TINY_VLM, said, training_error, validate_error
 
@@ -69,6 +71,39 @@ def test_unpaired_rows_with_images_are_checked_at_validate_as_at_training(write,
         at_validate = validate_error(path)
         assert f"{where}: {problem}" in at_validate, at_validate
         assert training_error(path) == at_validate.replace("line 2", "row 2")
+
+
+def labelled(*images: str, label: bool = True) -> dict:
+    """LLaMA-Factory's kto row: a conversation, its last turn the labelled answer."""
+    row = unpaired(*images, label=label)
+    return {"messages": row["prompt"] + row["completion"], "label": label,
+            "images": row["images"]}
+
+
+def test_labelled_messages_with_images_keep_their_pictures_with_the_prompt(write, tmp_path):
+    """LLaMA-Factory's kto rows (`messages` + `label`) with `images`: validated as
+    training reads them (a missing picture one line naming file, row and path), and read
+    as unpaired rows whose prompt (the turns before the last) keeps its pictures."""
+    from finetune.data.load import load_data
+
+    path = experiment(write, tmp_path, [labelled("pic.png"), labelled(label=False)])
+    result = run_cli("validate", str(path), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert ": 2 rows, format labelled_messages" in result.stdout
+    train = load_data(load_experiment(path)).train
+    rows = sorted((dict(r) for r in train), key=lambda r: not r["label"])
+    pictured, plain = rows
+    assert pictured["prompt"][0]["content"][0]["type"] == "image"
+    assert [p["type"] for p in pictured["completion"][0]["content"]] == ["text"]
+    assert pictured["images"] == [str(tmp_path / "data" / "pic.png")], pictured["images"]
+    assert pictured["label"] is True and plain["label"] is False and not plain["images"]
+
+    path = experiment(write, tmp_path, [labelled("pic.png"), labelled("pics/missing.png")])
+    at_validate = validate_error(path)
+    where = f"{tmp_path / 'data' / 'rows.jsonl'} line 2"
+    assert f"{where}: images[0] 'pics/missing.png': no such file" in at_validate, at_validate
+    assert "\n" not in at_validate
+    assert training_error(path) == at_validate.replace("line 2", "row 2")
 
 
 @pytest.mark.slow
