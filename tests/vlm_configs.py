@@ -212,7 +212,12 @@ def tiny_mllama(directory):
 
 # A tiny Qwen2-VL: 8x8 patches merged 2x2, so a 32x32 picture is 4 <|image_pad|> tokens in
 # the text, between <|vision_start|> and <|vision_end|> as its chat template puts them.
-# Built as tiny_mllama is, on the quickstart tokenizer with those tokens added.
+# Built as tiny_mllama is, on the quickstart tokenizer with those tokens added; its
+# processor's files are written as a hub checkpoint ships them (Qwen/Qwen2-VL-2B-Instruct:
+# preprocessor_config.json naming the image processor and the processor class,
+# chat_template.json, the tokenizer's files; and video_preprocessor_config.json): the
+# processor itself cannot be built without torchvision (its video processor needs it),
+# the directory can, and AutoProcessor loads it where torchvision is.
 QWEN2_VL_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 
 
@@ -226,11 +231,9 @@ def tiny_qwen2_vl(directory):
     sys.path.insert(0, str(QUICKSTART))
     import make_assets
     import make_vlm_assets
-    from transformers import Qwen2VLConfig, Qwen2VLProcessor
+    from transformers import Qwen2VLConfig
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import \
         Qwen2VLImageProcessorPil
-    from transformers.models.qwen2_vl.video_processing_qwen2_vl import \
-        Qwen2VLVideoProcessor  # needs torchvision, as transformers' Qwen2-VL processor does
 
     sys.path.remove(str(QUICKSTART))
     tokenizer = make_assets.build_tokenizer()
@@ -239,11 +242,17 @@ def tiny_qwen2_vl(directory):
     template = make_vlm_assets.CHAT_TEMPLATE.replace(make_vlm_assets.IMAGE_TOKEN,
                                                      QWEN2_VL_IMAGE)
     tokenizer.chat_template = template
+    tokenizer.save_pretrained(directory)
     sizes = dict(patch_size=8, merge_size=2, temporal_patch_size=2,
                  size={"shortest_edge": 16 * 16, "longest_edge": 64 * 64})
-    Qwen2VLProcessor(image_processor=Qwen2VLImageProcessorPil(**sizes), tokenizer=tokenizer,
-                     video_processor=Qwen2VLVideoProcessor(**sizes),
-                     chat_template=template).save_pretrained(directory)
+    images = {**Qwen2VLImageProcessorPil(**sizes).to_dict(), "processor_class":
+              "Qwen2VLProcessor", "image_processor_type": "Qwen2VLImageProcessor"}
+    videos = {**{k: v for k, v in images.items() if k != "image_processor_type"},
+              "video_processor_type": "Qwen2VLVideoProcessor"}
+    for name, settings in (("preprocessor_config.json", images),
+                           ("video_preprocessor_config.json", videos),
+                           ("chat_template.json", {"chat_template": template})):
+        (directory / name).write_text(json.dumps(settings, indent=2) + "\n")
     ids = {f"{name}_token_id": tokenizer.convert_tokens_to_ids(token) for name, token in
            (("vision_start", "<|vision_start|>"), ("vision_end", "<|vision_end|>"),
             ("image", "<|image_pad|>"), ("video", "<|video_pad|>"))}
