@@ -371,7 +371,7 @@ def test_the_markers_around_image_tokens_never_train(family, write, tmp_path):
     from finetune.methods.vision_lengths import measure
 
     if family == "qwen2_vl":  # transformers' Qwen2-VL processor takes a video processor,
-        pytest.importorskip("torchvision")  # which needs torchvision
+        pytest.importorskip("torchvision")  # which needs torchvision (test_vlm_qwen2.py)
         build, tokens = tiny_qwen2_vl, QWEN2_VL_IMAGE.replace("><", ">\n<").split("\n")
     else:
         build, tokens = tiny_gemma3, [GEMMA3_TOKENS[k] for k in ("boi_token", "image_token",

@@ -47,3 +47,82 @@ def is_vision_language(name_or_path: str) -> bool:
     """A local model whose config.json names an image-text-to-text model type."""
     found = model_type(name_or_path)
     return found is not None and found in image_text_model_types()
+
+
+def torchvision_refusal(model_type: str | None) -> str | None:
+    """Why a model type's processor cannot load here (one line), or None: transformers
+    5.23 builds a processor that takes videos (Qwen2-VL's, Qwen2.5-VL's, SmolVLM's, ...)
+    only with its video processor, and those need torchvision; Pixtral's processor needs
+    it outright. Told torch-free from transformers' source, as validate needs it; the same
+    line at load (model/tokenizer.py)."""
+    if model_type is None or importlib.util.find_spec("torchvision") is not None:
+        return None
+    name = processor_classes().get(model_type)
+    if name is None or not _needs_torchvision(name):
+        return None
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        torch = f" {version('torch')}"
+    except PackageNotFoundError:
+        torch = ""
+    return (f"a {model_type} model's processor (transformers' {name}) needs torchvision, "
+            f"which is not installed: pip install torchvision (the build matching the "
+            f"installed torch{torch})")
+
+
+def _transformers_dir() -> Path | None:
+    spec = importlib.util.find_spec("transformers")
+    return None if spec is None or spec.origin is None else Path(spec.origin).parent
+
+
+@functools.cache
+def processor_classes() -> dict[str, str]:
+    """model_type -> the processor class AutoProcessor builds: transformers' generated
+    PROCESSOR_MAPPING_NAMES and the entries processing_auto.py adds to it."""
+    root = _transformers_dir()
+    if root is None:
+        return {}
+    found: dict[str, str] = {}
+    for path, name in (("auto_mappings.py", "PROCESSOR_MAPPING_NAMES"),
+                       ("processing_auto.py", "MISSING_PROCESSOR_MAPPING_NAMES")):
+        tree = ast.parse((root / "models" / "auto" / path).read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Assign) and any(
+                    isinstance(t, ast.Name) and t.id == name for t in node.targets):
+                found.update((k, v) for k, v in ast.literal_eval(node.value.args[0])
+                             if isinstance(v, str))
+    return found
+
+
+@functools.cache
+def _needs_torchvision(class_name: str) -> bool:
+    """A processor class that takes a video processor (an __init__ argument, or a legacy
+    video_processor_class) or requires torchvision itself, or whose base does."""
+    node = _processor_class(class_name)
+    if node is None:
+        return False
+    for decorator in node.decorator_list:
+        if "torchvision" in ast.unparse(decorator):
+            return True
+    init = next((n for n in node.body if isinstance(n, ast.FunctionDef)
+                 and n.name == "__init__"), None)
+    if init is not None:
+        return any("video_processor" in a.arg for a in init.args.args + init.args.kwonlyargs)
+    if any(isinstance(n, ast.Assign) and any(isinstance(t, ast.Name) and
+                                             t.id == "video_processor_class" for t in n.targets)
+           for n in node.body):
+        return True
+    return any(isinstance(b, ast.Name) and b.id != "ProcessorMixin" and _needs_torchvision(b.id)
+               for b in node.bases)
+
+
+def _processor_class(class_name: str) -> ast.ClassDef | None:
+    """Where transformers defines a processor class: models/*/processing_*.py."""
+    root = _transformers_dir()
+    for path in sorted(root.glob("models/*/processing_*.py")) if root else []:
+        text = path.read_text(encoding="utf-8")
+        if f"class {class_name}(" in text:
+            return next((n for n in ast.parse(text).body if isinstance(n, ast.ClassDef)
+                         and n.name == class_name), None)
+    return None

@@ -25,6 +25,7 @@ from finetune.config import vision as vision_config
 from finetune.model import vision
 from finetune.model.load import HEADS, head_labels
 from finetune.model.peft import ADAPTER_CONFIG
+from finetune.model.tokenizer import processor_from
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json")
@@ -143,11 +144,10 @@ def load_tokenizer(run: RunModel):
             break
     else:
         raise RunError(f"{run.directory} has no tokenizer, and neither has {run.run_dir / 'final'}")
-    if run.vision:  # its processor: the tokenizer and the images
-        from transformers import AutoProcessor
-
-        processor = AutoProcessor.from_pretrained(
-            str(source), trust_remote_code=run.experiment.model.trust_remote_code)
+    if run.vision:  # its processor: the tokenizer and the images, loaded as training loads it
+        processor = processor_from(str(source), None, run.experiment.model.trust_remote_code,
+                                   str(source),
+                                   run.base() if run.adapter else (str(run.directory), None))
         if processor.tokenizer.pad_token is None:
             processor.tokenizer.pad_token = processor.tokenizer.eos_token
         return processor

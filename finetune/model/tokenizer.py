@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from finetune.config import vision as vision_config
 from finetune.model import chat_template
 from finetune.model.load import refuse_remote_code, remote_code_error
 from finetune.model.vision import is_processor
 from finetune.config.schema import Experiment
-from finetune.errors import RunError, first_line
+from finetune.errors import ConfigError, RunError, first_line
 
 
 def load_tokenizer(experiment: Experiment) -> PreTrainedTokenizerBase:
@@ -32,15 +33,13 @@ def load_tokenizer(experiment: Experiment) -> PreTrainedTokenizerBase:
 def load_processor(experiment: Experiment):
     """A vision-language model's processor (model/vision.py), with the tokenizer section
     applied as to a text model's tokenizer."""
-    from transformers import AutoProcessor
-
     source, key = _source(experiment)
     refuse_remote_code(experiment, source, key)
+    spec = experiment.model
     try:
-        processor = AutoProcessor.from_pretrained(
-            source, trust_remote_code=experiment.model.trust_remote_code,
-            revision=experiment.model.revision if experiment.tokenizer.name_or_path is None
-            else None)
+        processor = processor_from(
+            source, spec.revision if experiment.tokenizer.name_or_path is None else None,
+            spec.trust_remote_code, key, (spec.name_or_path, spec.revision))
     except OSError as exc:
         raise RunError(f"{key}: cannot load the processor of a vision-language model from "
                        f"{source!r}: {first_line(exc)}") from None
@@ -51,6 +50,30 @@ def load_processor(experiment: Experiment):
                        f"(AutoProcessor gave a {type(processor).__name__}): it needs "
                        "processor_config.json or preprocessor_config.json")
     return _with_settings(processor, experiment)
+
+
+def processor_from(source: str, revision: str | None, trusted: bool, key: str,
+                   model: tuple[str, str | None]):
+    """AutoProcessor's processor of `source`. A library it needs that is not installed
+    is one line naming `key`: torchvision, for a processor that takes videos (Qwen2-VL's,
+    ...: config/vision.torchvision_refusal, from the type of `model`, (source, revision)),
+    else the library's own first line."""
+    from transformers import AutoConfig, AutoProcessor
+
+    try:
+        return AutoProcessor.from_pretrained(source, trust_remote_code=trusted,
+                                             revision=revision)
+    except ImportError as exc:
+        try:
+            model_type = AutoConfig.from_pretrained(model[0], revision=model[1],
+                                                    trust_remote_code=trusted).model_type
+        except (OSError, ValueError):
+            model_type = None
+        refusal = vision_config.torchvision_refusal(model_type)
+        if refusal:
+            raise ConfigError([f"{key}: {refusal}"]) from None
+        raise RunError(f"{key}: cannot load the processor of {source!r}: "
+                       f"{first_line(exc)}") from None
 
 
 def _source(experiment: Experiment) -> tuple[str, str]:
