@@ -23,15 +23,10 @@ def _add_experiment_args(parser: argparse.ArgumentParser) -> None:
 
 def _validate(args: argparse.Namespace) -> int:
     from finetune.config import load_experiment
-    from finetune.config.rules.vision import processor_missing
     from finetune.data.scan import check_data
-    from finetune.errors import ConfigError
     from finetune.render.bundle import resolved_yaml
 
     experiment = load_experiment(args.config, args.overrides)
-    missing = processor_missing(experiment)  # what training's processor load refuses
-    if missing:
-        raise ConfigError([f"{args.config}: {missing}"])
     read = [] if args.no_data else check_data(experiment)
     if args.print:
         sys.stdout.write(resolved_yaml(experiment))

@@ -146,8 +146,7 @@ def load_tokenizer(run: RunModel):
         raise RunError(f"{run.directory} has no tokenizer, and neither has {run.run_dir / 'final'}")
     if run.vision:  # its processor: the tokenizer and the images, loaded as training loads it
         processor = processor_from(str(source), None, run.experiment.model.trust_remote_code,
-                                   str(source),
-                                   run.base() if run.adapter else (str(run.directory), None))
+                                   str(source))
         if processor.tokenizer.pad_token is None:
             processor.tokenizer.pad_token = processor.tokenizer.eos_token
         return processor

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from finetune.config import vision as vision_config
 from finetune.model import chat_template
 from finetune.model.load import refuse_remote_code, remote_code_error
 from finetune.model.vision import is_processor
@@ -39,7 +38,7 @@ def load_processor(experiment: Experiment):
     try:
         processor = processor_from(
             source, spec.revision if experiment.tokenizer.name_or_path is None else None,
-            spec.trust_remote_code, key, (spec.name_or_path, spec.revision))
+            spec.trust_remote_code, key)
     except OSError as exc:
         raise RunError(f"{key}: cannot load the processor of a vision-language model from "
                        f"{source!r}: {first_line(exc)}") from None
@@ -52,26 +51,23 @@ def load_processor(experiment: Experiment):
     return _with_settings(processor, experiment)
 
 
-def processor_from(source: str, revision: str | None, trusted: bool, key: str,
-                   model: tuple[str, str | None]):
-    """AutoProcessor's processor of `source`. A library it needs that is not installed
-    is one line naming `key`: torchvision, for a processor that takes videos (Qwen2-VL's,
-    ...: config/vision.torchvision_refusal, from the type of `model`, (source, revision)),
-    else the library's own first line."""
-    from transformers import AutoConfig, AutoProcessor
+def processor_from(source: str, revision: str | None, trusted: bool, key: str):
+    """AutoProcessor's processor of `source`. A library it needs that is not installed is
+    one line naming `key`: transformers 5.23 builds a processor that takes videos
+    (Qwen2-VL's, Qwen2.5-VL's, SmolVLM's, ...) only with its video processor, which needs
+    torchvision, even for rows with images only."""
+    from transformers import AutoProcessor
 
     try:
         return AutoProcessor.from_pretrained(source, trust_remote_code=trusted,
                                              revision=revision)
     except ImportError as exc:
-        try:
-            model_type = AutoConfig.from_pretrained(model[0], revision=model[1],
-                                                    trust_remote_code=trusted).model_type
-        except (OSError, ValueError):
-            model_type = None
-        refusal = vision_config.torchvision_refusal(model_type)
-        if refusal:
-            raise ConfigError([f"{key}: {refusal}"]) from None
+        if "torchvision" in str(exc).lower():
+            import torch
+
+            raise ConfigError([f"{key}: the processor of {source!r} needs torchvision, which "
+                               "is not installed: pip install torchvision (the build "
+                               f"matching the installed torch {torch.__version__})"]) from None
         raise RunError(f"{key}: cannot load the processor of {source!r}: "
                        f"{first_line(exc)}") from None
 

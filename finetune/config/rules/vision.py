@@ -48,17 +48,6 @@ def _why(model_type: str | None, method_name: str) -> str | None:
     return None
 
 
-def processor_missing(exp: Experiment) -> str | None:
-    """`finetune validate`'s line for a local vision-language model whose processor cannot
-    load here (config/vision.torchvision_refusal; model/tokenizer.py processor_from says
-    the same at training), or None. Not a rule of the experiment: estimate, render and
-    launch (for machines that may have torchvision) read it without loading the processor."""
-    if not vision.is_vision_language(exp.model.name_or_path):
-        return None
-    refusal = vision.torchvision_refusal(vision.model_type(exp.model.name_or_path))
-    return refusal and f"model.name_or_path: {refusal}"
-
-
 def teacher_refused(student_sees: bool, teacher_sees: bool, teacher: str) -> str | None:
     """Why distill.teacher cannot teach this student (one line), or None: the teacher
     scores the student's completions after the student's prompts, pictures included, so
