@@ -9,12 +9,13 @@ STATE=${FINETUNE_SLURM_STATE:-/tmp/finetune-slurm}
 CONF=/etc/slurm/slurm.conf
 NODES=2
 
-up() { sinfo -h -N -o '%t' 2>/dev/null | grep -cE '^(idle|mix|alloc)' || true; }
+# nodes ready, each counted once (sinfo -N lists a node once per partition)
+up() { sinfo -h -N -o '%N %t' 2>/dev/null | awk '$2 ~ /^(idle|mix|alloc)/ {print $1}' | sort -u | wc -l; }
 alive() { [ -s "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
 
 installed() { command -v slurmctld >/dev/null && command -v munged >/dev/null; }
 
-install() {
+install_packages() {
   installed && return 0
   apt-get update -qq
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
@@ -22,7 +23,7 @@ install() {
 }
 
 start() {
-  install
+  install_packages
   if [ ! -s /etc/munge/munge.key ]; then
     dd if=/dev/urandom of=/etc/munge/munge.key bs=1024 count=1 status=none
     chown munge:munge /etc/munge/munge.key; chmod 0400 /etc/munge/munge.key
@@ -82,8 +83,8 @@ CONF
   fi
   if ! cmp -s "$STATE/slurm.conf" "$CONF" || ! cmp -s "$STATE/cgroup.conf" /etc/slurm/cgroup.conf; then
     stop_daemons
-    command install -D -m 0644 "$STATE/slurm.conf" "$CONF"  # the program, not install() above
-    command install -m 0644 "$STATE/cgroup.conf" /etc/slurm/cgroup.conf
+    install -D -m 0644 "$STATE/slurm.conf" "$CONF"
+    install -m 0644 "$STATE/cgroup.conf" /etc/slurm/cgroup.conf
   fi
   if ! alive "$STATE/slurmctld.pid"; then
     # Fresh state restarts job ids at 1: a step daemon left from an earlier cluster would
@@ -123,8 +124,11 @@ stop_daemons() {
   # last report forever. This cluster is the only SLURM on the machine: clear them.
   pkill -x slurmstepd 2>/dev/null || true
   pkill -x slurmd 2>/dev/null || true
-  for _ in $(seq 50); do pgrep -x 'slurmd|slurmstepd' >/dev/null || break; sleep 0.1; done
-  pkill -9 -x 'slurmd|slurmstepd' 2>/dev/null || true
+  # (one name a call: pgrep matches at most 15 characters of a process name)
+  for _ in $(seq 50); do pgrep -x slurmd >/dev/null || pgrep -x slurmstepd >/dev/null || break
+    sleep 0.1; done
+  pkill -9 -x slurmd 2>/dev/null || true
+  pkill -9 -x slurmstepd 2>/dev/null || true
 }
 
 case "${1:-}" in
@@ -132,7 +136,7 @@ case "${1:-}" in
     if installed; then echo "slurm-wlm and munge: installed"
     elif [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then
       echo "slurm-wlm and munge: not installed, and this needs root and apt-get (the SLURM tests will skip)"
-    else install && echo "slurm-wlm and munge: installed now"; fi ;;
+    else install_packages && echo "slurm-wlm and munge: installed now"; fi ;;
   start) start ;;
   stop) stop_daemons; echo "slurm test cluster stopped" ;;
   *) echo "usage: $0 install|start|stop" >&2; exit 2 ;;
