@@ -305,6 +305,40 @@ def test_rloo_generates_from_prompts_with_their_pictures_and_resumes(write, tmp_
     assert all(torch.equal(resumed[k], final[k]) for k in final)
 
 
+@pytest.mark.slow  # loads the processor (and torch)
+def test_a_prompt_without_pictures_is_prepared_in_parts_as_the_trainers_render_it(
+        write, tmp_path):
+    """RLOOTrainer turns text contents into parts only in a batch with pictures
+    (GRPOTrainer always): prepared, every content of a VLM's prompt is in parts, as
+    GRPOTrainer's own preparation gives them, the pictures' parts before the first user
+    text; the length finetune measures (kept_prompts) is that of the trainers' rendering."""
+    from trl.data_utils import prepare_multimodal_messages
+
+    from finetune.data.load import load_data
+    from finetune.methods.rloo import prepare
+    from finetune.model.tokenizer import load_processor
+    from finetune.model.vision import chat_prompts
+
+    said = [{"role": "system", "content": "Answer in one word."},
+            {"role": "user", "content": "What color is red?"}]
+    path = grpo_experiment(write, tmp_path, [
+        {"prompt": said, "answer": "red", "images": []},
+        {"prompt": said, "answer": "red", "images": ["pic.png"]}],
+        method="rloo", extra="training:\n  max_completion_length: 4\n")
+    experiment = load_experiment(path)
+    processor = load_processor(experiment)
+    text, pictured = prepare(load_data(experiment), processor, experiment).train["prompt"]
+    assert text == prepare_multimodal_messages(said) == [
+        {"role": "system", "content": [{"type": "text", "text": "Answer in one word."}]},
+        {"role": "user", "content": [{"type": "text", "text": "What color is red?"}]}]
+    assert pictured == [text[0], {"role": "user", "content": [{"type": "image"},
+                                                              *text[1]["content"]]}]
+    # RLOOTrainer's and GRPOTrainer's call (_tokenize_prompts) against kept_prompts' measure
+    rendered = processor.apply_chat_template([text], add_generation_prompt=True,
+                                             tokenize=True, return_dict=True)["input_ids"]
+    assert chat_prompts(processor, [text], [[]])["input_ids"].tolist() == rendered
+
+
 @pytest.mark.slow  # imports TRL (and torch)
 def test_training_refuses_what_validate_refuses_for_a_hub_model():
     """A hub vision-language model is known as one at training only: methods/dpo.py and

@@ -57,7 +57,8 @@ from finetune.data.prompts import checked_prompts, completion_budget, prompt_lim
 from finetune.errors import ConfigError, RunError
 from finetune.methods import Job, vision_lengths
 from finetune.methods.sft_vision import refuse_images
-from finetune.model.vision import is_processor
+from finetune.data.images import IMAGES
+from finetune.model.vision import as_parts, is_processor
 from finetune.model.rewards import (reward_call_error, reward_functions, reward_model,
                                     reward_problem, reward_weights, unique_names)
 
@@ -75,9 +76,28 @@ def prepare_prompts(splits, tokenizer, experiment):
     limit = prompt_limit(experiment)
     setting, budget = completion_budget(experiment)
     kept = lambda rows, split: None if rows is None else vision_lengths.kept_prompts(
-        rows, split, tokenizer, limit, setting, budget, splits.notes)
+        _in_parts(rows), split, tokenizer, limit, setting, budget, splits.notes)
     # The rows stay rows (splits.tokenized would keep a second copy of eval as eval_rows)
     return replace(splits, train=kept(splits.train, "train"), eval=kept(splits.eval, "eval"))
+
+
+def _in_parts(rows):
+    """A VLM's prompts with every content in parts (model/vision.as_parts): TRL 1.16's
+    GRPOTrainer turns text contents into parts itself, RLOOTrainer only in a batch with
+    pictures, and a processor whose chat template reads parts alone would fail on its
+    other batches. Parts of two shapes are typed as JSON objects, each kept as written
+    (as the data reader types them: data/llava_rows.py)."""
+    from datasets import Features, Json, List
+
+    if not isinstance(rows.features.get("prompt"), List) or \
+            not isinstance(rows.features["prompt"].feature, dict):
+        return rows  # not messages: kept_prompts refuses them naming the row
+    turn = {**rows.features["prompt"].feature, "content": List(Json())}
+    count = IMAGES in rows.column_names
+    return rows.map(lambda row: {"prompt": as_parts(row["prompt"], len(row[IMAGES] or [])
+                                                    if count else 0)},
+                    features=Features({**rows.features, "prompt": List(turn)}),
+                    desc="prompts in parts")
 
 
 def checked_reward(function, where: str):

@@ -138,3 +138,20 @@ def chat_prompts(processor, conversations: list[list[dict]], images: list[list],
         add_generation_prompt=True,
         tokenize=True, return_dict=True, return_tensors="pt",
         processor_kwargs={"padding": True, "padding_side": "left", "add_special_tokens": False})
+
+
+def as_parts(messages: list[dict], pictures: int) -> list[dict]:
+    """The conversation with every text content as one text part and, as TRL's
+    prepare_multimodal_messages places them, `pictures` image parts before the text of the
+    first user turn given as text; parts given stay. What GRPOTrainer hands its processor
+    for a vision-language model (the trainer fills the image parts with the pictures)."""
+    out, placed = [], False
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, str):
+            parts = [{"type": "text", "text": content}]
+            if message["role"] == "user" and not placed:
+                parts, placed = [{"type": "image"} for _ in range(pictures)] + parts, True
+            message = {**message, "content": parts}
+        out.append(message)
+    return out
