@@ -5,8 +5,9 @@ steps of the tiny VLM, built as `finetune train` builds it (run/build.py), again
 same steps with autograd in the tower as before: every trainable parameter's gradient
 equal at each step, the tower's layers run without autograd instead of twice with it (the
 forward and the backward's recomputation), its output requiring no grad; where the tower
-trains, it keeps autograd. sft in each layout; dpo and
-grpo, whose trainers turn checkpointing (and the hooks) off and on again within a step."""
+trains, it keeps autograd. sft in each layout; dpo, grpo
+and rloo, whose trainers turn checkpointing (and the hooks) off and on again within a step
+(rloo's layout is also the one test of rloo with LoRA on a VLM)."""
 
 from __future__ import annotations
 
@@ -27,15 +28,18 @@ LAYOUTS = {  # id: (method, overrides, the tower frozen)
     "sft-lora-on-the-tower": ("sft", [*LORA, "vision.freeze_tower=false"], False),
     "dpo-lora": ("dpo", LORA, True),
     "grpo-lora": ("grpo", LORA, True),
+    "rloo-lora": ("rloo", LORA, True),
 }
 SETTINGS = {  # each method's data and batch
     "sft": ("vlm_train.jsonl", "per_device_train_batch_size: 2\n  max_length: 64"),
     "dpo": ("vlm_pref_train.jsonl", "per_device_train_batch_size: 2\n  max_length: 64"),
     "grpo": ("vlm_pref_train.jsonl", "per_device_train_batch_size: 4\n  num_generations: 4\n"
              "  max_completion_length: 4"),
+    "rloo": ("vlm_pref_train.jsonl", "per_device_train_batch_size: 4\n  num_generations: 4\n"
+             "  max_completion_length: 4"),
 }
 STEPS = 2
-# grpo: completions of different lengths score differently, so the step has a gradient
+# grpo, rloo: completions of different lengths score differently, so the step has a gradient
 REWARDS = "def length(completions, **kwargs):\n" \
           "    return [float(len(str(c))) for c in completions]\n"
 
@@ -50,7 +54,7 @@ model: {{name_or_path: {TINY_VLM}, init: random}}
 data: {{train: {{path: {DATA / data}, max_samples: 4}}}}
 evaluation: {{exact_match: false}}
 output: {{plot: false}}
-{"rewards: {functions: [rewards.py:length]}" if method == "grpo" else ""}
+{"rewards: {functions: [rewards.py:length]}" if method in ("grpo", "rloo") else ""}
 training:
   max_steps: {STEPS}
   save_steps: 100
