@@ -7,7 +7,9 @@ implementation serves both.
 
 Prompts: every prompt is rendered and counted against the context; a text model's is
 refused when too long (data/prompts.py), a vision-language model's, with its pictures
-expanded to their image tokens, dropped and counted (methods/vision_lengths.py).
+expanded to their image tokens, dropped and counted (methods/vision_lengths.py), after
+its contents are put in parts as GRPOTrainer renders them (_in_parts; distill's prompts
+too, prepared here).
 
 Rewards: the reward model of rewards.model first (if any), then the Python functions of
 rewards.functions in order, weighted by rewards.weights (the config's reward_weights,
