@@ -55,11 +55,11 @@ import torch
 from trl.trainer.utils import RepeatSampler
 
 from finetune import compat
+from finetune.data.images import IMAGES
 from finetune.data.prompts import checked_prompts, completion_budget, prompt_limit
 from finetune.errors import ConfigError, RunError
 from finetune.methods import Job, vision_lengths
 from finetune.methods.sft_vision import refuse_images
-from finetune.data.images import IMAGES
 from finetune.model.vision import as_parts, is_processor
 from finetune.model.rewards import (reward_call_error, reward_functions, reward_model,
                                     reward_problem, reward_weights, unique_names)
