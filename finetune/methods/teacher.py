@@ -43,8 +43,9 @@ def _sees_pictures(source: str, trust: bool) -> bool:
 def _load(experiment: Experiment, dtype, student_sees: bool):
     """(model, its tokenizer, or processor for a vision-language one, or None) of
     distill.teacher."""
-    from transformers import AutoModelForCausalLM, AutoProcessor, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from finetune.model.tokenizer import processor_from
     from finetune.model.vision import MODEL_CLASS
 
     source = experiment.distill.teacher
@@ -69,8 +70,8 @@ def _load(experiment: Experiment, dtype, student_sees: bool):
         raise ConfigError([f"{WHERE}: cannot load {source!r} as a {kind}: "
                            f"{first_line(exc)}"]) from None
     try:
-        tokenizer = (AutoProcessor if sees else AutoTokenizer).from_pretrained(
-            source, trust_remote_code=trust)
+        tokenizer = processor_from(source, None, trust, WHERE) if sees else \
+            AutoTokenizer.from_pretrained(source, trust_remote_code=trust)
     except (OSError, ValueError):
         tokenizer = None  # a model without its tokenizer: the vocabulary size still checks
     return model, tokenizer
