@@ -20,12 +20,11 @@ from trl.data_utils import extract_prompt
 
 from finetune.config.derived.effective import value as effective_value
 from finetune.config.schema import Experiment
-from finetune.data.image_size import ImagesSized, fitter
 from finetune.data.images import IMAGES
-from finetune.data.load import ORIGIN, Splits
-from finetune.errors import ConfigError
+from finetune.data.load import Splits
 from finetune.methods import Job, vision_lengths
-from finetune.methods.pairs import frozen_reference, prompt_length, require_a_row_that_fits
+from finetune.methods.pairs import (frozen_reference, pictures_fitted, prompt_length,
+                                    require_a_row_that_fits, vision_rows)
 from finetune.methods.sft_vision import refuse_images
 from finetune.model.vision import is_processor
 
@@ -69,25 +68,11 @@ def vision_problems(experiment: Experiment) -> list[str]:
 
 
 def _vision_rows(splits: Splits, processor, experiment: Experiment) -> Splits:
-    """The checked rows with the columns the collator reads (and ORIGIN, which
-    data/prepare.py removes): each with its prompt, and `images` (empty for a file of
-    text pairs: TRL's vision path then renders them without pictures); less the pairs
-    whose prompt max_length would cut inside its image tokens, counted
-    (methods/vision_lengths.py)."""
-    problems = vision_problems(experiment)
-    if problems:
-        raise ConfigError(problems)
-    max_length, fit = effective_value(experiment, "max_length"), fitter(experiment)
-
-    def rows(ds, split):
-        if "prompt" not in ds.column_names:
-            ds = ds.map(extract_prompt)
-        if IMAGES not in ds.column_names:
-            ds = ds.add_column(IMAGES, [[] for _ in range(len(ds))])
-        ds = vision_lengths.kept_pairs(ds, split, processor, max_length, fit, splits.notes)
-        return ds.select_columns([*VISION_COLUMNS, ORIGIN])
-
-    return splits.tokenized(rows)
+    """Each pair with its prompt (TRL's extract_prompt where none is given), less the
+    pairs whose prompt max_length would cut inside its image tokens (pairs.vision_rows)."""
+    with_prompt = lambda ds: ds if "prompt" in ds.column_names else ds.map(extract_prompt)
+    return vision_rows(splits, processor, experiment, vision_problems(experiment),
+                       vision_lengths.kept_pairs, VISION_COLUMNS, with_prompt)
 
 
 def build_trainer(job: Job) -> DPOTrainer:
@@ -99,10 +84,8 @@ def build_trainer(job: Job) -> DPOTrainer:
     trainer = trainer_class(model=job.model, ref_model=frozen_reference(job), args=job.args,
                             train_dataset=job.data.train, eval_dataset=job.data.eval,
                             processing_class=job.tokenizer, callbacks=job.callbacks)
-    if vision:  # vision.max_pixels, min_pixels: the pictures fitted before the collator
-        sizes = job.experiment.vision
-        trainer.data_collator = ImagesSized(trainer.data_collator, sizes and sizes.max_pixels,
-                                            sizes and sizes.min_pixels)
+    if vision:
+        pictures_fitted(trainer, job.experiment)
         if getattr(job.model.config, "model_type", None) == "mllama":  # cut after mending
             pairs = trainer.data_collator.collate  # TRL's collator, inside ImagesSized
             cut, pairs.max_length = pairs.max_length, None

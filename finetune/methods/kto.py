@@ -29,13 +29,12 @@ from trl.data_utils import common_prefix_length
 
 from finetune.config.derived.effective import value
 from finetune.config.schema import Experiment
-from finetune.data.image_size import ImagesSized, fitter
 from finetune.data.images import IMAGES
 from finetune.data.load import ORIGIN, Splits
 from finetune.data.mix import seed_of
-from finetune.errors import ConfigError
 from finetune.methods import Job, vision_lengths
-from finetune.methods.pairs import frozen_reference, require_a_row_that_fits
+from finetune.methods.pairs import (frozen_reference, pictures_fitted, require_a_row_that_fits,
+                                    vision_rows)
 from finetune.methods.sft_vision import refuse_images
 from finetune.model.tokenizer import render_chat
 from finetune.model.vision import is_processor
@@ -89,23 +88,10 @@ def vision_problems(experiment: Experiment) -> list[str]:
 
 
 def _vision_rows(splits: Splits, processor, experiment: Experiment) -> Splits:
-    """The shuffled rows with the columns the collator reads (and ORIGIN, which
-    data/prepare.py removes), `images` empty for a file without pictures (TRL's vision
-    path renders them without); less the rows whose prompt max_length would cut inside
-    its image tokens or leave without a completion token, counted
-    (methods/vision_lengths.py)."""
-    problems = vision_problems(experiment)
-    if problems:
-        raise ConfigError(problems)
-    max_length, fit = value(experiment, "max_length"), fitter(experiment)
-
-    def rows(ds, split):
-        if IMAGES not in ds.column_names:
-            ds = ds.add_column(IMAGES, [[] for _ in range(len(ds))])
-        ds = vision_lengths.kept_unpaired(ds, split, processor, max_length, fit, splits.notes)
-        return ds.select_columns([*VISION_COLUMNS, ORIGIN])
-
-    return splits.tokenized(rows)
+    """The shuffled rows, less those whose prompt max_length would cut inside its image
+    tokens or leave without a completion token (pairs.vision_rows)."""
+    return vision_rows(splits, processor, experiment, vision_problems(experiment),
+                       vision_lengths.kept_unpaired, VISION_COLUMNS)
 
 
 def build_trainer(job: Job) -> KTOTrainer:
@@ -115,8 +101,6 @@ def build_trainer(job: Job) -> KTOTrainer:
     trainer = trainer_class(model=job.model, ref_model=frozen_reference(job), args=job.args,
                             train_dataset=job.data.train, eval_dataset=job.data.eval,
                             processing_class=job.tokenizer, callbacks=job.callbacks)
-    if vision:  # vision.max_pixels, min_pixels: the pictures fitted before the collator
-        sizes = job.experiment.vision
-        trainer.data_collator = ImagesSized(trainer.data_collator, sizes and sizes.max_pixels,
-                                            sizes and sizes.min_pixels)
+    if vision:
+        pictures_fitted(trainer, job.experiment)
     return trainer

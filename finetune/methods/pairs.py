@@ -2,7 +2,8 @@
 the reference-free orpo, cpo and simpo): the prompt's length as those trainers count it,
 the check that every chat row renders, made while the data is prepared so that a bad row
 is named by its file and row, the check that some row is left once the trainer drops
-those whose prompt fills max_length, and dpo's and kto's frozen reference model."""
+those whose prompt fills max_length, dpo's and kto's frozen reference model, and their
+rows and collator for a vision-language model (vision_rows, pictures_fitted)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,10 @@ from trl.data_utils import common_prefix_length, extract_prompt
 
 from finetune.config.derived.effective import record, setting, value
 from finetune.config.schema import Experiment
+from finetune.data.image_size import ImagesSized, fitter
+from finetune.data.images import IMAGES
 from finetune.data.load import ORIGIN, Splits
-from finetune.errors import DataError
+from finetune.errors import ConfigError, DataError
 from finetune.methods import Job
 from finetune.model import vision
 from finetune.model.tokenizer import render_chat
@@ -95,3 +98,33 @@ def frozen_reference(job: Job):
         ref = copy.deepcopy(job.model)
     ref.requires_grad_(False)
     return ref.eval()
+
+
+def vision_rows(splits: Splits, processor, experiment: Experiment, problems: list[str],
+                kept: Callable, columns: tuple[str, ...],
+                shaped: Callable = lambda rows: rows) -> Splits:
+    """dpo's and kto's rows for a vision-language model, untokenized (TRL's vision
+    collators render them batch by batch): `problems` (what TRL refuses for them) raised;
+    each split `shaped`, `images` empty for a file without pictures (TRL's vision path
+    renders those rows without), less the rows `kept` drops and counts (methods/
+    vision_lengths.py: a prompt max_length would cut inside its image tokens), with the
+    `columns` the collator reads and ORIGIN (which data/prepare.py removes)."""
+    if problems:
+        raise ConfigError(problems)
+    max_length, fit = value(experiment, "max_length"), fitter(experiment)
+
+    def rows(ds, split):
+        ds = shaped(ds)
+        if IMAGES not in ds.column_names:
+            ds = ds.add_column(IMAGES, [[] for _ in range(len(ds))])
+        ds = kept(ds, split, processor, max_length, fit, splits.notes)
+        return ds.select_columns([*columns, ORIGIN])
+
+    return splits.tokenized(rows)
+
+
+def pictures_fitted(trainer, experiment: Experiment) -> None:
+    """vision.max_pixels, min_pixels: the pictures fitted before the trainer's collator."""
+    sizes = experiment.vision
+    trainer.data_collator = ImagesSized(trainer.data_collator, sizes and sizes.max_pixels,
+                                        sizes and sizes.min_pixels)
