@@ -314,3 +314,42 @@ def tiny_gemma3(directory):
     Gemma3Config(architectures=["Gemma3ForConditionalGeneration"], vision_config=vision,
                  text_config=text, mm_tokens_per_image=4, **ids).save_pretrained(directory)
     return directory
+
+
+def tiny_paligemma(directory):
+    """A model directory of a tiny PaliGemma (a SigLIP tower, a Gemma language model),
+    without a chat template, as PaliGemma ships, for `model.init: random`."""
+    import sys
+
+    from conftest import QUICKSTART
+
+    sys.path.insert(0, str(QUICKSTART))
+    import make_assets
+    from transformers import PaliGemmaConfig, PaliGemmaProcessor
+    from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
+
+    sys.path.remove(str(QUICKSTART))
+    tokenizer = make_assets.build_tokenizer()
+    tokenizer.add_tokens(["<image>"], special_tokens=True)
+    tokenizer.chat_template = None
+    tokenizer.save_pretrained(directory)
+    tokenizer = type(tokenizer).from_pretrained(directory,
+                                                extra_special_tokens={"image_token": "<image>"})
+    images = SiglipImageProcessorPil(size={"height": 32, "width": 32})
+    images.image_seq_length = 16  # (32 / 8) ** 2 patches
+    PaliGemmaProcessor(image_processor=images, tokenizer=tokenizer).save_pretrained(directory)
+    vision = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64,
+                  num_hidden_layers=1, num_attention_heads=2, image_size=32, patch_size=8,
+                  vision_use_head=False, projection_dim=64)
+    text = dict(model_type="gemma", vocab_size=len(tokenizer), hidden_size=64,
+                intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id)
+    PaliGemmaConfig(architectures=["PaliGemmaForConditionalGeneration"], vision_config=vision,
+                    text_config=text, projection_dim=64, hidden_size=64,
+                    image_token_index=tokenizer.convert_tokens_to_ids("<image>")
+                    ).save_pretrained(directory)
+    for leftover in ("chat_template.jinja", "chat_template.json"):
+        (directory / leftover).unlink(missing_ok=True)
+    return directory

@@ -62,13 +62,23 @@ def _sft_vision(rows, processor, experiment: Experiment, splits, split: str) -> 
     from trl.trainer.sft_trainer import DataCollatorForVisionLanguageModeling
 
     from finetune.methods.sft import assistant_only
-    from finetune.methods.sft_vision import ImageTokensUntrained
+    from finetune.methods.sft_plain_vision import PlainPictures
+    from finetune.methods.sft_vision import FORMATS, ImageTokensUntrained
 
-    collate = ImageTokensUntrained(DataCollatorForVisionLanguageModeling(
-        processor, assistant_only_loss=assistant_only(experiment, "messages")), processor)
+    completion_only = value(experiment, "completion_only_loss") is not False
+    if splits.format == "prompt_completion" and isinstance(rows[0]["prompt"], str):
+        collate = PlainPictures(processor, None, completion_only)
+    elif splits.format == "prompt_completion":
+        collate = DataCollatorForVisionLanguageModeling(processor,
+                                                        completion_only_loss=completion_only)
+    else:
+        collate = DataCollatorForVisionLanguageModeling(
+            processor, assistant_only_loss=assistant_only(experiment, "messages"))
+    collate = ImageTokensUntrained(collate, processor)
     limit = value(experiment, "max_length")
     for row in rows:
-        batch = collate([{"messages": row["messages"], "images": row["images"]}])
+        batch = collate([{**{c: row[c] for c in FORMATS[splits.format] if c != "images"},
+                          "images": row.get("images") or []}])
         ids, trained = batch["input_ids"][0].tolist(), (batch["labels"][0] != -100).tolist()
         yield Sample(row[ORIGIN], [("", ids, trained)],
                      limit is not None and not any(trained[:limit]))

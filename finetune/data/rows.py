@@ -16,7 +16,7 @@ Failure = Callable[[int, str], str]
 # format -> (required columns, optional columns)
 FORMATS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "messages": (("messages",), ("tools", IMAGES)),
-    "prompt_completion": (("prompt", "completion"), ("tools",)),
+    "prompt_completion": (("prompt", "completion"), ("tools", IMAGES)),
     "text": (("text",), ()),
     "preference": (("chosen", "rejected"), ("prompt", IMAGES)),
     # kto: one completion, labelled desirable (true) or not (false); no partner needed.
@@ -106,6 +106,12 @@ def _check_weight(value: Any, field: str) -> str | None:
     return None
 
 
+# PaliGemma on conversations (config/rules/vision.py PREFIX_LM), said by validate
+# (scan.py) and training (methods/sft_vision.py).
+PREFIX_LM_ROWS = ("data.train: PaliGemma trains on plain `prompt`/`completion` rows with "
+                  "`images` (its prefix and suffix, e.g. \"caption en\" and the caption), "
+                  "not on conversations: its prefix attention would let every token of a "
+                  "conversation see the ones after it")
 # Training's vision path (methods/sft_vision.py) weighs rows, not turns; validate says it too
 # (scan.py), for a local vision-language model's training rows.
 TURN_WEIGHTS_WITH_IMAGES = "data.train: `weight` on messages (per-turn loss weights) is not " \
@@ -178,8 +184,8 @@ def check_row(row: dict[str, Any], fmt: str, labels: list[str] | None = None) ->
         return f"mixes plain text and message lists across {', '.join(fields)}"
     if fmt == "prompt":
         return _prompt_images_problem(row)
-    if fmt == "unpaired_preference":
-        return _unpaired_images_problem(row)
+    if fmt in ("unpaired_preference", "prompt_completion"):
+        return _completion_images_problem(row)
     return _preference_images_problem(row) if fmt == "preference" else None
 
 
@@ -193,12 +199,16 @@ def _prompt_images_problem(row: dict[str, Any]) -> str | None:
     return count_problem(images, row["prompt"], "prompt")
 
 
-def _unpaired_images_problem(row: dict[str, Any]) -> str | None:
-    """An unpaired row's pictures, as TRL's DataCollatorForVisionUnpairedPreference reads
-    them: the prompt's, as for a pair (none in the completion)."""
+def _completion_images_problem(row: dict[str, Any]) -> str | None:
+    """A prompt/completion row's pictures (sft; kto's unpaired rows), as the collators
+    read them: the prompt's, none in the completion; a plain prompt (sft) places them
+    with its own placeholders, which its model's processor counts while the data are
+    prepared (methods/sft_plain_vision.py)."""
     if isinstance(row["completion"], list) and image_parts(row["completion"]):
-        return "an image part in `completion`: pictures belong to the prompt (TRL's " \
-               "unpaired preference collator gives them to the prompt only)"
+        return "an image part in `completion`: pictures belong to the prompt (the " \
+               "collators give them to the prompt only)"
+    if isinstance(row["prompt"], str) and "label" not in row:
+        return count_problem(row.get(IMAGES), [], "prompt")
     return _prompt_images_problem(row)
 
 

@@ -26,14 +26,15 @@ from finetune.config.derived.effective import record
 from finetune.config.formats import SOURCES, target as source_target
 from finetune.config.methods import method as method_record
 from finetune.config.rules import is_local
+from finetune.config.rules.vision import PREFIX_LM
 from finetune.config import vision
 from finetune.config.schema import DataSource, Experiment
 from finetune.data import formats, images, peer_rows, plain_text
 from finetune.data.images import IMAGES
 from finetune.data.files import (MAX_DEPTH, checked_builder, is_document, list_data_files,
                                  not_an_object, parse_json, value_problem)
-from finetune.data.rows import FORMATS, TURN_WEIGHTS_WITH_IMAGES, WEIGHT, check_row, \
-    preference_problem, turn_weighted
+from finetune.data.rows import FORMATS, PREFIX_LM_ROWS, TURN_WEIGHTS_WITH_IMAGES, WEIGHT, \
+    check_row, preference_problem, turn_weighted
 from finetune.data.sizes import counted_rows, size_warnings
 from finetune.errors import DataError, one_line
 from finetune.model import chat_template
@@ -169,6 +170,8 @@ class FileCheck:
         # rows, not turns (methods/sft_vision.py refuses turn weights in data.train)
         self.vision_run = where.startswith("data.train") and \
             vision.is_vision_language(experiment.model.name_or_path)
+        self.prefix_lm = self.vision_run and \
+            vision.model_type(experiment.model.name_or_path) in PREFIX_LM
         # preference rows with a prompt; the first without one; the first whose chosen and
         # rejected share no turn (an error only if no row has a prompt)
         self.prompts = 0
@@ -244,6 +247,8 @@ class FileCheck:
             raise self._fail(where, problem, raw)
         if self.vision_run and self.trained == "messages" and turn_weighted(row):
             raise DataError(TURN_WEIGHTS_WITH_IMAGES)
+        if self.prefix_lm and (self.trained == "messages" or isinstance(row.get("prompt"), list)):
+            raise DataError(PREFIX_LM_ROWS)  # as methods/sft_vision.py at training
         if row.get(IMAGES) is not None:  # the files, as training resolves them (load.py)
             self.vision_model = self.vision_model or images.require_vision_model(
                 self.experiment, where)

@@ -4,7 +4,9 @@ prompt ({"prompt", "completion", and "reference" where the row had an answer}).
 Chat prompts (message lists, and plain texts unless --raw) go through the run's chat
 template with the generation prompt; a plain text under --raw is tokenized as it is.
 Greedy unless --temperature is above 0. Prompts are generated in batches, padded on the
-left. A vision-language model's prompts (with their images) go through its processor.
+left. A vision-language model's prompts (with their images) go through its processor: a
+plain text under --raw, or for a model without a chat template (PaliGemma), as plain
+prompt/completion rows train.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from finetune.model.saved import (device, dtype_of, load_model, load_tokenizer, 
                                      require_lm)
 from finetune.inference.prompts import Prompt
 from finetune.model.tokenizer import render_chat
-from finetune.model.vision import chat_prompts, is_processor
+from finetune.methods.sft_plain_vision import encoded_prompt
+from finetune.model.vision import chat_prompts, is_processor, plain_prompts, text_tokenizer
 
 
 def token_ids(prompt: Prompt, tokenizer, raw: bool) -> list[int]:
@@ -81,12 +84,33 @@ def conversation(prompt: Prompt) -> list[dict]:
     return prompt.messages or [{"role": "user", "content": prompt.text}]
 
 
+def plain(prompt: Prompt, processor, raw: bool) -> bool:
+    """A vision-language model's plain prompt goes as written (its image placeholders
+    where the processor expects them, as plain prompt/completion rows train: under --raw,
+    or with no chat template); otherwise through the chat template, which places them."""
+    return prompt.messages is None and (raw or not text_tokenizer(processor).chat_template)
+
+
+def encoded_with_images(processor, batch: list[Prompt], raw: bool, fit=list):
+    if all(plain(p, processor, raw) for p in batch):
+        return plain_prompts(processor, [p.text for p in batch], [p.images for p in batch],
+                             fit)
+    return chat_prompts(processor, [conversation(p) for p in batch],
+                        [p.images for p in batch], fit)
+
+
 def vision_ids(prompt: Prompt, processor, raw: bool, fit=list) -> list[int]:
     """A vision-language model's prompt as its processor encodes it (each image expanded
-    to its tokens): always through the chat template, which places the images."""
-    if raw:
-        raise DataError(f"{prompt.where}: --raw: a vision-language model's prompts go through "
-                        "its chat template (it places the images); leave --raw out")
+    to its tokens); the processor's refusal of a plain prompt names the prompt."""
+    if raw and prompt.messages is not None:
+        raise DataError(f"{prompt.where}: --raw takes plain-text prompts; a conversation "
+                        "goes through the chat template")
+    if plain(prompt, processor, raw):
+        return encoded_prompt(processor, prompt.text, prompt.images, prompt.where, fit)[
+            "input_ids"][0].tolist()
+    if not text_tokenizer(processor).chat_template:
+        raise DataError(f"{prompt.where}: a conversation, and the run's processor has no "
+                        "chat template to render it")
     return chat_prompts(processor, [conversation(prompt)], [prompt.images], fit)[
         "input_ids"][0].tolist()
 
@@ -94,11 +118,10 @@ def vision_ids(prompt: Prompt, processor, raw: bool, fit=list) -> list[int]:
 @torch.no_grad()
 def complete_with_images(model, processor, batch: list[Prompt], max_new_tokens: int,
                          temperature: float, top_p: float, top_k: int | None = None,
-                         fit=list) -> list[str]:
+                         fit=list, raw: bool = False) -> list[str]:
     """Completions of a vision-language model: the prompts and their images through the
     processor as one left-padded batch, as in training (fit: vision.max_pixels)."""
-    encoded = chat_prompts(processor, [conversation(p) for p in batch],
-                           [p.images for p in batch], fit).to(model.device)
+    encoded = encoded_with_images(processor, batch, raw, fit).to(model.device)
     out = model.generate(**encoded, max_new_tokens=max_new_tokens,
                          pad_token_id=processor.tokenizer.pad_token_id, use_cache=True,
                          **sampling_options(temperature, top_p, top_k))
@@ -130,7 +153,7 @@ def generate(run_dir: str, prompts: list[Prompt], out: TextIO, *, model_choice: 
         if images:
             texts = complete_with_images(model, tokenizer, [p for p, _, _ in chunk],
                                          min(b for _, _, b in chunk), temperature, top_p, top_k,
-                                         fit)
+                                         fit, raw)
         else:
             texts = complete(model, tokenizer, [ids for _, ids, _ in chunk],
                              min(b for _, _, b in chunk), temperature, top_p, top_k)

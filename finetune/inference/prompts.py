@@ -5,7 +5,8 @@ Rows: {"prompt": "text"}, {"prompt": [messages]}, or {"messages": [messages]}. A
 conversation that ends in assistant turns is cut before its last one, which becomes the
 row's reference (so an eval file of the run can be given as it is); a "completion" is a
 reference too. For a vision-language model, messages may hold image parts, with `images`
-as in training (data/images.py: paths relative to the prompts file, checked).
+as in training (data/images.py: paths relative to the prompts file, checked); a plain
+prompt's `images` go with it as a plain prompt/completion row's do.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from finetune.data.images import IMAGES, image_parts, image_problem, images_problem, \
-    parts_problem, resolved_paths
+from finetune.data.images import IMAGES, count_problem, image_parts, image_problem, \
+    images_problem, parts_problem, resolved_paths
 from finetune.errors import DataError, one_line
 
 MAX_LINE = 16 * 2**20
@@ -101,7 +102,13 @@ def _row(row: Any, where: str, file: Path | None = None) -> Prompt:
     columns = {k: v for k, v in row.items()
                if k not in ("prompt", "messages", "completion", IMAGES)}
     if key == "prompt" and isinstance(value, str):
-        return Prompt(where, text=value, reference=reference, columns=columns)
+        images = None
+        if file is not None and row.get(IMAGES) is not None:  # a plain prompt's pictures
+            problem = count_problem(row[IMAGES], [], "prompt")
+            if problem:
+                raise DataError(f"{where}: {problem}")
+            images = resolved_paths(row[IMAGES], file, where)
+        return Prompt(where, text=value, reference=reference, columns=columns, images=images)
     problem = _messages_problem(value)
     if problem:
         raise DataError(f"{where}: {key} {problem}")

@@ -106,8 +106,8 @@ def prepare(splits: Splits, tokenizer, experiment: Experiment) -> Splits:
     vision-language model's rows go to TRL's vision path untokenized (sft_vision.py)."""
     if is_processor(tokenizer):
         return sft_vision.prepare(splits, tokenizer, experiment,
-                                  trained_tokens(experiment, "messages"),
-                                  assistant_only(experiment, "messages"))
+                                  trained_tokens(experiment, splits.format),
+                                  assistant_only(experiment, splits.format))
     sft_vision.refuse_images(splits, experiment)
     masking = _masking(splits, experiment)
     said = trained_tokens(experiment, splits.format)
@@ -130,7 +130,7 @@ def prepare(splits: Splits, tokenizer, experiment: Experiment) -> Splits:
 
 def build_trainer(job: Job) -> SFTTrainer:
     if is_processor(job.tokenizer):
-        return sft_vision.build_trainer(job, assistant_only(job.experiment, "messages"))
+        return sft_vision.build_trainer(job, assistant_only(job.experiment, job.data.format))
     args = job.args
     args.dataset_kwargs = {**(args.dataset_kwargs or {}), "skip_prepare_dataset": True}
     kwargs = dict(model=job.model, args=args, train_dataset=job.data.train,

@@ -7,10 +7,12 @@ and the prepared-data cache keeps the checked rows (messages and absolute image 
 
 What trains: the assistant turns by default, as for text conversations (sft.py
 assistant_only): TRL masks every token outside the template's {% generation %} markers,
-the prompt and so every image token. Image tokens never train, every turn trained or
-not (ImageTokensUntrained: TRL's collator leaves them in the labels then). With data.weight_column, each row's trained tokens
-weigh its weight, and the loss is the weighted mean over the global batch as for text
-(trainers/weighted.py)."""
+the prompt and so every image token. Prompt/completion rows train their completion
+(training.completion_only_loss, TRL's default): conversational ones through TRL's
+collator, plain ones through sft_plain_vision.PlainPictures. Image tokens never train,
+every turn trained or not (ImageTokensUntrained: TRL's collator leaves them in the
+labels then). With data.weight_column, each row's trained tokens weigh its weight, and
+the loss is the weighted mean over the global batch as for text (trainers/weighted.py)."""
 
 from __future__ import annotations
 
@@ -21,15 +23,16 @@ from finetune.config.schema import Experiment
 from finetune.data.image_size import ImagesSized, fitter
 from finetune.data.images import IMAGES
 from finetune.data.load import ORIGIN, Splits
-from finetune.data.rows import TURN_WEIGHTS_WITH_IMAGES, WEIGHT
+from finetune.data.rows import PREFIX_LM_ROWS, TURN_WEIGHTS_WITH_IMAGES, WEIGHT
 from finetune.errors import ConfigError, DataError
 from finetune.methods import Job, vision_lengths
-from finetune.model.vision import image_token_ids
+from finetune.methods.sft_plain_vision import PlainPictures
+from finetune.model.vision import image_token_ids, prefix_lm
 from finetune.trainers.vision import VisionSFTTrainer
 from finetune.trainers.weighted import RowWeightsOnTokens, WeightedVisionSFTTrainer
 
-# The columns TRL's vision collator reads; every other one is dropped before it.
-COLUMNS = ("messages", IMAGES)
+# format -> the columns its collator reads; every other one is dropped before it.
+FORMATS = {"messages": ("messages", IMAGES), "prompt_completion": ("prompt", "completion", IMAGES)}
 
 
 def refuse_images(splits: Splits, experiment: Experiment) -> None:
@@ -40,12 +43,20 @@ def refuse_images(splits: Splits, experiment: Experiment) -> None:
                         f"{experiment.model.name_or_path} is not a vision-language model")
 
 
-def _problems(splits: Splits, experiment: Experiment) -> list[str]:
+def _problems(splits: Splits, processor, experiment: Experiment) -> list[str]:
     training, problems = experiment.training, []
-    if splits.format != "messages":
+    if splits.format not in FORMATS:
         problems.append("data.train: a vision-language model trains on conversations "
-                        "(`messages`, with image parts and `images` or text only); other rows "
+                        "(`messages`, with image parts and `images` or text only) or on "
+                        "`prompt`/`completion` rows (with `images` or without); other rows "
                         f"(here format {splits.format}) are not supported yet")
+    elif prefix_lm(processor) and (splits.format == "messages" or not all(
+            isinstance(p, str) for p in splits.train["prompt"])):
+        problems.append(PREFIX_LM_ROWS)
+    elif splits.format == "prompt_completion" and len(
+            {isinstance(p, str) for p in splits.train["prompt"]}) > 1:
+        problems.append("data.train: mixes plain-text and conversational prompts; one "
+                        "file's prompt/completion rows are all text or all message lists")
     for key in ("packing", "padding_free"):
         if training.get(key):
             problems.append(f"training.{key}: not supported for rows with images (TRL "
@@ -65,19 +76,24 @@ def prepare(splits: Splits, processor, experiment: Experiment, said: str | None,
     which data/prepare.py removes), less those training.max_length would cut inside their
     image tokens or leave untrained (vision_lengths.py). said: what trains, for the start
     summary."""
-    problems = _problems(splits, experiment)
+    problems = _problems(splits, processor, experiment)
     if problems:
         raise ConfigError(problems)
     if said and said not in splits.notes:
         splits.notes.append(said)
     max_length, fit = effective_value(experiment, "max_length"), fitter(experiment)
+    completion_only = effective_value(experiment, "completion_only_loss") is not False
 
     def keep(rows, split):
-        if IMAGES not in rows.column_names:  # text-only conversations: no pictures to collate
+        if IMAGES not in rows.column_names:  # text-only rows: no pictures to collate
             rows = rows.add_column(IMAGES, [[] for _ in range(len(rows))])
-        rows = vision_lengths.kept(rows, split, processor, max_length, assistant_only, fit,
-                                   splits.notes)
-        return rows.select_columns([c for c in (*COLUMNS, WEIGHT, ORIGIN)
+        if splits.format == "messages":
+            rows = vision_lengths.kept(rows, split, processor, max_length, assistant_only,
+                                       fit, splits.notes)
+        else:
+            rows = vision_lengths.kept_completions(rows, split, processor, max_length,
+                                                   completion_only, fit, splits.notes)
+        return rows.select_columns([c for c in (*FORMATS[splits.format], WEIGHT, ORIGIN)
                                     if c in rows.column_names])
 
     return splits.tokenized(keep)
@@ -87,8 +103,12 @@ def build_trainer(job: Job, assistant_only: bool) -> SFTTrainer:
     """assistant_only: finetune's choice (sft.py; the assistant turns, unless
     training.assistant_only_loss is false), which TRL's collator applies here."""
     args, training = job.args, job.experiment.training
-    args.assistant_only_loss = assistant_only
-    args.completion_only_loss = None  # TRL's vision collator refuses it for messages
+    completions = "completion" in (job.data.train.column_names or ())
+    plain = completions and isinstance(job.data.train[0]["prompt"], str)
+    args.assistant_only_loss = assistant_only and not completions
+    # TRL's vision collator refuses completion_only_loss for messages
+    completion_only = effective_value(job.experiment, "completion_only_loss") is not False
+    args.completion_only_loss = completion_only if completions else None
     if "padding_free" not in training:
         args.padding_free = False  # our speed default only; refused above when set
     weighted = WEIGHT in (job.data.train.column_names or ())
@@ -97,6 +117,8 @@ def build_trainer(job: Job, assistant_only: bool) -> SFTTrainer:
                             eval_dataset=job.data.eval, processing_class=job.tokenizer,
                             callbacks=job.callbacks)
     sizes = job.experiment.vision
+    if plain:  # TRL's collator cannot lay them out (sft_plain_vision.py)
+        trainer.data_collator = PlainPictures(job.tokenizer, args.max_length, completion_only)
     collate = ImagesSized(trainer.data_collator, sizes and sizes.max_pixels,
                           sizes and sizes.min_pixels)  # vision.max_pixels, min_pixels
     trainer.data_collator = ImageTokensUntrained(ImageTokensKept(collate, args.max_length),

@@ -77,6 +77,49 @@ def kept(rows: Dataset, split: str, processor, max_length: int | None, assistant
                      "would cut their image tokens or leave no trained token")
 
 
+def kept_completions(rows: Dataset, split: str, processor, max_length: int | None,
+                     completion_only: bool, fit, notes: list[str]) -> Dataset:
+    """kept, for prompt/completion rows: a plain one laid out as
+    sft_plain_vision.PlainPictures collates it, a conversational one as TRL's collator
+    renders it (the prompt with the generation prompt, then the completion's turns), its
+    first trained token where the completion starts (every token with
+    training.completion_only_loss false)."""
+    keep = []
+    for row, where in zip(rows, rows[ORIGIN]):
+        if isinstance(row["prompt"], str):
+            measured = _measure_plain(processor, row, where, completion_only, fit)
+        else:
+            whole = measure(processor, row["prompt"] + row["completion"], row[IMAGES], False,
+                            fit)
+            start = _prompt_length(processor, row["prompt"], row[IMAGES], fit)
+            measured = Measured(whole.length, whole.image_end, start if completion_only else 0)
+        keep.append(fits(measured, max_length))
+    return _selected(rows, keep, notes, f"data.{split}: no row fits training.max_length "
+                     f"{max_length} with its image tokens and a completion token {SHOWN}: "
+                     "raise it",
+                     f"data.{split}: {{}} row(s) dropped: training.max_length {max_length} "
+                     "would cut their image tokens or leave no completion token")
+
+
+def _measure_plain(processor, row: dict, where: str, completion_only: bool, fit) -> Measured:
+    """A plain row's tokens as sft_plain_vision.PlainPictures lays them out."""
+    from finetune.methods.sft_plain_vision import completion_ids, encoded_prompt
+    from finetune.model.vision import image_token_ids
+
+    ids = encoded_prompt(processor, row["prompt"], row[IMAGES], where, fit)[
+        "input_ids"][0].tolist()
+    images = set(image_token_ids(processor))
+    image_end = max((i + 1 for i, t in enumerate(ids) if t in images), default=0)
+    length = len(ids) + len(completion_ids(processor.tokenizer, row["completion"]))
+    return Measured(length, image_end, len(ids) if completion_only else 0)
+
+
+def _prompt_length(processor, prompt: list[dict], images: list, fit) -> int:
+    from finetune.model.vision import chat_prompts
+
+    return chat_prompts(processor, [prompt], [images or []], fit)["input_ids"].shape[1]
+
+
 def kept_pairs(rows: Dataset, split: str, processor, max_length: int | None, fit,
                notes: list[str]) -> Dataset:
     """The pairs whose prompt's image tokens fit max_length (a pair without pictures

@@ -140,6 +140,48 @@ def chat_prompts(processor, conversations: list[list[dict]], images: list[list],
         processor_kwargs={"padding": True, "padding_side": "left", "add_special_tokens": False})
 
 
+# Processors that lay a plain prompt out themselves: PaliGemma's puts its image tokens and
+# BOS before the text and a newline after it (the prefix), and its model reads
+# token_type_ids 0 as the prefix (attended both ways) and 1 as the suffix (causal).
+PREFIX_LM_PROCESSORS = ("PaliGemmaProcessor",)
+
+
+def prefix_lm(processor) -> bool:
+    return type(processor).__name__ in PREFIX_LM_PROCESSORS
+
+
+def plain_text(processor, text: str) -> str:
+    """A plain prompt as the processor is to read it: led by BOS where the tokenizer puts
+    one before a text (a text model's plain prompt is tokenized so), unless the processor
+    places it (PaliGemma) or the text has it."""
+    tokenizer = processor.tokenizer
+    bos = tokenizer.bos_token
+    if prefix_lm(processor) or bos is None or text.startswith(bos):
+        return text
+    ids = tokenizer("x")["input_ids"]
+    return bos + text if ids and ids[0] == tokenizer.bos_token_id else text
+
+
+def plain_prompts(processor, texts: list[str], images: list[list],
+                  fit: Callable[[list], list] = list):
+    """Plain-text prompts with their pictures as one left-padded batch, as training
+    (methods/sft_plain_vision.py) and generation encode them: the text as written, its
+    image placeholders where the processor expects them (PaliGemma's processor puts its
+    own), led by BOS (plain_text). fit: vision.max_pixels, as for conversations."""
+    from transformers.image_utils import load_image
+
+    pictures = [[load_image(p) if isinstance(p, str) else p for p in fit(i or [])]
+                for i in images]
+    if prefix_lm(processor):  # its placeholders first, as its processor would put them
+        texts = [t if processor.image_token in t else processor.image_token * len(p) + t
+                 for t, p in zip(texts, pictures)]
+    encoded = processor(images=pictures if any(pictures) else None,
+                        text=[plain_text(processor, t) for t in texts], padding=True,
+                        padding_side="left", add_special_tokens=False, return_tensors="pt")
+    encoded.pop("labels", None)  # PaliGemma's guess at labels: the collator makes them
+    return encoded
+
+
 def as_parts(messages: list[dict], pictures: int) -> list[dict]:
     """The conversation with every text content as one text part and, as TRL's
     prepare_multimodal_messages places them, `pictures` image parts before the text of the

@@ -1,7 +1,8 @@
 """Exact match of a vision-language model's greedy answers on held-out rows with images:
-each prompt (the turns before the last assistant turn, with its images) goes through the
-processor as TRL's collator sends it in training, and the answer is compared with the
-last assistant turn's text. evaluation.py calls it for a run whose processing class is a
+each prompt (the turns before the last assistant turn, or a prompt/completion row's
+prompt, with its images) goes through the processor as the collator sends it in
+training, and the answer is compared with the last assistant turn's text (the
+completion's). evaluation.py calls it for a run whose processing class is a
 processor."""
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from typing import Any, Callable
 import torch
 from datasets import Dataset
 
-from finetune.model.vision import chat_prompts, with_images
+from finetune.model.vision import chat_prompts, plain_prompts, with_images
 
 
 def _text(content) -> str:
@@ -20,12 +21,27 @@ def _text(content) -> str:
     return "".join(part.get("text") or "" for part in content if part.get("type") == "text")
 
 
-def _prompt_and_answer(row: dict[str, Any]) -> tuple[list[dict[str, Any]], list, str]:
-    """(the turns before the last assistant turn, the row's images, that turn's text). All
-    the images belong to the prompt: in TRL's format the answer holds none."""
+def _prompt_and_answer(row: dict[str, Any]) -> tuple[list[dict[str, Any]] | str, list, str]:
+    """(the prompt: the turns before the last assistant turn, or a prompt/completion
+    row's prompt, plain or conversational; the row's images; the answer's text). All the
+    images belong to the prompt: in TRL's format the answer holds none."""
+    if "messages" not in row:
+        completion = row["completion"]
+        answer = completion if isinstance(completion, str) else \
+            _text(completion[-1]["content"])
+        return row["prompt"], row.get("images") or [], answer
     messages = row["messages"]
     last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
     return messages[:last], row.get("images") or [], _text(messages[last]["content"])
+
+
+def encoded(processor, prompts: list, images: list[list], fit: Callable[[list], list]):
+    """A batch of prompts as training encodes them: conversations through the chat
+    template, plain texts as the plain collator lays them out (one file's rows are all one
+    or the other)."""
+    if isinstance(prompts[0], str):
+        return plain_prompts(processor, prompts, images, fit)
+    return chat_prompts(processor, prompts, images, fit)
 
 
 @torch.no_grad()
@@ -44,8 +60,8 @@ def exact_match(model, processor, dataset: Dataset, max_new_tokens: int, max_sam
     try:
         for start in range(0, len(triples), batch_size):
             batch = triples[start:start + batch_size]
-            enc = chat_prompts(processor, [prompt for prompt, _, _ in batch],
-                               [images for _, images, _ in batch], fit).to(device)
+            enc = encoded(processor, [prompt for prompt, _, _ in batch],
+                          [images for _, images, _ in batch], fit).to(device)
             out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
                                  pad_token_id=tokenizer.pad_token_id)
             texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:],
@@ -54,9 +70,10 @@ def exact_match(model, processor, dataset: Dataset, max_new_tokens: int, max_sam
                 hit = text.strip() == answer.strip()
                 hits += hit
                 if len(examples) < 3:
-                    rendered = processor.apply_chat_template(
-                        with_images(prompt, images),
-                        add_generation_prompt=True, tokenize=False)
+                    rendered = prompt if isinstance(prompt, str) else \
+                        processor.apply_chat_template(with_images(prompt, images),
+                                                      add_generation_prompt=True,
+                                                      tokenize=False)
                     examples.append({"prompt": rendered, "answer": answer,
                                      "generated": text.strip()})
     finally:

@@ -24,6 +24,11 @@ Problem = tuple[tuple, str]
 # through the processor; dpo's mask is built again for prompt + answer
 # (methods/dpo.MllamaPairs).
 CROSS_ATTENTION = {"mllama": "Llama 3.2 Vision (model_type mllama)"}
+# Model types whose attention sees the prompt both ways (token_type_ids 0) and the answer
+# causally (1): only sft's plain prompt/completion collator lays that out
+# (methods/sft_plain_vision.py); TRL 1.16's other vision collators encode answers through
+# a processor that refuses text without pictures, and mark them 0 (seen both ways).
+PREFIX_LM = {"paligemma": "PaliGemma (model_type paligemma)"}
 
 
 def method_refused(model_type: str | None, method_name: str) -> str | None:
@@ -33,11 +38,14 @@ def method_refused(model_type: str | None, method_name: str) -> str | None:
     if why is None:
         return None
     takers = spoken(names_where(lambda m: m.vision and _why(model_type, m.name) is None))
-    return f"{CROSS_ATTENTION[model_type]} trains with {takers} only yet: {why} " \
-           "(docs/vision.md)"
+    name = {**CROSS_ATTENTION, **PREFIX_LM}[model_type]
+    return f"{name} trains with {takers} only yet: {why} (docs/vision.md)"
 
 
 def _why(model_type: str | None, method_name: str) -> str | None:
+    if model_type in PREFIX_LM and method_name != "sft":
+        return (f"TRL 1.16's {method_name} collator does not lay out its prefix (prompt, "
+                "attended both ways) and suffix (answer, causal)")
     if model_type not in CROSS_ATTENTION:
         return None
     if method(method_name).generates:
