@@ -30,7 +30,7 @@ def encoded_prompt(processor, prompt: str, images: list, where: str, fit=list):
     one line naming the row."""
     try:
         return plain_prompts(processor, [prompt], [images or []], fit)
-    except (ValueError, TypeError) as exc:
+    except ValueError as exc:
         token = getattr(processor, "image_token", None)
         hint = f" (`{token}` for this model)" if token and not prefix_lm(processor) else ""
         raise DataError(f"{where}: the processor cannot take this plain prompt with its "
