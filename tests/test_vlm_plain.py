@@ -123,3 +123,51 @@ def test_prompt_completion_rows_with_pictures_train_their_completion(write, tmp_
     with pytest.raises(DataError, match=r"unplaced.jsonl row 1: the processor cannot take this "
                                         r"plain prompt with its 1 picture.*`<image>`"):
         collated_batch(tmp_path / "unplaced", [], config)
+
+
+@pytest.mark.slow  # builds the tiny VLM's trainer
+def test_alpaca_rows_with_pictures_are_conversational_prompt_completion_rows(write, tmp_path):
+    """LLaMA-Factory's alpaca rows with images: `<image>` where a picture goes in the
+    instruction (or input), the files in `images` or `image`. Read as the conversational
+    prompt/completion rows a user would write (each placeholder an image part), they
+    train the output only; a wrong count is one line at validate and at training; grpo
+    reads them as prompts with their pictures."""
+    from test_vlm import collated_batch
+
+    from finetune.config import load_experiment
+    from finetune.data.load import ORIGIN, load_data
+    from finetune.errors import DataError
+
+    model = QUICKSTART / "tiny-vlm"
+    pictures = quickstart_rows(4, None)
+    alpaca = [{"instruction": "<image>" + r["prompt"][0]["content"][1]["text"], "input": "",
+               "output": r["completion"][0]["content"][0]["text"], "image": r["images"][0]}
+              for r in pictures]
+    read = load_data(load_experiment(experiment(write, "alpaca", model, alpaca)))
+    written = load_data(load_experiment(experiment(write, "written", model, pictures)))
+    assert read.format == written.format == "prompt_completion"
+    rows = lambda ds: list(ds.remove_columns(ORIGIN))
+    assert rows(read.train) == rows(written.train)
+    assert any("alpaca rows read as prompt/completion messages" in n and "in 4 row(s) with "
+               "images each <image> placeholder as an image part" in n for n in read.notes)
+    batch, processor, _ = collated_batch(tmp_path / "alpaca", [], tmp_path / "alpaca.yaml")
+    trained = [processor.tokenizer.decode(ids[labels != -100]).strip()
+               for ids, labels in zip(batch["input_ids"], batch["labels"])]
+    assert sorted(trained) == sorted(f"{r['output']}<|eos|>" for r in alpaca)
+    (tmp_path / "rf.py").write_text("def f(completions, **kw):\n    return [0.0] * len(completions)\n")
+    grpo = write("grpo.yaml", f"method: grpo\nmodel: {{name_or_path: {model}, init: random}}\n"
+                              f"data: {{train: {tmp_path / 'alpaca.jsonl'}}}\n"
+                              "rewards: {functions: [rf.py:f]}\n")
+    prompts = load_data(load_experiment(grpo))
+    assert prompts.format == "prompt"
+    assert rows(prompts.train)[0]["prompt"] == pictures[0]["prompt"]
+    assert rows(prompts.train)[0]["images"] == pictures[0]["images"]
+    twice = [{**alpaca[0], "input": "and <image>"}]
+    config = experiment(write, "twice", model, twice)
+    result = run_cli("validate", config, cwd=tmp_path)
+    said = "twice.jsonl line 1: 2 <image> placeholder(s) in the turns for 1 image file(s) " \
+           "in `image`: give one file per placeholder"
+    assert result.returncode == 2 and said in result.stderr, result.stderr
+    with pytest.raises(DataError, match=said.replace("line", "row").replace("(", r"\(")
+                       .replace(")", r"\)")):
+        load_data(load_experiment(config))

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 from finetune.config.formats import SHAREGPT_ROLES, SOURCES, accepted
 from finetune.config.methods import method as method_record
 from finetune.data import llava_rows, peer_rows
+from finetune.data.images import IMAGES
 from finetune.data.rows import FORMATS, Failure, _shared_turns, check_row, parsed_tools
 from finetune.errors import DataError
 
@@ -39,7 +40,7 @@ def _alpaca_problem(row: dict[str, Any], roles: dict[str, str]) -> str | None:
         problem = _text(row, field, optional)
         if problem:
             return problem
-    return None
+    return llava_rows.placeholders_problem(row, [_alpaca_user(row), row.get("system") or ""])
 
 
 def _sharegpt_problem(row: dict[str, Any], roles: dict[str, str]) -> str | None:
@@ -60,6 +61,8 @@ def _sharegpt_problem(row: dict[str, Any], roles: dict[str, str]) -> str | None:
         _text(row, "system", optional=True) or llava_rows.image_turns_problem(row, roles)
 
 
+# Source formats whose files may carry pictures (`image` or `images`, `<image>` in the text).
+IMAGE_SOURCES = ("alpaca", "sharegpt")
 PROBLEMS = {"alpaca": _alpaca_problem, "sharegpt": _sharegpt_problem,
             "labelled_messages": peer_rows.labelled_messages_problem}
 
@@ -77,21 +80,30 @@ def fit_problem(row: dict[str, Any], fmt: str, roles: dict[str, str],
     return check_row(row, fmt, labels)
 
 
-def _alpaca_prompt(row: dict[str, Any]) -> list[dict[str, str]]:
+def _alpaca_user(row: dict[str, Any]) -> str:
     user = row["instruction"]
     if row.get("input") and row["input"].strip():
         user = f"{user}\n\n{row['input']}"  # as the Alpaca template joins them
+    return user
+
+
+def _alpaca_prompt(row: dict[str, Any]) -> list[dict[str, str]]:
     system = [{"role": "system", "content": row["system"]}] if row.get("system") else []
-    return system + [{"role": "user", "content": user}]
+    return system + [{"role": "user", "content": _alpaca_user(row)}]
 
 
 def _converted_row(row: dict[str, Any], fmt: str, target: str, roles: dict[str, str],
                    tool_fields: bool = False, vision: bool = False) -> dict[str, Any]:
     if fmt == "alpaca":
         prompt = _alpaca_prompt(row)
+        answer = [{"role": "assistant", "content": row["output"]}]
+        pictures = {}
+        if vision:  # a file with images: TRL's vision rows, every content as parts
+            prompt, answer = llava_rows.as_parts(prompt), llava_rows.as_parts(answer)
+            pictures = {IMAGES: llava_rows.given_images(row)[0]}
         if target == "prompt":
-            return {"prompt": prompt}
-        return {"prompt": prompt, "completion": [{"role": "assistant", "content": row["output"]}]}
+            return {"prompt": prompt, **pictures}
+        return {"prompt": prompt, "completion": answer, **pictures}
     if fmt == "labelled_messages":
         return peer_rows.labelled_messages_row(row)
     if vision:  # a file with images (`image` or `images`): TRL's vision rows
@@ -102,7 +114,7 @@ def _converted_row(row: dict[str, Any], fmt: str, target: str, roles: dict[str, 
 def _used_columns(fmt: str, target: str, columns: Iterable[str]) -> list[str]:
     """The columns a conversion replaces; a prompt format keeps every other column
     (grpo/ppo's reward functions read them)."""
-    extra = llava_rows.IMAGE_COLUMNS if fmt == "sharegpt" else ()
+    extra = llava_rows.IMAGE_COLUMNS if llava_rows.with_images(columns) else ()
     used = [c for c in (SOURCES[fmt][0] + ("input", "system") + extra) if c in columns]
     return [c for c in used if c != "output"] if target == "prompt" else used
 
@@ -112,7 +124,7 @@ def convert_row(row: dict[str, Any], fmt: str, target: str,
     """One checked row of source format fmt as `converted` makes it: other columns kept."""
     used = _used_columns(fmt, target, row)
     kept = {k: v for k, v in row.items() if k not in used}
-    vision = fmt == "sharegpt" and llava_rows.with_images(row)
+    vision = fmt in IMAGE_SOURCES and llava_rows.with_images(row)
     return {**kept, **_converted_row(row, fmt, target, roles, vision=vision)}
 
 
@@ -120,7 +132,7 @@ def converted(label: str, ds: Dataset, fmt: str, target: str, roles: dict[str, s
               failure: Failure) -> tuple[Dataset, str]:
     """Rows of source format fmt as rows of format target, and a note saying so."""
     check, calls, pictured = PROBLEMS[fmt], 0, 0
-    vision = fmt == "sharegpt" and llava_rows.with_images(ds.column_names)
+    vision = fmt in IMAGE_SOURCES and llava_rows.with_images(ds.column_names)
     for number, row in enumerate(ds, 1):
         problem = check(row, roles)
         if problem:
@@ -132,7 +144,9 @@ def converted(label: str, ds: Dataset, fmt: str, target: str, roles: dict[str, s
     if calls or vision:  # every row's messages typed alike
         from datasets import Features
 
-        features = Features({**kept, **llava_rows.image_messages_features(ds.features)}
+        turns = ("messages",) if fmt == "sharegpt" else \
+            ("prompt",) if target == "prompt" else ("prompt", "completion")
+        features = Features({**kept, **llava_rows.image_messages_features(ds.features, turns)}
                             if vision else {**kept, "messages": peer_rows.messages_feature()})
     out = ds.map(lambda row: _converted_row(row, fmt, target, roles, bool(calls), vision),
                  remove_columns=used, features=features, desc=f"converting {fmt} rows")

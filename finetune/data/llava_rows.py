@@ -1,10 +1,11 @@
-"""LLaVA's rows (and LLaMA-Factory's image rows): sharegpt turns whose text marks each
-image's place with `<image>`, and the files in `images`, or one in `image`, read as TRL's
-vision rows (data/images.py): each placeholder an image part where it stands. The
+"""LLaVA's rows (and LLaMA-Factory's image rows): sharegpt turns (or alpaca's instruction
+and input) whose text marks each image's place with `<image>`, and the files in `images`,
+or one in `image`, read as TRL's vision rows (data/images.py): each placeholder an image
+part where it stands. The
 pictures may be stored in the rows instead (datasets' Image: `image` an Image, `images` a
 list of them, as a parquet file or a hub dataset holds them), read as TRL's rows with
 stored pictures are. The row check and one row's conversion; data/formats.py's sharegpt
-conversion calls them for a file with an `image` or `images` column, in validate
+and alpaca conversions call them for a file with an `image` or `images` column, in validate
 (scan.py) as in training (load.py). Plain Python on dicts, without `datasets` at
 import."""
 
@@ -50,14 +51,21 @@ def with_images(row: dict[str, Any]) -> bool:
 def image_turns_problem(row: dict[str, Any], roles: dict[str, str]) -> str | None:
     """Why a checked sharegpt row's images and its `<image>` placeholders disagree, or
     None."""
-    images, problem = given_images(row)
+    problem = given_images(row)[1]
     if problem:
         return problem
     if with_images(row) and has_calls(row, roles):
         return "function_call turns in rows with images are not supported yet"
-    if images is None:
-        return None  # no files: the text as it is written
-    texts = [t["value"] for t in row["conversations"]] + [row.get("system") or ""]
+    return placeholders_problem(row, [t["value"] for t in row["conversations"]]
+                                + [row.get("system") or ""])
+
+
+def placeholders_problem(row: dict[str, Any], texts: list[str]) -> str | None:
+    """Why a row's images (`image` or `images`) and the `<image>` placeholders in its
+    texts disagree, or None (no images: the texts as written)."""
+    images, problem = given_images(row)
+    if problem or images is None:
+        return problem
     placeholders = sum(text.count(PLACEHOLDER) for text in texts)
     if placeholders != len(images):
         given = "`image`" if row.get(IMAGE) is not None else "`images`"
@@ -78,16 +86,22 @@ def placeholder_parts(text: str) -> list[dict[str, str]]:
     return parts or [{"type": "text", "text": ""}]
 
 
+def as_parts(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages with text content as content parts, each placeholder an image part."""
+    return [{**m, "content": placeholder_parts(m["content"])} for m in messages]
+
+
 def image_messages(row: dict[str, Any], roles: dict[str, str]) -> dict[str, Any]:
     """A checked sharegpt row of a file with images in TRL's vision format: every turn's
     content as parts (a file's rows share one schema), its images in `images`."""
-    messages = [{"role": m["role"], "content": placeholder_parts(m["content"])}
-                for m in sharegpt_messages(row, roles)]
+    messages = [{"role": m["role"], "content": m["content"]}
+                for m in as_parts(sharegpt_messages(row, roles))]
     return {"messages": messages, IMAGES: given_images(row)[0]}
 
 
-def image_messages_features(read):
-    """The `messages` and `images` of image_messages, typed as datasets' JSON reader types a
+def image_messages_features(read, turns: tuple[str, ...] = ("messages",)):
+    """The `turns` (message lists) and `images` of image_messages (or of alpaca's rows
+    with images: `prompt`, `completion`), typed as datasets' JSON reader types a
     file of TRL's vision rows: parts of two shapes ({type} and {type, text}) as JSON
     objects, each kept as written; `images` as the file's (`read`: its features) give
     them: paths, or pictures stored in the rows (kept undecoded, as data/images.py's
@@ -96,5 +110,5 @@ def image_messages_features(read):
 
     text = Value("string")
     stored = any(holds_pictures(read[c]) for c in IMAGE_COLUMNS if c in read)
-    return {"messages": List({"role": text, "content": List(Json())}),
+    return {**{turn: List({"role": text, "content": List(Json())}) for turn in turns},
             IMAGES: List(Image(decode=False) if stored else text)}
