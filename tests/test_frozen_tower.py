@@ -5,9 +5,9 @@ steps of the tiny VLM, built as `finetune train` builds it (run/build.py), again
 same steps with autograd in the tower as before: every trainable parameter's gradient
 equal at each step, the tower's layers run without autograd instead of twice with it (the
 forward and the backward's recomputation), its output requiring no grad; where the tower
-trains, it keeps autograd. sft in each layout; dpo, grpo
+trains, it keeps autograd. sft in each layout; dpo, kto, grpo
 and rloo, whose trainers turn checkpointing (and the hooks) off and on again within a step
-(rloo's layout is also the one test of rloo with LoRA on a VLM)."""
+(rloo's and kto's layouts are also the one tests of them with LoRA on a VLM)."""
 
 from __future__ import annotations
 
@@ -27,12 +27,14 @@ LAYOUTS = {  # id: (method, overrides, the tower frozen)
     "sft-full-frozen-tower": ("sft", ["vision.freeze_tower=true"], True),
     "sft-lora-on-the-tower": ("sft", [*LORA, "vision.freeze_tower=false"], False),
     "dpo-lora": ("dpo", LORA, True),
+    "kto-lora": ("kto", LORA, True),
     "grpo-lora": ("grpo", LORA, True),
     "rloo-lora": ("rloo", LORA, True),
 }
 SETTINGS = {  # each method's data and batch
     "sft": ("vlm_train.jsonl", "per_device_train_batch_size: 2\n  max_length: 64"),
     "dpo": ("vlm_pref_train.jsonl", "per_device_train_batch_size: 2\n  max_length: 64"),
+    "kto": ("vlm_pref_train.jsonl", "per_device_train_batch_size: 2\n  max_length: 64"),
     "grpo": ("vlm_pref_train.jsonl", "per_device_train_batch_size: 4\n  num_generations: 4\n"
              "  max_completion_length: 4"),
     "rloo": ("vlm_pref_train.jsonl", "per_device_train_batch_size: 4\n  num_generations: 4\n"
