@@ -7,7 +7,8 @@ equal at each step, the tower's layers run without autograd instead of twice wit
 forward and the backward's recomputation), its output requiring no grad; where the tower
 trains, it keeps autograd. sft in each layout; dpo, kto, grpo
 and rloo, whose trainers turn checkpointing (and the hooks) off and on again within a step
-(rloo's and kto's layouts are also the one tests of them with LoRA on a VLM)."""
+(rloo's and kto's layouts are also the one tests of them with LoRA on a VLM, grpo-qlora
+the one of grpo with QLoRA on one)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ LAYOUTS = {  # id: (method, overrides, the tower frozen)
     "dpo-lora": ("dpo", LORA, True),
     "kto-lora": ("kto", LORA, True),
     "grpo-lora": ("grpo", LORA, True),
+    "grpo-qlora": ("grpo", ["peft.type=qlora", "peft.r=4"], True),
     "rloo-lora": ("rloo", LORA, True),
 }
 SETTINGS = {  # each method's data and batch
