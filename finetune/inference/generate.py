@@ -24,8 +24,8 @@ from finetune.model.saved import (device, dtype_of, load_model, load_tokenizer, 
                                      require_lm)
 from finetune.inference.prompts import Prompt
 from finetune.model.tokenizer import render_chat
-from finetune.methods.sft_plain_vision import encoded_prompt
-from finetune.model.vision import chat_prompts, is_processor, plain_prompts, text_tokenizer
+from finetune.model.vision import (chat_prompts, encoded_prompt, is_processor, plain_prompts,
+                                   text_tokenizer)
 
 
 def token_ids(prompt: Prompt, tokenizer, raw: bool) -> list[int]:

@@ -15,28 +15,12 @@ completion's token_type_ids 1 (its causal suffix)."""
 from __future__ import annotations
 
 from finetune.data.images import IMAGES
-from finetune.errors import DataError, one_line
 from finetune.model.vision import plain_prompts, prefix_lm
 
 
 def completion_ids(tokenizer, completion: str) -> list[int]:
     ids = tokenizer(completion, add_special_tokens=False)["input_ids"]
     return ids if ids and ids[-1] == tokenizer.eos_token_id else ids + [tokenizer.eos_token_id]
-
-
-def encoded_prompt(processor, prompt: str, images: list, where: str, fit=list):
-    """One row's prompt as the collator encodes it; the processor's refusal (a count of
-    placeholders that does not match the pictures, a processor that needs pictures) as
-    one line naming the row."""
-    try:
-        return plain_prompts(processor, [prompt], [images or []], fit)
-    except ValueError as exc:
-        token = getattr(processor, "image_token", None)
-        hint = f" (`{token}` for this model)" if token and not prefix_lm(processor) else ""
-        raise DataError(f"{where}: the processor cannot take this plain prompt with its "
-                        f"{len(images or [])} picture(s) ({one_line(str(exc))}); a plain "
-                        f"prompt holds one image placeholder per picture{hint}, where the "
-                        "picture goes") from None
 
 
 class PlainPictures:

@@ -103,8 +103,8 @@ def kept_completions(rows: Dataset, split: str, processor, max_length: int | Non
 
 def _measure_plain(processor, row: dict, where: str, completion_only: bool, fit) -> Measured:
     """A plain row's tokens as sft_plain_vision.PlainPictures lays them out."""
-    from finetune.methods.sft_plain_vision import completion_ids, encoded_prompt
-    from finetune.model.vision import image_token_ids
+    from finetune.methods.sft_plain_vision import completion_ids
+    from finetune.model.vision import encoded_prompt, image_token_ids
 
     ids = encoded_prompt(processor, row["prompt"], row[IMAGES], where, fit)[
         "input_ids"][0].tolist()

@@ -17,6 +17,7 @@ from transformers.models.auto.modeling_auto import (MODEL_FOR_IMAGE_TEXT_TO_TEXT
 
 from finetune.config import vision
 from finetune.config.schema import Experiment
+from finetune.errors import DataError, one_line
 
 MODEL_CLASS = AutoModelForImageTextToText
 
@@ -180,6 +181,21 @@ def plain_prompts(processor, texts: list[str], images: list[list],
                         padding_side="left", add_special_tokens=False, return_tensors="pt")
     encoded.pop("labels", None)  # PaliGemma's guess at labels: the collator makes them
     return encoded
+
+
+def encoded_prompt(processor, prompt: str, images: list, where: str, fit=list):
+    """One plain prompt as plain_prompts encodes it (a row while the data are prepared, a
+    prompt to generate from); the processor's refusal (a count of placeholders that does
+    not match the pictures, a processor that needs pictures) as one line naming `where`."""
+    try:
+        return plain_prompts(processor, [prompt], [images or []], fit)
+    except ValueError as exc:
+        token = getattr(processor, "image_token", None)
+        hint = f" (`{token}` for this model)" if token and not prefix_lm(processor) else ""
+        raise DataError(f"{where}: the processor cannot take this plain prompt with its "
+                        f"{len(images or [])} picture(s) ({one_line(str(exc))}); a plain "
+                        f"prompt holds one image placeholder per picture{hint}, where the "
+                        "picture goes") from None
 
 
 def as_parts(messages: list[dict], pictures: int) -> list[dict]:
