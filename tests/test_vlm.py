@@ -246,12 +246,35 @@ def test_the_tiny_vlm_learns_from_images_and_trains_only_the_answers(tmp_path):
                     "--image", first["images"][0], "--max-new-tokens", "8", cwd=tmp_path)
     assert flags.returncode == 0, flags.stderr[-3000:]
     assert json.loads(flags.stdout)["completion"] == answers[0]["completion"]
-    (tmp_path / "rewards.py").write_text("def zero(completions, **kwargs):\n"
-                                         "    return [0.0 for _ in completions]\n")
-    best = run_cli("generate", str(run), "--file", "prompts.jsonl", "--best-of", "2",
-                   "--reward", "rewards.py:zero", cwd=tmp_path)
-    assert best.returncode != 0 and "Traceback" not in best.stderr
-    assert "`finetune generate --best-of` does not take images yet" in best.stderr
+    # --best-of: each prompt sampled with its pictures, scored by a function; the rows
+    # carry the pictures and validate as dpo rows for the VLM
+    (tmp_path / "rewards.py").write_text("def length(completions, **kwargs):\n"
+                                         "    return [float(len(str(c))) for c in completions]\n")
+    (tmp_path / "best.jsonl").write_text("\n".join(rows[:4]) + "\n")
+    best = run_cli("generate", str(run), "--file", "best.jsonl", "--best-of", "4",
+                   "--reward", "rewards.py:length", "--max-new-tokens", "4", "--temperature", "4",
+                   "--out", "pairs.jsonl", cwd=tmp_path)
+    assert best.returncode == 0, best.stderr[-3000:]
+    pairs = [json.loads(line) for line in (tmp_path / "pairs.jsonl").read_text().splitlines()]
+    assert pairs and all(p["chosen_score"] > p["rejected_score"] for p in pairs)
+    pictured = iter([(json.loads(r)["messages"][:1], a["images"]) for r, a in zip(rows, answers)])
+    for pair in pairs:  # one row a prompt (best-worst), in the prompts' order
+        assert (pair["prompt"], pair["images"]) in pictured
+    dpo = tmp_path / "dpo.yaml"
+    dpo.write_text(f"method: dpo\nmodel: {{name_or_path: {QUICKSTART / 'tiny-vlm'}, "
+                   "init: random}\ndata: {train: pairs.jsonl}\n")
+    checked = run_cli("validate", str(dpo), cwd=tmp_path)
+    assert checked.returncode == 0, checked.stderr
+    judge = tmp_path / "judge"  # a text reward model: the tiny Llama with a scalar head
+    shutil.copytree(QUICKSTART / "tiny-llama", judge)
+    config = json.loads((judge / "config.json").read_text())
+    (judge / "config.json").write_text(json.dumps(
+        {**config, "architectures": ["LlamaForSequenceClassification"],
+         "id2label": {"0": "LABEL_0"}, "label2id": {"LABEL_0": 0}}))
+    judged = run_cli("generate", str(run), "--file", "best.jsonl", "--best-of", "2",
+                     "--reward", str(judge), cwd=tmp_path)
+    assert judged.returncode != 0 and "reads text, and the samples answer pictures it " \
+        "cannot see" in judged.stderr, judged.stderr[-2000:]
     if shutil.which("tmux"):  # as test_inference's chat in a terminal
         chat_with_images(run, tmp_path, [json.loads(r) for r in rows[:2]], answers[:2])
     # Resumed from step 20 (the Trainer's own resume would load none of those weights:

@@ -16,6 +16,10 @@ Scores are the weighted sum of the sources, as grpo and ppo compute them: the re
 model reads prompt + completion (a conversation through its tokenizer's chat template),
 a function is called as f(prompts=, completions=, completion_ids=, trainer_state=None,
 **columns) and returns one number per completion.
+
+A vision-language model samples each prompt with its pictures (as `finetune generate`),
+scored by reward functions only; its rows carry the prompt's `images`, as dpo on a
+vision-language model reads them.
 """
 
 from __future__ import annotations
@@ -26,10 +30,12 @@ from typing import TextIO
 
 import torch
 
-from finetune.errors import RunError, first_line
-from finetune.inference.generate import batches, new_tokens, token_ids
-from finetune.model.saved import (device, dtype_of, load_model, load_tokenizer, locate,
-                                     require_lm, require_text_model)
+from finetune.data.image_size import fitter
+from finetune.errors import DataError, RunError, first_line
+from finetune.inference.generate import (batches, encoded_with_images, new_tokens, plain,
+                                         token_ids, vision_ids)
+from finetune.model.saved import device, dtype_of, load_model, load_tokenizer, locate, require_lm
+from finetune.model.vision import is_processor, text_tokenizer
 from finetune.inference.prompts import Prompt
 from finetune.inference.reward_sources import RewardSources
 from finetune.trainers.ppo_rollout import Rewards
@@ -63,21 +69,27 @@ def written_prompt(prompt: Prompt, tokenizer, raw: bool) -> str | list[dict]:
     return [{"role": "user", "content": prompt.text}]
 
 
+def padded(tokenizer, batch: list[list[int]]) -> dict[str, torch.Tensor]:
+    """Token-id prompts as one left-padded batch."""
+    width, pad = max(len(ids) for ids in batch), tokenizer.pad_token_id
+    return {"input_ids": torch.tensor([[pad] * (width - len(ids)) + ids for ids in batch]),
+            "attention_mask": torch.tensor([[0] * (width - len(ids)) + [1] * len(ids)
+                                            for ids in batch])}
+
+
 @torch.no_grad()
-def sample(model, tokenizer, batch: list[list[int]], n: int, max_new_tokens: int,
-           temperature: float, top_p: float, top_k: int | None
-           ) -> tuple[list[str], list[list[int]]]:
-    """n sampled completions per prompt (prompt i's are rows i*n .. i*n+n-1): texts and
-    token ids up to and including the end-of-sequence token."""
-    width = max(len(ids) for ids in batch)
-    pad = tokenizer.pad_token_id
-    input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in batch])
-    mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in batch])
+def sample(model, tokenizer, inputs, n: int, max_new_tokens: int, temperature: float,
+           top_p: float, top_k: int | None) -> tuple[list[str], list[list[int]]]:
+    """n sampled completions per prompt of a left-padded batch (padded, or a processor's
+    batch with its pictures; prompt i's are rows i*n .. i*n+n-1): texts and token ids up
+    to and including the end-of-sequence token."""
+    tokenizer = text_tokenizer(tokenizer)
+    width = inputs["input_ids"].shape[1]
     extra = {"top_k": top_k} if top_k is not None else {}
-    out = model.generate(input_ids=input_ids.to(model.device),
-                         attention_mask=mask.to(model.device), max_new_tokens=max_new_tokens,
-                         pad_token_id=pad, use_cache=True, do_sample=True,
-                         temperature=temperature, top_p=top_p, num_return_sequences=n, **extra)
+    out = model.generate(**{k: v.to(model.device) for k, v in inputs.items()},
+                         max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
+                         use_cache=True, do_sample=True, temperature=temperature, top_p=top_p,
+                         num_return_sequences=n, **extra)
     ids = []
     for row in out[:, width:].tolist():
         end = row.index(tokenizer.eos_token_id) + 1 if tokenizer.eos_token_id in row else len(row)
@@ -99,9 +111,28 @@ def preference_rows(prompt: Prompt, shown, texts: list[str], scores: list[float]
     extra = {k: v for k, v in prompt.columns.items() if k not in OWN_COLUMNS}
     if prompt.reference is not None and "reference" not in extra:
         extra["reference"] = prompt.reference
+    if prompt.images:  # the pictures the samples answered (absolute paths)
+        extra["images"] = prompt.images
     return [{"prompt": shown, "chosen": as_turn(texts[best]), "rejected": as_turn(texts[i]),
              "chosen_score": scores[best], "rejected_score": scores[i], "scores": scores,
              **extra} for i in losers]
+
+
+def _require_conversations(prompts: list[Prompt], processor, sources: RewardSources,
+                           raw: bool) -> None:
+    """A vision-language model's samples are scored by reward functions and written as
+    conversations: a reward model reads text (it would score answers about pictures it
+    cannot see), and preference rows with pictures are conversations (data/rows.py)."""
+    if sources.model is not None:
+        raise RunError(f"{sources.where}: the reward model {sources.model} reads text, and the "
+                       "samples answer pictures it cannot see: score a vision-language "
+                       "model's samples with reward functions")
+    for prompt in prompts:
+        if plain(prompt, processor, raw):
+            raise DataError(f"{prompt.where}: --best-of writes a vision-language model's "
+                            "rows as conversations (dpo takes pictures with those only): "
+                            + ("leave --raw out" if raw else "the run's processor has no "
+                               "chat template"))
 
 
 def best_of_n(run_dir: str, prompts: list[Prompt], out: TextIO, sources: RewardSources, *,
@@ -111,10 +142,14 @@ def best_of_n(run_dir: str, prompts: list[Prompt], out: TextIO, sources: RewardS
     """Writes the preference rows; returns (rows written, prompts skipped as ties)."""
     run = locate(run_dir, model_choice)
     require_lm(run, "generate --best-of")
-    require_text_model(run, "generate --best-of")
-    tokenizer = load_tokenizer(run)
-    encoded = [token_ids(p, tokenizer, raw) for p in prompts]  # every row checked first
-    shown = [written_prompt(p, tokenizer, raw) for p in prompts]
+    tokenizer = load_tokenizer(run)  # a vision-language model's processor
+    fit, pictures = fitter(run.experiment), is_processor(tokenizer)
+    if pictures:
+        _require_conversations(prompts, tokenizer, sources, raw)
+        encoded = [vision_ids(p, tokenizer, raw, fit) for p in prompts]  # each checked first
+    else:
+        encoded = [token_ids(p, tokenizer, raw) for p in prompts]
+    shown = [written_prompt(p, text_tokenizer(tokenizer), raw) for p in prompts]
     on = device()
     model = load_model(run, tokenizer, dtype_of(dtype, on), on)
     rewards = scorer(sources, run.experiment, dtype_of(dtype, on), on)
@@ -123,8 +158,10 @@ def best_of_n(run_dir: str, prompts: list[Prompt], out: TextIO, sources: RewardS
     torch.manual_seed(seed)
     written = ties = 0
     for chunk in batches(list(zip(prompts, shown, encoded, budgets)), batch_size):
-        texts, ids = sample(model, tokenizer, [c[2] for c in chunk], n,
-                            min(c[3] for c in chunk), temperature, top_p, top_k)
+        inputs = encoded_with_images(tokenizer, [c[0] for c in chunk], raw, fit) if pictures \
+            else padded(tokenizer, [c[2] for c in chunk])
+        texts, ids = sample(model, tokenizer, inputs, n, min(c[3] for c in chunk), temperature,
+                            top_p, top_k)
         repeated = [c for c in chunk for _ in range(n)]
         keys = sorted({k for c in chunk for k in c[0].columns})
         columns = {k: [c[0].columns.get(k) for c in repeated] for k in keys}

@@ -219,9 +219,3 @@ def require_lm(run: RunModel, command: str) -> None:
                        "docs/after-training.md)")
 
 
-def require_text_model(run: RunModel, command: str) -> None:
-    """Commands that do not take images yet refuse a vision-language run in one line."""
-    if run.vision:
-        raise RunError(f"{run.directory} is a vision-language model: `finetune {command}` does "
-                       "not take images yet (`finetune generate`, `finetune chat` and "
-                       "`finetune eval` do)")
