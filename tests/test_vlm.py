@@ -550,3 +550,12 @@ def test_llava_rows_with_a_wrong_count_or_a_missing_file_are_one_line(write, tmp
     with pytest.raises(DataError, match=r"line 1: the row has images, and model.name_or_path "
                                         r".* is not a vision-language model .model_type llama"):
         check_data(load_experiment(text_model))
+
+
+@pytest.mark.parametrize("name", ["qwen2.5-vl-3b-sft-lora", "qwen2.5-vl-3b-dpo-lora"])
+def test_the_vision_language_example_configs_validate(name, online, tmp_path):
+    """A real vision-language model and hub data with pictures (validated against the
+    stand-in hub: the model's config is not read, the rows are not fetched)."""
+    result = run_cli("validate", str(REPO / "configs" / "examples" / f"{name}.yaml"),
+                     cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
