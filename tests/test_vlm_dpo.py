@@ -172,7 +172,6 @@ def test_pictures_need_a_vision_language_model_and_a_method_that_takes_them(writ
 @pytest.mark.parametrize("setting, key", [
     ("training:\n  truncation_mode: keep_end\n", "training.truncation_mode"),
     ("training:\n  precompute_ref_log_probs: true\n", "training.precompute_ref_log_probs"),
-    ("data:\n  weight_column: w\n", "data.weight_column"),
     ("training:\n  padding_free: true\n", "training.padding_free"),
     ("training:\n  pad_to_multiple_of: 8\n", "training.pad_to_multiple_of"),  # dpo's, kto's
 ])
@@ -349,10 +348,10 @@ def test_training_refuses_what_validate_refuses_for_a_hub_model():
     from finetune.methods import kto
 
     overrides = ["training.truncation_mode=keep_end", "training.precompute_ref_log_probs=true",
-                 "data.weight_column=w"]
+                 "data.weight_column=w"]  # weighted pairs train (trainers/weighted.py)
     experiment = load_experiment(QUICKSTART / "dpo.yaml", overrides)  # a text model: valid
     assert [p.split(":")[0] for p in vision_problems(experiment)] == [
-        "training.truncation_mode", "training.precompute_ref_log_probs", "data.weight_column"]
+        "training.truncation_mode", "training.precompute_ref_log_probs"]
     experiment = load_experiment(QUICKSTART / "dpo.yaml", [
         "method=kto", "training.precompute_ref_log_probs=true", "training.pad_to_multiple_of=8"])
     assert [p.split(":")[0] for p in kto.vision_problems(experiment)] == [
@@ -415,3 +414,56 @@ def test_prompts_the_context_cannot_hold_with_their_pictures_are_dropped_and_cou
         "data.train: no prompt fits the model's context of 64 tokens (max_position_embeddings) "
         "with its image tokens and training.max_completion_length 31 (`finetune data` shows "
         "every row's length with its image tokens): lower training.max_completion_length")
+
+
+def _dpo_trainer(config, run_dir):
+    """The dpo trainer `finetune train` builds for the experiment (run/build.py)."""
+    from finetune.methods import Job
+    from finetune.model.hardware import resolve_hardware
+    from finetune.run.build import method_trainer, starting_model, tokenizer_and_data
+
+    experiment = load_experiment(config)
+    run_dir.mkdir(parents=True)
+    hw = resolve_hardware(experiment)
+    processor, data = tokenizer_and_data(experiment, run_dir)
+    args, model = starting_model(experiment, hw, processor, run_dir, 0, run_dir, False)
+    return method_trainer(Job(experiment=experiment, run_dir=run_dir, hardware=hw,
+                              tokenizer=processor, model=model, data=data, args=args))
+
+
+@pytest.mark.slow  # builds four trainers of the tiny VLM
+def test_weighted_pairs_with_pictures_weigh_trls_own_pair_losses(write, tmp_path):
+    """data.weight_column on pairs with pictures: the loss is the weighted mean of the
+    pair losses TRL's own vision DPOTrainer computes. Weights (2, 2) give its loss over
+    both pairs, (1, 0) its loss of the first pair alone, gradients alike."""
+    import torch
+
+    rows = [json.loads(line) for line in
+            (QUICKSTART / "data" / "vlm_pref_train.jsonl").read_text().splitlines()[:2]]
+    for row in rows:
+        row["images"] = [str(QUICKSTART / "data" / p) for p in row["images"]]
+
+    def loss_and_grads(name, pairs, weights=None):
+        given = [{**r, "w": w} for r, w in zip(pairs, weights)] if weights else pairs
+        data = write(f"{name}.jsonl", "".join(json.dumps(r) + "\n" for r in given))
+        column = ", weight_column: w" if weights else ""
+        config = write(f"{name}.yaml", f"method: dpo\nmodel: {{name_or_path: {TINY_VLM}, "
+                                       f"init: random}}\ndata: {{train: {data}{column}}}\n"
+                                       "training: {seed: 3, max_length: 64, "
+                                       "activation_checkpointing: false}\n")
+        trainer = _dpo_trainer(config, tmp_path / name)
+        assert (type(trainer).__name__ == "WeightedVisionDPOTrainer") == bool(weights)
+        batch = trainer.data_collator([trainer.train_dataset[i] for i in range(len(pairs))])
+        trainer.model.train()
+        loss = trainer.compute_loss(trainer.model, batch)
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in trainer.model.named_parameters()
+                               if p.grad is not None}
+
+    for weights, alone in (([2.0, 2.0], rows), ([1.0, 0.0], rows[:1])):
+        weighted, weighted_grads = loss_and_grads(f"w{weights[1]:g}", rows, weights)
+        trl, trl_grads = loss_and_grads(f"trl{len(alone)}", alone)
+        assert torch.allclose(weighted, trl, atol=1e-6), (weights, weighted, trl)
+        assert weighted_grads.keys() == trl_grads.keys() and weighted_grads
+        for name, grad in weighted_grads.items():
+            assert torch.allclose(grad, trl_grads[name], atol=1e-6), (weights, name)

@@ -22,6 +22,7 @@ from finetune.config.derived.effective import value as effective_value
 from finetune.config.schema import Experiment
 from finetune.data.images import IMAGES
 from finetune.data.load import Splits
+from finetune.data.rows import WEIGHT
 from finetune.methods import Job, vision_lengths
 from finetune.methods.pairs import (frozen_reference, pictures_fitted, prompt_length,
                                     require_a_row_that_fits, vision_rows)
@@ -61,9 +62,6 @@ def vision_problems(experiment: Experiment) -> list[str]:
         if training.get(key):
             problems.append(f"training.{key}: not supported for a vision-language model "
                             "(TRL's vision collator pads, one pair per row)")
-    if experiment.data.weight_column is not None:
-        problems.append("data.weight_column: weighted pairs are not supported for a "
-                        "vision-language model yet")
     return problems
 
 
@@ -71,15 +69,20 @@ def _vision_rows(splits: Splits, processor, experiment: Experiment) -> Splits:
     """Each pair with its prompt (TRL's extract_prompt where none is given), less the
     pairs whose prompt max_length would cut inside its image tokens (pairs.vision_rows)."""
     with_prompt = lambda ds: ds if "prompt" in ds.column_names else ds.map(extract_prompt)
+    columns = (*VISION_COLUMNS, WEIGHT) if experiment.data.weight_column is not None \
+        else VISION_COLUMNS  # a weight per pair (trainers/weighted.py)
     return vision_rows(splits, processor, experiment, vision_problems(experiment),
-                       vision_lengths.kept_pairs, VISION_COLUMNS, with_prompt)
+                       vision_lengths.kept_pairs, columns, with_prompt)
 
 
 def build_trainer(job: Job) -> DPOTrainer:
     trainer_class, vision = DPOTrainer, is_processor(job.tokenizer)
-    if vision:  # a vision-language model
+    weighted = job.experiment.data.weight_column is not None  # a weight per preference pair
+    if vision and weighted:  # a vision-language model
+        from finetune.trainers.weighted import WeightedVisionDPOTrainer as trainer_class
+    elif vision:
         from finetune.trainers.vision import VisionDPOTrainer as trainer_class
-    elif job.experiment.data.weight_column is not None:  # a weight per preference pair
+    elif weighted:
         from finetune.trainers.weighted import WeightedDPOTrainer as trainer_class
     trainer = trainer_class(model=job.model, ref_model=frozen_reference(job), args=job.args,
                             train_dataset=job.data.train, eval_dataset=job.data.eval,
@@ -88,6 +91,7 @@ def build_trainer(job: Job) -> DPOTrainer:
         pictures_fitted(trainer, job.experiment)
         if getattr(job.model.config, "model_type", None) == "mllama":  # cut after mending
             pairs = trainer.data_collator.collate  # TRL's collator, inside ImagesSized
+            pairs = getattr(pairs, "collator", pairs)  # and inside WithWeights
             cut, pairs.max_length = pairs.max_length, None
             trainer.data_collator = MllamaPairs(trainer.data_collator, job.tokenizer, cut)
     return trainer

@@ -20,7 +20,7 @@ from trl.trainer.utils import pad
 
 from finetune import compat
 from finetune.errors import ConfigError, RunError
-from finetune.trainers.vision import VisionSFTTrainer
+from finetune.trainers.vision import VisionDPOTrainer, VisionSFTTrainer
 
 
 class WeightedLoss:
@@ -224,6 +224,12 @@ class WeightedDPOTrainer(KeepWeightColumn, WeightedLoss, DPOTrainer):
                               gather((delta > 0).float()).mean().item())
             compat.log_metric(self, mode, "rewards/margins", gather(delta / self.beta).mean().item())
         return losses, inputs["weight"], outputs
+
+
+class WeightedVisionDPOTrainer(WeightedDPOTrainer, VisionDPOTrainer):
+    """Weighted dpo of a vision-language model: TRL's vision preference collator makes the
+    batch (its pixel values reach the policy and the reference with the ids), WithWeights
+    adds each pair's weight."""
 
 
 def pad_batch(features: list[dict[str, Any]], pad_token_id: int) -> dict[str, torch.Tensor]:

@@ -126,9 +126,6 @@ def _collated(exp: Experiment, what: str) -> Iterator[Problem]:
     if training.get("pad_to_multiple_of") is not None and pairs:
         yield ("training", "pad_to_multiple_of"), f"{what}: not supported (TRL's vision " \
                                                   "preference collators do not pad to it)"
-    if exp.data.weight_column is not None and method(exp.method).sequences == 2:
-        yield ("data", "weight_column"), f"{what}: weighted pairs are not supported for " \
-                                         "one yet"
     sizes = exp.vision
     if method(exp.method).generates and sizes is not None:
         for key in ("max_pixels", "min_pixels"):
