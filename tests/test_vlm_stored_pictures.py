@@ -213,18 +213,27 @@ def turn_weighted(write, tmp_path) -> Path:
     return config(write, "weighted", data, data)
 
 
-TURN_WEIGHTS = "error: data.train: `weight` on messages (per-turn loss weights) is not " \
-    "supported for rows with images yet; data.weight_column weighs whole rows"
+# Per-turn weights with images train (tests/test_weighted.py); every turn trained, a turn
+# is no longer a run of trained tokens, so they are refused then.
+TURN_WEIGHTS = "error: data.train: `weight` on messages (per-turn loss weights) for a " \
+    "vision-language model needs training.assistant_only_loss (its turns are found as the " \
+    "runs of trained tokens); leave it unset or true"
+EVERY_TURN = "training.assistant_only_loss=false"
 
 
-def test_per_turn_weights_with_images_are_one_line_at_validate(write, tmp_path):
-    result = run_cli("validate", str(turn_weighted(write, tmp_path)), cwd=tmp_path)
+def test_per_turn_weights_with_images_and_every_turn_trained_are_one_line_at_validate(
+        write, tmp_path):
+    result = run_cli("validate", str(turn_weighted(write, tmp_path)), EVERY_TURN,
+                     cwd=tmp_path)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1] == TURN_WEIGHTS
+    result = run_cli("validate", str(turn_weighted(write, tmp_path)), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
 
 
 @pytest.mark.slow
-def test_per_turn_weights_with_images_are_the_same_line_at_training(write, tmp_path):
-    result = run_cli("train", str(turn_weighted(write, tmp_path)), cwd=tmp_path)
+def test_per_turn_weights_with_images_and_every_turn_trained_are_the_same_line_at_training(
+        write, tmp_path):
+    result = run_cli("train", str(turn_weighted(write, tmp_path)), EVERY_TURN, cwd=tmp_path)
     assert result.returncode != 0
     assert TURN_WEIGHTS in result.stderr.splitlines() and "Traceback" not in result.stderr

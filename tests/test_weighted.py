@@ -47,12 +47,13 @@ def sft_rows() -> list[dict]:
 
 def vlm_rows() -> list[dict]:
     """The quickstart's rows with images (absolute paths), every other one with a second
-    exchange: rows of other lengths."""
+    exchange (rows of other lengths), whose first answer weighs its own (a turn weight)."""
     rows = [json.loads(line) for line in
             (DATA / "vlm_train.jsonl").read_text().splitlines()[:8]]
     for i, row in enumerate(rows):
         row["images"] = [str(DATA / path) for path in row["images"]]
         if i % 2:
+            row["messages"][1]["weight"] = [0.5, 3.0, 0.0, 2.0][i % 4]
             row["messages"] += [{"role": "user", "content": [{"type": "text", "text": "and?"}]},
                                 {"role": "assistant",
                                  "content": [{"type": "text", "text": _words(i, 1 + i % 3)}]}]
@@ -116,17 +117,24 @@ def sft_loss(model, tokenizer, rows) -> torch.Tensor:
 
 def vlm_loss(model, processor, rows) -> torch.Tensor:
     """Each row through the processor alone (its images, the template's {% generation %}
-    markers), the row's weight on every assistant token."""
+    markers), the row's weight times its turn's on every assistant token."""
     numerator = denominator = 0
     for row in rows:
-        messages = prepare_multimodal_messages(row["messages"], images=row["images"])
+        plain = [{"role": m["role"], "content": m["content"]} for m in row["messages"]]
+        messages = prepare_multimodal_messages(plain, images=row["images"])
         encoded = processor.apply_chat_template(messages, tokenize=True, return_dict=True,
                                                 return_tensors="pt",
                                                 return_assistant_tokens_mask=True)
-        ids = encoded["input_ids"][0]
+        ids, mask = encoded["input_ids"][0], encoded["assistant_masks"][0].tolist()
+        turn_weights = [1.0 if m.get("weight") is None else m["weight"]
+                        for m in row["messages"] if m["role"] == "assistant"]
+        per_token, turn = [], -1
+        for t, inside in enumerate(mask):
+            turn += inside and (t == 0 or not mask[t - 1])
+            per_token.append(row["w"] * turn_weights[turn] if inside else 0.0)
         logits = model(input_ids=ids[None], pixel_values=encoded["pixel_values"]).logits[0, :-1]
         losses = F.cross_entropy(logits, ids[1:], reduction="none")
-        weights = row["w"] * encoded["assistant_masks"][0, 1:].float()
+        weights = torch.tensor(per_token[1:])
         numerator = numerator + (losses * weights).sum()
         denominator += weights.sum()
     return numerator / denominator
@@ -206,7 +214,8 @@ def saved_weights(method: str, directory) -> dict[str, torch.Tensor]:
     return AutoModelForImageTextToText.from_pretrained(directory, dtype=torch.float32).state_dict()
 
 
-# sft-vlm: the tiny LLaVA on rows with images, a weight per row (TRL's vision collator)
+# sft-vlm: the tiny LLaVA on rows with images, a weight per row and per turn (TRL's vision
+# collator)
 @pytest.mark.parametrize("method", ["sft", "sft-vlm", "classify", "reward", "dpo"])
 def test_weighted_gradient_matches_hand_computation_in_every_layout(method, write, tmp_path):
     rows = ROWS[method]()

@@ -112,10 +112,11 @@ PREFIX_LM_ROWS = ("data.train: PaliGemma trains on plain `prompt`/`completion` r
                   "`images` (its prefix and suffix, e.g. \"caption en\" and the caption), "
                   "not on conversations: its prefix attention would let every token of a "
                   "conversation see the ones after it")
-# Training's vision path (methods/sft_vision.py) weighs rows, not turns; validate says it too
-# (scan.py), for a local vision-language model's training rows.
-TURN_WEIGHTS_WITH_IMAGES = "data.train: `weight` on messages (per-turn loss weights) is not " \
-    "supported for rows with images yet; data.weight_column weighs whole rows"
+# Training's vision path (methods/sft_vision.py) finds an assistant turn as a run of
+# trained tokens; validate says it too (scan.py), for a local vision-language model.
+TURN_WEIGHTS_WITH_IMAGES = "data.train: `weight` on messages (per-turn loss weights) for a " \
+    "vision-language model needs training.assistant_only_loss (its turns are found as the " \
+    "runs of trained tokens); leave it unset or true"
 
 
 def turn_weighted(row: dict[str, Any]) -> bool:

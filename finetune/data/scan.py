@@ -166,8 +166,8 @@ class FileCheck:
         self.trained: str | None = None
         self.rows = 0
         self.vision_model = False  # rows with images: the model checked once
-        # a local vision-language model trains through TRL's vision path, which weighs
-        # rows, not turns (methods/sft_vision.py refuses turn weights in data.train)
+        # a local vision-language model trains through TRL's vision path, which finds
+        # weighted turns as runs of trained tokens (methods/sft_vision.py)
         self.vision_run = where.startswith("data.train") and \
             vision.is_vision_language(experiment.model.name_or_path)
         self.prefix_lm = self.vision_run and \
@@ -245,7 +245,8 @@ class FileCheck:
             problem = self._preference(where, row, raw)
         if problem:
             raise self._fail(where, problem, raw)
-        if self.vision_run and self.trained == "messages" and turn_weighted(row):
+        if self.vision_run and self.trained == "messages" and turn_weighted(row) and \
+                self.experiment.training.get("assistant_only_loss") is False:
             raise DataError(TURN_WEIGHTS_WITH_IMAGES)
         if self.prefix_lm and (self.trained == "messages" or isinstance(row.get("prompt"), list)):
             raise DataError(PREFIX_LM_ROWS)  # as methods/sft_vision.py at training

@@ -43,6 +43,12 @@ def refuse_images(splits: Splits, experiment: Experiment) -> None:
                         f"{experiment.model.name_or_path} is not a vision-language model")
 
 
+def turn_weights(splits: Splits) -> bool:
+    """Does an assistant message of the training rows carry its own `weight`?"""
+    return "messages" in (splits.train.column_names or ()) and any(
+        m.get("weight") is not None for row in splits.train["messages"] for m in row)
+
+
 def _problems(splits: Splits, processor, experiment: Experiment) -> list[str]:
     training, problems = experiment.training, []
     if splits.format not in FORMATS:
@@ -61,8 +67,8 @@ def _problems(splits: Splits, processor, experiment: Experiment) -> list[str]:
         if training.get(key):
             problems.append(f"training.{key}: not supported for rows with images (TRL "
                             "collates them padded, one row per sequence)")
-    if splits.format == "messages" and any(m.get("weight") is not None for row in
-                                           splits.train["messages"] for m in row):
+    if splits.format == "messages" and training.get("assistant_only_loss") is False and \
+            turn_weights(splits):
         problems.append(TURN_WEIGHTS_WITH_IMAGES)  # validate says it too (data/scan.py)
     if training.get("truncation_mode") == "keep_end":
         problems.append("training.truncation_mode keep_end: would cut the image tokens "
@@ -111,7 +117,7 @@ def build_trainer(job: Job, assistant_only: bool) -> SFTTrainer:
     args.completion_only_loss = completion_only if completions else None
     if "padding_free" not in training:
         args.padding_free = False  # our speed default only; refused above when set
-    weighted = WEIGHT in (job.data.train.column_names or ())
+    weighted = WEIGHT in (job.data.train.column_names or ()) or turn_weights(job.data)
     trainer_class = WeightedVisionSFTTrainer if weighted else VisionSFTTrainer
     trainer = trainer_class(model=job.model, args=args, train_dataset=job.data.train,
                             eval_dataset=job.data.eval, processing_class=job.tokenizer,
@@ -123,7 +129,7 @@ def build_trainer(job: Job, assistant_only: bool) -> SFTTrainer:
                           sizes and sizes.min_pixels)  # vision.max_pixels, min_pixels
     trainer.data_collator = ImageTokensUntrained(ImageTokensKept(collate, args.max_length),
                                                  job.tokenizer)
-    if weighted:  # data.weight_column: each row's loss weighted (trainers/weighted.py)
+    if weighted:  # data.weight_column, turn weights: the loss weighted (trainers/weighted.py)
         trainer.data_collator = RowWeightsOnTokens(trainer.data_collator)
     return trainer
 

@@ -138,17 +138,40 @@ class WeightedVisionSFTTrainer(KeepWeightColumn, WeightedLoss, VisionSFTTrainer)
 
 
 class RowWeightsOnTokens:
-    """Wraps a collator of rows with a `weight`: every token of a row carries its row's
-    weight (trained_token_weights keeps the trained ones)."""
+    """Wraps a vision collator: every token of a row carries its row's `weight` (1 without
+    one) times, inside an assistant turn, the turn's own `weight` (a message's, 1 without
+    one; trained_token_weights keeps the trained tokens). The collator trains the
+    assistant turns only (training.assistant_only_loss), so its k-th run of trained
+    tokens is the row's k-th assistant turn; a row cut by max_length has fewer."""
 
     def __init__(self, collate):
         self.collate = collate
 
     def __call__(self, rows):
         batch = self.collate(rows)
-        weights = torch.tensor([float(row["weight"]) for row in rows])
-        batch["token_weights"] = weights[:, None].expand_as(batch["labels"]).contiguous()
+        weights = torch.tensor([float(row.get("weight", 1.0)) for row in rows])
+        tokens = weights[:, None].expand_as(batch["labels"]).clone()
+        for i, row in enumerate(rows):
+            turns = [1.0 if m.get("weight") is None else float(m["weight"])
+                     for m in row.get("messages") or () if m["role"] == "assistant"]
+            if any(w != 1.0 for w in turns):
+                tokens[i] *= _turn_weights(batch["labels"][i] != -100, turns)
+        batch["token_weights"] = tokens
         return batch
+
+
+def _turn_weights(trained: torch.Tensor, turns: list[float]) -> torch.Tensor:
+    """Each run of trained tokens weighed by its turn's weight (1 elsewhere)."""
+    starts = (trained & ~torch.cat((trained.new_zeros(1), trained[:-1]))).cumsum(0)
+    runs = int(starts.max()) if len(starts) else 0
+    if runs > len(turns):
+        raise RunError(f"a row's trained tokens form {runs} runs for {len(turns)} assistant "
+                       "turns: its per-turn weights cannot be placed (an image inside an "
+                       "assistant turn?)")
+    out = torch.ones(len(trained))
+    for k, weight in enumerate(turns[:runs]):
+        out[trained & (starts == k + 1)] = weight
+    return out
 
 
 class WeightedRewardTrainer(KeepWeightColumn, WeightedLoss, RewardTrainer):
