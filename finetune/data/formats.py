@@ -114,7 +114,8 @@ def _converted_row(row: dict[str, Any], fmt: str, target: str, roles: dict[str, 
 def _used_columns(fmt: str, target: str, columns: Iterable[str]) -> list[str]:
     """The columns a conversion replaces; a prompt format keeps every other column
     (grpo/ppo's reward functions read them)."""
-    extra = llava_rows.IMAGE_COLUMNS if llava_rows.with_images(columns) else ()
+    extra = llava_rows.IMAGE_COLUMNS if fmt in IMAGE_SOURCES and \
+        llava_rows.with_images(columns) else ()  # replaced by `images`
     used = [c for c in (SOURCES[fmt][0] + ("input", "system") + extra) if c in columns]
     return [c for c in used if c != "output"] if target == "prompt" else used
 

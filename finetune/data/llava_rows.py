@@ -1,13 +1,12 @@
 """LLaVA's rows (and LLaMA-Factory's image rows): sharegpt turns (or alpaca's instruction
 and input) whose text marks each image's place with `<image>`, and the files in `images`,
 or one in `image`, read as TRL's vision rows (data/images.py): each placeholder an image
-part where it stands. The
-pictures may be stored in the rows instead (datasets' Image: `image` an Image, `images` a
-list of them, as a parquet file or a hub dataset holds them), read as TRL's rows with
-stored pictures are. The row check and one row's conversion; data/formats.py's sharegpt
-and alpaca conversions call them for a file with an `image` or `images` column, in validate
-(scan.py) as in training (load.py). Plain Python on dicts, without `datasets` at
-import."""
+part where it stands. The pictures may be stored in the rows instead (datasets' Image:
+`image` an Image, `images` a list of them, as a parquet file or a hub dataset holds
+them), read as TRL's rows with stored pictures are. The row check and one row's
+conversion; data/formats.py's sharegpt and alpaca conversions call them for a file with
+an `image` or `images` column, in validate (scan.py) as in training (load.py). Plain
+Python on dicts, without `datasets` at import."""
 
 from __future__ import annotations
 

@@ -11,8 +11,9 @@ the prompt and so every image token. Prompt/completion rows train their completi
 (training.completion_only_loss, TRL's default): conversational ones through TRL's
 collator, plain ones through sft_plain_vision.PlainPictures. Image tokens never train,
 every turn trained or not (ImageTokensUntrained: TRL's collator leaves them in the
-labels then). With data.weight_column, each row's trained tokens weigh its weight, and
-the loss is the weighted mean over the global batch as for text (trainers/weighted.py)."""
+labels then). With data.weight_column, each row's trained tokens weigh its weight (and
+a `weight` on an assistant message its turn's), and the loss is the weighted mean over
+the global batch as for text (trainers/weighted.py RowWeightsOnTokens)."""
 
 from __future__ import annotations
 
