@@ -92,6 +92,7 @@ def plain(prompt: Prompt, processor, raw: bool) -> bool:
 
 
 def encoded_with_images(processor, batch: list[Prompt], raw: bool, fit=list):
+    """A batch of prompts of one kind (plain) as the processor encodes them."""
     if all(plain(p, processor, raw) for p in batch):
         return plain_prompts(processor, [p.text for p in batch], [p.images for p in batch],
                              fit)
@@ -102,9 +103,6 @@ def encoded_with_images(processor, batch: list[Prompt], raw: bool, fit=list):
 def vision_ids(prompt: Prompt, processor, raw: bool, fit=list) -> list[int]:
     """A vision-language model's prompt as its processor encodes it (each image expanded
     to its tokens); the processor's refusal of a plain prompt names the prompt."""
-    if raw and prompt.messages is not None:
-        raise DataError(f"{prompt.where}: --raw takes plain-text prompts; a conversation "
-                        "goes through the chat template")
     if plain(prompt, processor, raw):
         return encoded_prompt(processor, prompt.text, prompt.images, prompt.where, fit)[
             "input_ids"][0].tolist()
@@ -120,7 +118,14 @@ def complete_with_images(model, processor, batch: list[Prompt], max_new_tokens: 
                          temperature: float, top_p: float, top_k: int | None = None,
                          fit=list, raw: bool = False) -> list[str]:
     """Completions of a vision-language model: the prompts and their images through the
-    processor as one left-padded batch, as in training (fit: vision.max_pixels)."""
+    processor as one left-padded batch, as in training (fit: vision.max_pixels); plain
+    prompts and conversations (under --raw, both in one file) in a batch each."""
+    kinds = [plain(p, processor, raw) for p in batch]
+    if len(set(kinds)) > 1:
+        texts = {kind: iter(complete_with_images(
+            model, processor, [p for p, k in zip(batch, kinds) if k == kind], max_new_tokens,
+            temperature, top_p, top_k, fit, raw)) for kind in (True, False)}
+        return [next(texts[kind]) for kind in kinds]
     encoded = encoded_with_images(processor, batch, raw, fit).to(model.device)
     out = model.generate(**encoded, max_new_tokens=max_new_tokens,
                          pad_token_id=processor.tokenizer.pad_token_id, use_cache=True,
