@@ -171,3 +171,35 @@ def test_alpaca_rows_with_pictures_are_conversational_prompt_completion_rows(wri
     with pytest.raises(DataError, match=said.replace("line", "row").replace("(", r"\(")
                        .replace(")", r"\)")):
         load_data(load_experiment(config))
+
+
+@pytest.mark.slow  # reads the rows with datasets (and the processor)
+def test_one_picture_as_image_is_a_one_item_images(write, tmp_path):
+    """VQA files often give their one picture as `image` (TRL's collators take it so):
+    conversations and prompt/completion rows read it as a one-item `images`, at validate
+    and at training; a question/answer file with `data.columns` trains as written rows."""
+    from finetune.config import load_experiment
+    from finetune.data.load import ORIGIN, load_data
+
+    model = QUICKSTART / "tiny-vlm"
+    rows = quickstart_rows(4, "<image>")
+    vqa = [{"question": r["prompt"], "answer": r["completion"], "image": r["images"][0]}
+           for r in rows]
+    data = write("vqa.jsonl", "".join(json.dumps(r) + "\n" for r in vqa))
+    config = write("vqa.yaml", f"method: sft\nmodel: {{name_or_path: {model}, init: random}}\n"
+                               f"data: {{train: {{path: {data}, columns: {{prompt: question, "
+                               "completion: answer}}}\n")
+    written = load_data(load_experiment(experiment(write, "written", model, rows)))
+    read = load_data(load_experiment(config))
+    strip = lambda ds: list(ds.remove_columns(ORIGIN))
+    assert strip(read.train) == strip(written.train)
+    assert any("`image` read as a one-item `images`" in note for note in read.notes)
+    result = run_cli("validate", config, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    chats = [{"messages": r["prompt"] + r["completion"], "image": r["images"][0]}
+             for r in quickstart_rows(4, None)]
+    chats[1]["image"] = "gone.png"
+    config = experiment(write, "chats", model, chats)
+    result = run_cli("validate", config, cwd=tmp_path)
+    said = "chats.jsonl line 2: images[0] 'gone.png': no such file"
+    assert result.returncode == 2 and said in result.stderr, result.stderr

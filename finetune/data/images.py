@@ -213,6 +213,33 @@ def _decoding(features, columns: list[str], decode: bool):
     return features
 
 
+# The formats whose rows may give one picture as `image` (TRL's collators read it as a
+# one-item `images`): read so here. sharegpt and alpaca read it while converting
+# (llava_rows.py); grpo's and rloo's prompts hand it to TRL as it is.
+ONE_PICTURE_FORMATS = ("messages", "prompt_completion", "preference", "unpaired_preference")
+
+
+def one_picture_row(row: dict[str, Any]) -> dict[str, Any]:
+    """A row's `image` (beside no `images`) as a one-item `images`."""
+    if IMAGE not in row or IMAGES in row:
+        return row
+    row = dict(row)
+    image = row.pop(IMAGE)
+    return {**row, IMAGES: None if image is None else [image]}
+
+
+def one_picture(ds: Dataset) -> Dataset:
+    """one_picture_row for a file's rows, `images` typed as its `image` is."""
+    if IMAGE not in ds.column_names or IMAGES in ds.column_names:
+        return ds
+    from datasets import Features, List
+
+    features = Features({**{k: v for k, v in ds.features.items() if k != IMAGE},
+                         IMAGES: List(ds.features[IMAGE])})
+    return ds.map(lambda row: {IMAGES: None if row[IMAGE] is None else [row[IMAGE]]},
+                  remove_columns=[IMAGE], features=features, desc="reading `image`")
+
+
 def undecoded(ds: Dataset) -> Dataset:
     """The rows as read, their stored pictures (`images`, and LLaVA's `image`) as stored
     ({"bytes", "path"}), not decoded: the rows are checked as validate reads them, and a

@@ -230,6 +230,10 @@ def _read_part(label: str, ds: Dataset, fmt: str | None, experiment: Experiment,
     roles = formats.speaker_roles(experiment.data.roles)
     failure = _failure(label, ds, fmt, forced, experiment, roles)
     trained = fmt
+    if fmt in images.ONE_PICTURE_FORMATS and images.IMAGE in ds.column_names and \
+            images.IMAGES not in ds.column_names:
+        ds = images.one_picture(ds)
+        notes.append(f"{label}: `image` read as a one-item `images`")
     ds, note = peer_rows.alpaca_input(label, ds, columns, failure)
     notes.extend([note] if note else [])
     ds, note = peer_rows.text_parts(label, ds, failure)

@@ -218,6 +218,8 @@ class FileCheck:
             self._first(raw)
         self.rows += 1
         raw = row = self._renamed(raw)
+        if self.fmt in images.ONE_PICTURE_FORMATS:
+            row = images.one_picture_row(row)
         row, _, problem = peer_rows.alpaca_input_row(row, self.mapping)
         if problem is None:
             row, _, problem = peer_rows.text_parts_row(row)
