@@ -552,7 +552,8 @@ def test_llava_rows_with_a_wrong_count_or_a_missing_file_are_one_line(write, tmp
         check_data(load_experiment(text_model))
 
 
-@pytest.mark.parametrize("name", ["qwen2.5-vl-3b-sft-lora", "qwen2.5-vl-3b-dpo-lora"])
+@pytest.mark.parametrize("name", ["qwen2.5-vl-3b-sft-lora", "qwen2.5-vl-3b-dpo-lora",
+                                  "paligemma2-3b-vqa-lora"])
 def test_the_vision_language_example_configs_validate(name, online, tmp_path):
     """A real vision-language model and hub data with pictures (validated against the
     stand-in hub: the model's config is not read, the rows are not fetched)."""
