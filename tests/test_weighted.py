@@ -93,6 +93,18 @@ def experiment(method: str, data: str, processes: int, batch: int, accumulation:
             + ("  assistant_only_loss: true\n" if method.startswith("sft") else ""))
 
 
+def token_weights(row: dict, mask: list[int]) -> torch.Tensor:
+    """Each token's weight: the row's times its assistant turn's (the k-th run of the
+    template's {% generation %} mask is the k-th assistant turn), 0 outside the turns."""
+    turns = [1.0 if m.get("weight") is None else m["weight"]
+             for m in row["messages"] if m["role"] == "assistant"]
+    weights, turn = [], -1
+    for t, inside in enumerate(mask):
+        turn += inside and (t == 0 or not mask[t - 1])
+        weights.append(row["w"] * turns[turn] if inside else 0.0)
+    return torch.tensor(weights)
+
+
 def sft_loss(model, tokenizer, rows) -> torch.Tensor:
     """Per-turn weights located through the template's own {% generation %} markers."""
     numerator = denominator = 0
@@ -100,16 +112,10 @@ def sft_loss(model, tokenizer, rows) -> torch.Tensor:
         plain = [{"role": m["role"], "content": m["content"]} for m in row["messages"]]
         encoded = tokenizer.apply_chat_template(plain, tokenize=True, return_dict=True,
                                                 return_assistant_tokens_mask=True)
-        ids, mask = torch.tensor(encoded["input_ids"]), encoded["assistant_masks"]
-        turn_weights = [1.0 if m.get("weight") is None else m["weight"]
-                        for m in row["messages"] if m["role"] == "assistant"]
-        weights, turn = [], -1
-        for t, inside in enumerate(mask):
-            turn += inside and (t == 0 or not mask[t - 1])
-            weights.append(row["w"] * turn_weights[turn] if inside else 0.0)
+        ids = torch.tensor(encoded["input_ids"])
         logits = model(input_ids=ids[None]).logits[0, :-1]
         losses = F.cross_entropy(logits, ids[1:], reduction="none")
-        weights = torch.tensor(weights[1:])
+        weights = token_weights(row, encoded["assistant_masks"])[1:]
         numerator = numerator + (losses * weights).sum()
         denominator += weights.sum()
     return numerator / denominator
@@ -125,16 +131,10 @@ def vlm_loss(model, processor, rows) -> torch.Tensor:
         encoded = processor.apply_chat_template(messages, tokenize=True, return_dict=True,
                                                 return_tensors="pt",
                                                 return_assistant_tokens_mask=True)
-        ids, mask = encoded["input_ids"][0], encoded["assistant_masks"][0].tolist()
-        turn_weights = [1.0 if m.get("weight") is None else m["weight"]
-                        for m in row["messages"] if m["role"] == "assistant"]
-        per_token, turn = [], -1
-        for t, inside in enumerate(mask):
-            turn += inside and (t == 0 or not mask[t - 1])
-            per_token.append(row["w"] * turn_weights[turn] if inside else 0.0)
+        ids = encoded["input_ids"][0]
         logits = model(input_ids=ids[None], pixel_values=encoded["pixel_values"]).logits[0, :-1]
         losses = F.cross_entropy(logits, ids[1:], reduction="none")
-        weights = torch.tensor(per_token[1:])
+        weights = token_weights(row, encoded["assistant_masks"][0].tolist())[1:]
         numerator = numerator + (losses * weights).sum()
         denominator += weights.sum()
     return numerator / denominator

@@ -6,7 +6,7 @@ method's preparation does (data/sft_tokens.py, methods/reward.py, methods/dpo.py
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterator
+from typing import Iterator
 
 from finetune.config.derived.effective import record, value
 from finetune.config.schema import Experiment
