@@ -52,7 +52,8 @@ def missing(split: str, experiment: Experiment) -> DataError:
         f"data.{split} ({files}): the rows are message lists (chat format), and the "
         f"tokenizer of {source!r} has no chat template to render them: set "
         "tokenizer.chat_template (a Jinja template inline, or the path of a .jinja "
-        "file), or give the data as plain text")
+        "file), or give the data as plain text (`text` rows, or `prompt`/`completion` as "
+        "text, with `images` for a vision-language model)")
 
 
 def cannot_render(where: str, exc: Exception) -> DataError:
