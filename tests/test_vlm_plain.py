@@ -1,7 +1,8 @@
 """Prompt/completion rows with pictures for sft on a vision-language model: plain ones
 (methods/sft_plain_vision.py; PaliGemma's prefix and suffix, VQA files) and
 conversational ones (TRL's collator), the completion trained; generation and exact match
-encode plain prompts as training does (model/vision.plain_prompts)."""
+encode plain prompts as training does (model/vision.plain_prompts). LLaMA-Factory's alpaca
+rows with pictures, and a row's one picture given as `image`, are read as such rows."""
 
 from __future__ import annotations
 
