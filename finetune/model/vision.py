@@ -14,8 +14,10 @@ from typing import Callable
 from transformers import AutoConfig, AutoModelForImageTextToText, ProcessorMixin
 from transformers.models.auto.modeling_auto import (MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING,
                                                     MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
+from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
 
 from finetune.config import vision
+from finetune.config.rules.vision import PREFIX_LM
 from finetune.config.schema import Experiment
 from finetune.errors import DataError, one_line
 
@@ -141,10 +143,10 @@ def chat_prompts(processor, conversations: list[list[dict]], images: list[list],
         processor_kwargs={"padding": True, "padding_side": "left", "add_special_tokens": False})
 
 
-# Processors that lay a plain prompt out themselves: PaliGemma's puts its image tokens and
-# BOS before the text and a newline after it (the prefix), and its model reads
-# token_type_ids 0 as the prefix (attended both ways) and 1 as the suffix (causal).
-PREFIX_LM_PROCESSORS = ("PaliGemmaProcessor",)
+# The processors of config/rules/vision.PREFIX_LM's models: PaliGemma's puts its image
+# tokens and BOS before a plain text and a newline after it (the prefix), and its model
+# reads token_type_ids 0 as the prefix (attended both ways) and 1 as the suffix (causal).
+PREFIX_LM_PROCESSORS = {PROCESSOR_MAPPING_NAMES[model_type] for model_type in PREFIX_LM}
 
 
 def prefix_lm(processor) -> bool:
