@@ -8,7 +8,7 @@ forward and the backward's recomputation), its output requiring no grad; where t
 trains, it keeps autograd. sft in each layout; dpo, kto, grpo
 and rloo, whose trainers turn checkpointing (and the hooks) off and on again within a step
 (rloo's and kto's layouts are also the one tests of them with LoRA on a VLM, grpo-qlora
-the one of grpo with QLoRA on one)."""
+and rloo-qlora the ones with QLoRA on one)."""
 
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ LAYOUTS = {  # id: (method, overrides, the tower frozen)
     "grpo-lora": ("grpo", LORA, True),
     "grpo-qlora": ("grpo", ["peft.type=qlora", "peft.r=4"], True),
     "rloo-lora": ("rloo", LORA, True),
+    "rloo-qlora": ("rloo", ["peft.type=qlora", "peft.r=4"], True),
 }
 SETTINGS = {  # each method's data and batch
     "sft": ("vlm_train.jsonl", "per_device_train_batch_size: 2\n  max_length: 64"),
