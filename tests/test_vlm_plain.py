@@ -50,7 +50,7 @@ def test_paligemma_trains_a_causal_suffix_after_its_prefix_and_generates(write, 
     pictures) and suffix (the answer). The collated batch marks the suffix causal
     (token_type_ids 1), trains it and its EOS only, and an answer token sees none after
     it, which TRL's layout (everything 0, the prefix's attention both ways) would let it.
-    Conversations and methods other than sft are one line at validate."""
+    Conversations, methods other than sft and a trained prefix are one line at validate."""
     import torch
     from test_vlm import collated_batch
     from vlm_configs import tiny_paligemma
@@ -67,6 +67,9 @@ def test_paligemma_trains_a_causal_suffix_after_its_prefix_and_generates(write, 
                          cwd=tmp_path)
         assert result.returncode != 0 and said in result.stderr, result.stderr
     config = experiment(write, "plain", model_dir, quickstart_rows(8))
+    result = run_cli("validate", config, "training.completion_only_loss=false", cwd=tmp_path)
+    assert result.returncode != 0 and "training.completion_only_loss: false would train " \
+        "PaliGemma's prefix" in result.stderr, result.stderr
     batch, processor, model = collated_batch(tmp_path, [], config)
     tokenizer = processor.tokenizer
     suffix = (batch["token_type_ids"] == 1) & (batch["attention_mask"] == 1)

@@ -20,6 +20,7 @@ from __future__ import annotations
 from trl import SFTTrainer
 
 from finetune.config.derived.effective import value as effective_value
+from finetune.config.rules.vision import PREFIX_TRAINED
 from finetune.config.schema import Experiment
 from finetune.data.image_size import ImagesSized, fitter
 from finetune.data.images import IMAGES
@@ -60,6 +61,8 @@ def _problems(splits: Splits, processor, experiment: Experiment) -> list[str]:
     elif prefix_lm(processor) and (splits.format == "messages" or not all(
             isinstance(p, str) for p in splits.train["prompt"])):
         problems.append(PREFIX_LM_ROWS)
+    elif prefix_lm(processor) and training.get("completion_only_loss") is False:
+        problems.append(f"training.completion_only_loss: {PREFIX_TRAINED}")
     elif splits.format == "prompt_completion" and len(
             {isinstance(p, str) for p in splits.train["prompt"]}) > 1:
         problems.append("data.train: mixes plain-text and conversational prompts; one "

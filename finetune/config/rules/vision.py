@@ -29,6 +29,9 @@ CROSS_ATTENTION = {"mllama": "Llama 3.2 Vision (model_type mllama)"}
 # (methods/sft_plain_vision.py); TRL 1.16's other vision collators encode answers through
 # a processor that refuses text without pictures, and mark them 0 (seen both ways).
 PREFIX_LM = {"paligemma": "PaliGemma (model_type paligemma)"}
+PREFIX_TRAINED = ("false would train PaliGemma's prefix, whose tokens each see the ones "
+                  "after them (its attention over the prefix goes both ways): it trains its "
+                  "suffix (the completion) only")
 
 
 def method_refused(model_type: str | None, method_name: str) -> str | None:
@@ -87,6 +90,9 @@ def check(exp: Experiment) -> Iterator[Problem]:
         refused = method_refused(vision.model_type(exp.model.name_or_path), exp.method)
         if refused:
             yield ("method",), refused
+    if vision.model_type(exp.model.name_or_path) in PREFIX_LM and \
+            exp.training.get("completion_only_loss") is False:
+        yield ("training", "completion_only_loss"), PREFIX_TRAINED
     for key in ("packing", "padding_free"):
         if exp.training.get(key):
             yield ("training", key), f"{what}: rows with images are collated padded, one " \
