@@ -7,9 +7,10 @@
 #                           resolves it, the CPU build where pip is offered one (this
 #                           project's machines have a local torch-2.13.0+cpu wheel)
 #   bash setup.sh --cuda    .venv with a CUDA build of torch 2.13.0 (PyPI's default on Linux
-#                           x86_64 and aarch64) and the gpu extra (liger-kernel,
-#                           bitsandbytes); stops unless torch.version.cuda is set
-#   --torch-index URL       take torch from this index, e.g. PyTorch's
+#                           x86_64 and aarch64), its torchvision and the gpu extra
+#                           (liger-kernel, bitsandbytes); stops unless torch.version.cuda
+#                           is set
+#   --torch-index URL       take torch and its torchvision from this index, e.g. PyTorch's
 #                           https://download.pytorch.org/whl/cu126 for an older driver
 #   bash setup.sh --latest  .venv-latest, the newest versions pyproject.toml allows, to
 #                           check upcoming releases (docs/testing.md, "Dependencies"); torch
@@ -20,13 +21,21 @@ cd "$(dirname "$0")"
 usage() {
   echo "usage: bash setup.sh [--cuda] [--torch-index URL] [--latest]
   (none)             .venv: torch 2.13.0 as pip resolves it (CI: the CPU build) and finetune
-  --cuda             .venv with a CUDA build of torch 2.13.0 (checked) and the gpu extra
-  --torch-index URL  take torch from this index, e.g. https://download.pytorch.org/whl/cu126
+  --cuda             .venv with a CUDA build of torch 2.13.0 (checked), its torchvision
+                     and the gpu extra
+  --torch-index URL  take torch and torchvision from this index, e.g.
+                     https://download.pytorch.org/whl/cu126
   --latest           .venv-latest: the newest versions pyproject.toml allows"
 }
 python=${PYTHON:-python3}
 venv=.venv
 torch=torch==2.13.0
+# torchvision's release for that torch (Qwen2-VL's processor and every other that takes
+# videos need it: docs/vision.md). It comes with torch where torch's source holds its
+# matching build: PyPI's CUDA wheels (--cuda) or an index given. The plain route leaves it
+# out: pip may be offered a local torch wheel (this project's machines have a CPU one)
+# beside which PyPI's torchvision, built for PyPI's torch, does not import.
+torchvision=torchvision==0.28.0
 cuda=0
 index=
 latest=0
@@ -68,7 +77,7 @@ key=$torch
 extras=test
 [ "$cuda" = 1 ] && extras=test,gpu
 [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
-echo "$torch" > "$venv/torch.txt"
+printf '%s\n' "$torch" "$torchvision" > "$venv/torch.txt"
 stamp=$venv/.finetune-install
 built=$venv/.finetune-torch  # the key of the torch installed (absent: the CPU route's)
 # finetune/__init__.py holds the version the install's metadata records.
@@ -82,7 +91,9 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   if [ "$(cat "$built" 2>/dev/null || echo "$torch")" != "$key" ] &&
       "$py" -m pip show -q torch >/dev/null 2>&1; then
     echo "setup: replacing the installed torch ($(cat "$built" 2>/dev/null || echo "$torch"))"
-    "$py" -m pip uninstall -q -y torch
+    drop=(torch)  # and the torchvision built for it
+    "$py" -m pip show -q torchvision >/dev/null 2>&1 && drop+=(torchvision)
+    "$py" -m pip uninstall -q -y "${drop[@]}"
   fi
   echo "$key (incomplete)" > "$built"
   torch_args=("${pins[@]}")
@@ -94,7 +105,9 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   if [ "$cuda" = 1 ] && "$py" -m pip install --help 2>/dev/null | grep -q -- --report; then
     torch_args+=(--report "$report")
   fi
-  "${pip[@]}" "${torch_args[@]}" "$torch"
+  torch_step=("$torch")
+  if [ "$cuda" = 1 ] || [ -n "$index" ]; then torch_step+=("$torchvision"); fi
+  "${pip[@]}" "${torch_args[@]}" "${torch_step[@]}"
   if [ "$cuda" = 1 ]; then
     read -r version cuda_version < <("$py" -W ignore -c \
       'import torch; print(torch.__version__, torch.version.cuda)') || {

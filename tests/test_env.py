@@ -26,6 +26,10 @@ KEYS = {"finetune", "python", "platform", "packages", "driver", "torch", "gpus",
         "precision", "attention", "liger", "bitsandbytes", "flash_attn"}
 
 
+# CI's torch is the CPU build; a CUDA build (bash setup.sh --cuda) runs on a CPU machine too
+BUILD = f"CUDA {torch.version.cuda}" if torch.version.cuda else "CPU build"
+
+
 def _version(name: str) -> str | None:
     try:
         return metadata.version(name)
@@ -50,7 +54,7 @@ def test_env_on_this_machine(tmp_path):
     out = result.stdout
     for name in PACKAGES:
         assert f"  {name:<14}{_version(name) or 'not installed'}" in out
-    assert f"  torch         {torch.__version__} (CPU build)" in out
+    assert f"  torch         {_version('torch')} ({BUILD})" in out
     assert "GPUs, NVIDIA driver unknown (no nvidia-smi answered)\n  none that torch sees" in out
     assert "  device        cpu: no NVIDIA GPU: none in /proc/driver/nvidia" in out
     assert "  precision     fp32: the CPU computes in fp32" in out
@@ -74,7 +78,7 @@ def test_env_json_parses_with_stable_keys(tmp_path):
     assert set(found) == KEYS
     assert found["packages"] == {name: _version(name) for name in PACKAGES}
     assert found["finetune"] == _version("finetune")
-    assert found["torch"] == {"build": "CPU build", "error": None, "fix": None}
+    assert found["torch"] == {"build": BUILD, "error": None, "fix": None}
     assert found["gpus"] == [] and found["driver"] is None
     assert found["device"]["value"] == "cpu" and found["device"]["why"].startswith("no NVIDIA")
     assert found["precision"] == {"value": "fp32", "why": "the CPU computes in fp32",

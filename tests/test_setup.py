@@ -24,15 +24,15 @@ CUDA_COMMAND = ("bash setup.sh --cuda && .venv/bin/finetune train configs/quicks
 SEP = "\x1f"  # between the arguments of one recorded pip call
 
 # .venv/bin/python: `-m pip ...` is recorded in $FAKE_LOG and acted out on $FAKE_STATE (a
-# file that exists while "torch" is installed); anything else runs the real Python with the
-# stand-in torch first on the path.
+# folder with a file per package installed: torch, torchvision); anything else runs the
+# real Python with the stand-in torch first on the path.
 FAKE_PYTHON = r"""#!/usr/bin/env bash
 if [ "$1" = -m ] && [ "$2" = pip ]; then
   shift 2
   (IFS=$'\x1f'; printf '%s\n' "$*") >> "$FAKE_LOG"
   case "$1" in
-    show) [ -e "$FAKE_STATE" ]; exit ;;
-    uninstall) rm -f "$FAKE_STATE"; exit 0 ;;
+    show) [ -e "$FAKE_STATE/${!#}" ]; exit ;;
+    uninstall) shift; for name in "$@"; do rm -f "$FAKE_STATE/$name"; done; exit 0 ;;
     config) echo "global.find-links='/opt/wheels'"; exit 0 ;;
   esac
   report=
@@ -40,7 +40,8 @@ if [ "$1" = -m ] && [ "$2" = pip ]; then
     case "$1" in
       --help) echo "  --report <file>"; exit 0 ;;
       --report) report=$2; shift ;;
-      torch==*) touch "$FAKE_STATE"
+      torchvision==*) mkdir -p "$FAKE_STATE"; touch "$FAKE_STATE/torchvision" ;;
+      torch==*) mkdir -p "$FAKE_STATE"; touch "$FAKE_STATE/torch"
         [ -z "$report" ] || printf '{"install": [{"metadata": {"name": "torch"},
           "download_info": {"url": "file:///wheels/torch-2.13.0+cpu.whl"}}]}' > "$report" ;;
     esac
@@ -77,7 +78,7 @@ def setup_sh(root: Path, *args: str, cuda_build: bool = False, path: str | None 
              **env: str) -> subprocess.CompletedProcess:
     environ = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
     environ.update(
-        FAKE_LOG=str(root.parent / "pip.log"), FAKE_STATE=str(root.parent / "torch-installed"),
+        FAKE_LOG=str(root.parent / "pip.log"), FAKE_STATE=str(root.parent / "installed"),
         FAKE_SITE=str(root.parent / "site"), REAL_PYTHON=sys.executable,
         FAKE_TORCH_VERSION="2.13.0" if cuda_build else "2.13.0+cpu",
         FAKE_TORCH_CUDA="13.0" if cuda_build else "", **env)
@@ -98,8 +99,12 @@ def pip_calls(root: Path) -> list[list[str]]:
 
 
 def installs(calls: list[list[str]]) -> list[str]:
-    """What each `pip install` installed: the torch requirement or the editable extras."""
-    return [call[-1] for call in calls if call[0] == "install"]
+    """What each `pip install` installed: torch (and torchvision) or the editable extras."""
+    return [" ".join(a for a in call if re.match(r"torch(vision)?==|\.\[", a))
+            for call in calls if call[0] == "install"]
+
+
+TORCH_AND_VISION = "torch==2.13.0 torchvision==0.28.0"  # its release for that torch
 
 
 @pytest.mark.parametrize("args", [["--bogus"], ["--help"], ["-h"], ["--torch-index"],
@@ -120,6 +125,7 @@ def test_cpu_route_is_the_one_ci_runs(tree):
     result = setup_sh(tree)
     assert result.returncode == 0, result.stderr
     calls = pip_calls(tree)
+    # no torchvision: PyPI's, built for PyPI's torch, does not import beside a local one
     assert installs(calls) == ["torch==2.13.0", ".[test]"]
     for call in calls:  # both at the tested versions, torch as the machine's pip offers it
         assert call[call.index("-c") + 1] == "constraints.txt"
@@ -135,31 +141,35 @@ def test_latest_route_upgrades_all_but_torch(tree):
     for call in calls:
         assert call[call.index("-c") + 1] == ".venv-latest/torch.txt"
         assert call[call.index("--upgrade") + 1:][:2] == ["--upgrade-strategy", "eager"]
-    assert (tree / ".venv-latest" / "torch.txt").read_text() == "torch==2.13.0\n"
+    assert (tree / ".venv-latest" / "torch.txt").read_text().split() == TORCH_AND_VISION.split()
     assert not (tree / ".venv" / ".finetune-install").exists()
 
 
 def test_cuda_route_checks_the_build_then_installs_the_gpu_extra(tree):
     result = setup_sh(tree, "--cuda", cuda_build=True)
     assert result.returncode == 0, result.stderr
-    assert installs(pip_calls(tree)) == ["torch==2.13.0", ".[test,gpu]"]
+    assert installs(pip_calls(tree)) == [TORCH_AND_VISION, ".[test,gpu]"]
     assert "torch 2.13.0 (CUDA 13.0)" in result.stdout
     assert setup_sh(tree, "--cuda", cuda_build=True).returncode == 0
     assert pip_calls(tree) == []
     # Back to the CPU route: pip would keep the CUDA torch (2.13.0 satisfies torch==2.13.0),
-    # so it is uninstalled first; and the other way again.
+    # so it is uninstalled first, with the torchvision built for it; and the other way again.
     assert setup_sh(tree).returncode == 0
-    assert [c[0] for c in pip_calls(tree)] == ["show", "uninstall", "install", "install"]
+    calls = pip_calls(tree)
+    assert [c[0] for c in calls] == ["show", "show", "uninstall", "install", "install"]
+    assert calls[2][-2:] == ["torch", "torchvision"]
+    assert not (tree.parent / "installed" / "torchvision").exists()
     assert setup_sh(tree, "--cuda", cuda_build=True).returncode == 0
     calls = pip_calls(tree)
-    assert [c[0] for c in calls] == ["show", "uninstall", "install", "install"]
-    assert installs(calls) == ["torch==2.13.0", ".[test,gpu]"]
+    assert [c[0] for c in calls] == ["show", "show", "uninstall", "install", "install"]
+    assert calls[2][-1] == "torch"  # no torchvision was there
+    assert installs(calls) == [TORCH_AND_VISION, ".[test,gpu]"]
 
 
 def test_cuda_route_stops_on_a_cpu_build_and_says_how_to_fix_it(tree):
     result = setup_sh(tree, "--cuda", PIP_FIND_LINKS="/opt/wheels")
     assert result.returncode == 1
-    assert installs(pip_calls(tree)) == ["torch==2.13.0"]  # finetune is not installed
+    assert installs(pip_calls(tree)) == [TORCH_AND_VISION]  # finetune is not installed
     message = result.stderr
     assert "installed torch 2.13.0+cpu, a build without CUDA" in message
     assert "pip took it from: file:///wheels/torch-2.13.0+cpu.whl" in message
@@ -169,11 +179,13 @@ def test_cuda_route_stops_on_a_cpu_build_and_says_how_to_fix_it(tree):
     assert ("bash setup.sh --cuda --torch-index https://download.pytorch.org/whl/cu126"
             in lines)
     assert not (tree / ".venv" / ".finetune-install").exists()
-    # The next try replaces that torch, though the stamp says nothing about it.
+    # The next try replaces that torch and its torchvision, though the stamp says nothing
+    # about them.
     result = setup_sh(tree, "--cuda", cuda_build=True)
     assert result.returncode == 0, result.stderr
     calls = pip_calls(tree)
-    assert [c[0] for c in calls] == ["show", "uninstall", "install", "install"]
+    assert [c[0] for c in calls] == ["show", "show", "uninstall", "install", "install"]
+    assert calls[2][-2:] == ["torch", "torchvision"]
 
 
 def test_torch_index_is_passed_to_the_torch_step_as_one_argument(tree):
@@ -181,6 +193,7 @@ def test_torch_index_is_passed_to_the_torch_step_as_one_argument(tree):
     assert setup_sh(tree, "--cuda", "--torch-index", index, cuda_build=True).returncode == 0
     torch_step, finetune_step = [c for c in pip_calls(tree) if c[0] == "install"]
     assert torch_step[torch_step.index("--index-url") + 1] == index
+    assert torch_step[-2:] == TORCH_AND_VISION.split()  # both from the index
     assert "constraints.txt" not in torch_step  # the index has its own copies of the deps
     assert finetune_step[finetune_step.index("-c") + 1] == "constraints.txt"
     assert "--index-url" not in finetune_step
@@ -194,7 +207,7 @@ def test_torch_index_is_passed_to_the_torch_step_as_one_argument(tree):
     pip_calls(tree)
     # Another index for the same build reinstalls torch.
     assert setup_sh(tree, "--cuda", f"--torch-index={index}x", cuda_build=True).returncode == 0
-    assert [c[0] for c in pip_calls(tree)] == ["show", "uninstall", "install", "install"]
+    assert [c[0] for c in pip_calls(tree)] == ["show", "show", "uninstall", "install", "install"]
 
 
 @pytest.mark.parametrize("system,machine", [("Darwin", "arm64"), ("Linux", "ppc64le")])

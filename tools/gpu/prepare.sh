@@ -14,6 +14,8 @@
 #                          release; only CUDA 13's are kept (BNB_CUDA="130 132", the
 #                          image's torch is cu130), ~3 MB, its RECORD rewritten to match
 #   the test runner        pytest pytest-xdist execnet pluggy iniconfig packaging pygments
+#   Qwen2-VL's processor   torchvision, the release built for the image's torch (2.11.0+cu130:
+#                          0.26.0, ~8 MB; TORCHVISION=torchvision==X for another image)
 # Not carried: deepspeed (no GPU test uses it) and flash-attn (no wheel for this stack: the
 # lane checks finetune_varlen, torch's own kernel).
 #   bash tools/gpu/prepare.sh           # then every device call: carry [".whl"]
@@ -42,7 +44,8 @@ mkdir -p .whl
 rm -f .whl/finetune-*.whl
 fetch $(for p in transformers trl datasets peft pydantic pydantic-core annotated-types \
                  typing-inspection dill multiprocess liger-kernel bitsandbytes \
-                 pytest pytest-xdist execnet pluggy iniconfig packaging pygments; do pin "$p"; done)
+                 pytest pytest-xdist execnet pluggy iniconfig packaging pygments; do pin "$p"; done) \
+  "${TORCHVISION:-torchvision==0.26.0}"
 # bitsandbytes for the image's CUDA only (bitsandbytes loads libbitsandbytes_cuda<torch's
 # CUDA version>.so). pip fetches the whole wheel again on each run (the slimmed one has
 # another hash than the index gives), and it is cut again.
