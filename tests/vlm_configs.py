@@ -221,9 +221,11 @@ def tiny_mllama(directory):
 QWEN2_VL_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 
 
-def tiny_qwen2_vl(directory):
-    """A model directory (config.json and the processor's files) of a tiny Qwen2-VL, for
-    `model.init: random`."""
+def tiny_qwen2_vl(directory, family: str = "qwen2_vl"):
+    """A model directory (config.json and the processor's files) of a tiny Qwen2-VL, or
+    with family "qwen2_5_vl" of a tiny Qwen2.5-VL (the same processor, but for its class;
+    a 2-block tower whose first block attends within windows of 2 x 2 merged patches and
+    whose second over the whole picture), for `model.init: random`."""
     import sys
 
     from conftest import QUICKSTART
@@ -231,7 +233,7 @@ def tiny_qwen2_vl(directory):
     sys.path.insert(0, str(QUICKSTART))
     import make_assets
     import make_vlm_assets
-    from transformers import Qwen2VLConfig
+    from transformers import Qwen2_5_VLConfig, Qwen2VLConfig
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import \
         Qwen2VLImageProcessorPil
 
@@ -245,8 +247,9 @@ def tiny_qwen2_vl(directory):
     tokenizer.save_pretrained(directory)
     sizes = dict(patch_size=8, merge_size=2, temporal_patch_size=2,
                  size={"shortest_edge": 16 * 16, "longest_edge": 64 * 64})
-    images = {**Qwen2VLImageProcessorPil(**sizes).to_dict(), "processor_class":
-              "Qwen2VLProcessor", "image_processor_type": "Qwen2VLImageProcessor"}
+    processor = "Qwen2_5_VLProcessor" if family == "qwen2_5_vl" else "Qwen2VLProcessor"
+    images = {**Qwen2VLImageProcessorPil(**sizes).to_dict(), "processor_class": processor,
+              "image_processor_type": "Qwen2VLImageProcessor"}
     videos = {**{k: v for k, v in images.items() if k != "image_processor_type"},
               "video_processor_type": "Qwen2VLVideoProcessor"}
     for name, settings in (("preprocessor_config.json", images),
@@ -264,8 +267,16 @@ def tiny_qwen2_vl(directory):
                 eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                  "mrope_section": [2, 3, 3]})  # head dim 16: 8 frequencies
-    Qwen2VLConfig(architectures=["Qwen2VLForConditionalGeneration"], vision_config=vision,
-                  text_config=text, **ids).save_pretrained(directory)
+    if family == "qwen2_5_vl":
+        vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2,
+                      patch_size=8, spatial_merge_size=2, temporal_patch_size=2,
+                      window_size=16, fullatt_block_indexes=[1], out_hidden_size=64)
+        Qwen2_5_VLConfig(architectures=["Qwen2_5_VLForConditionalGeneration"],
+                         vision_config=vision, text_config=text,
+                         **ids).save_pretrained(directory)
+    else:
+        Qwen2VLConfig(architectures=["Qwen2VLForConditionalGeneration"], vision_config=vision,
+                      text_config=text, **ids).save_pretrained(directory)
     return directory
 
 
