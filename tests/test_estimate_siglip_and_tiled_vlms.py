@@ -276,6 +276,12 @@ def test_idefics3_tiles_follow_the_picture_and_the_processor(tmp_path):
     (smol / "preprocessor_config.json").write_text(json.dumps(SMOLVLM_PROCESSOR))
     vision = read_shape(str(smol)).vision
     assert (vision.grid, vision.tiles, vision.image_tokens) == ((3, 4), 13, 832)  # 640x480
+    # as transformers 5 saves a processor (a run's final/): processor_config.json's nested
+    # image_processor, which transformers reads before preprocessor_config.json
+    (path / "processor_config.json").write_text(json.dumps(
+        {"image_processor": {**IDEFICS3_SMALL_PROCESSOR, "do_image_splitting": False},
+         "processor_class": "Idefics3Processor"}))
+    assert read_shape(str(path)).vision.for_image((640, 480)).tiles == 1
 
 
 @pytest.mark.slow  # imports torch; a small model over 128-pixel tiles (about 2 s)

@@ -145,7 +145,7 @@ def _int(config: dict[str, Any], key: str, where: str, default: int | None = Non
 
 def shape_of(config: dict[str, Any], where: str,
              processor: dict[str, Any] | None = None) -> Shape:
-    """processor: a vision-language model's preprocessor_config.json, where there is one."""
+    """processor: a vision-language model's image processor settings (_processor_config)."""
     kind = config.get("model_type")
     if kind in vision.COUNTED:
         text, tower = vision.read(config, where, processor)
@@ -197,8 +197,17 @@ def read_shape(name_or_path: str, revision: str | None = None) -> Shape:
 
 
 def _processor_config(directory: Path) -> dict[str, Any] | None:
-    """The image processor's settings beside config.json (min/max pixels), if any."""
-    path = directory / "preprocessor_config.json"
+    """The image processor's settings beside config.json (min/max pixels), if any, where
+    transformers takes them from: processor_config.json's `image_processor` (how
+    transformers 5 saves a processor, a run's final/ included), else
+    preprocessor_config.json."""
+    processor = _json_object(directory / "processor_config.json")
+    nested = processor.get("image_processor") if processor else None
+    return nested if isinstance(nested, dict) else \
+        _json_object(directory / "preprocessor_config.json")
+
+
+def _json_object(path: Path) -> dict[str, Any] | None:
     try:
         found = json.loads(path.read_text())
     except (OSError, ValueError):
