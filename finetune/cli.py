@@ -13,6 +13,7 @@ from finetune.commands.args import EXIT_USER_ERROR, Parser, checked, time_limit,
 # torch-free, no finetune imports
 from finetune.config.script_values import (MAX_LENGTH, MAX_MACHINES, MAX_PROCESSES,
                                     MAX_PROCESSES_PER_MACHINE, MAX_SIGNAL_SECONDS)
+from finetune.run.noise import hide_known_noise  # torch-free: logging filters
 
 
 def _add_experiment_args(parser: argparse.ArgumentParser) -> None:
@@ -54,9 +55,7 @@ def _train(args: argparse.Namespace) -> int:
         raise RunError("; ".join(problems))
     experiment, run_dir, plan = prepare_run_dir(experiment, rank=rank_of(os.environ))
 
-    from finetune.run.noise import hide_known_noise
-
-    hide_known_noise(experiment.peft.type == "qlora")
+    hide_known_noise(experiment.peft.type == "qlora")  # main() hid it for the rest
     from finetune.run.preemption import Preempted  # heavy from here: torch, transformers, trl
     from finetune.run.worker import train
 
@@ -370,6 +369,7 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides = [*args.overrides, *extra]
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    hide_known_noise()
     try:
         return args.func(args)
     except RunFinished as done:  # a requeued job of a finished run succeeds

@@ -25,7 +25,8 @@ TOP = import_graph.graph(top_level=True)  # those that run when the module is im
 # data/images.py, is validate's data pass, and data/sizes.py its warnings;
 # model/chat_template.py, the chat template checks it shares with training;
 # inference/cli.py: the CLI builds its parsers at every start; run/launched.py: `finetune
-# train` checks its launch before torch is loaded).
+# train` checks its launch before torch is loaded; run/noise.py: the library messages every
+# command hides before the libraries load).
 TORCH_SIDE = ("data", "model", "methods", "trainers", "run", "inference")
 TORCH_SIDE_MODULES = ("finetune.commands.data_view", "finetune.commands.eval_saved")
 NOT_TORCH_SIDE = ("finetune.data.files", "finetune.data.rows", "finetune.data.formats",
@@ -33,7 +34,7 @@ NOT_TORCH_SIDE = ("finetune.data.files", "finetune.data.rows", "finetune.data.fo
                   "finetune.data.plain_text",
                   "finetune.data.images", "finetune.data.scan", "finetune.data.sizes",
                   "finetune.data.image_size",
-                  "finetune.inference.cli", "finetune.run.launched",
+                  "finetune.inference.cli", "finetune.run.launched", "finetune.run.noise",
                   "finetune.model.chat_template")
 # What `finetune validate/render/estimate/plot/push/eval --help/launch --dry-run` and a
 # launcher run: importing any of these must not load the torch side.

@@ -18,17 +18,21 @@ class _Without(logging.Filter):
         return self.text not in record.getMessage()
 
 
-def hide_known_noise(quantized: bool) -> None:
-    if not quantized:
-        # transformers imports bitsandbytes, which on CPUs with AVX512-BF16 warns at import
-        # that a faster 4-bit CPU kernel is not installed: noise in a run that quantizes
-        # nothing.
-        logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
-    # DeepSpeed is imported by every save (accelerate looks for its engine) and, seeing no
-    # GPU, says "Setting accelerator to CPU. If you have GPU ... unable to detect it": the
-    # start summary already says which device the run uses, and finetune's device checks
-    # refuse a CUDA run that finds no GPU.
-    logging.getLogger("DeepSpeed").addFilter(_Without("Setting accelerator to CPU"))
+# DeepSpeed is imported by every save and load (accelerate looks for its engine) and, seeing
+# no GPU, says "Setting accelerator to CPU. If you have GPU ... unable to detect it": the
+# start summary already says which device the run uses, and finetune's device checks
+# refuse a CUDA run that finds no GPU.
+_CPU_ACCELERATOR = _Without("Setting accelerator to CPU")
+
+
+def hide_known_noise(quantized: bool = False) -> None:
+    """Every command, before the libraries load (cli.main); `finetune train` again once
+    its experiment says whether it quantizes."""
+    # transformers imports bitsandbytes, which on CPUs with AVX512-BF16 warns at import
+    # that a faster 4-bit CPU kernel is not installed: noise where nothing is quantized.
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(
+        logging.NOTSET if quantized else logging.ERROR)
+    logging.getLogger("DeepSpeed").addFilter(_CPU_ACCELERATOR)  # once: the same filter
 
 
 class _TiedKeysOnResume(logging.Filter):
