@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import gc
 import sys
-from pathlib import Path
 
 from finetune import __version__
 from finetune.commands.args import EXIT_USER_ERROR, Parser, checked, time_limit, whole
@@ -46,7 +45,8 @@ def _train(args: argparse.Namespace) -> int:
     launched = time.time()  # before the heavy imports: see data/prepare.py, _wait
 
     from finetune.errors import ConfigError, DataError, RunError, exit_code
-    from finetune.run.launched import early_launch_problems, experiment_as_launched, rank_of
+    from finetune.run.launched import (early_launch_problems, experiment_as_launched, rank_of,
+                                       record_failure)
     from finetune.render.bundle import prepare_run_dir
 
     experiment = experiment_as_launched(args.config, args.overrides, os.environ)
@@ -62,7 +62,7 @@ def _train(args: argparse.Namespace) -> int:
     try:
         train(experiment, run_dir, plan, launched)
     except (ConfigError, DataError, RunError) as exc:
-        _record_failure(run_dir, exc)
+        record_failure(run_dir, exc)
         raise
     except Preempted as stopped:
         code = exit_code(stopped.signal_name)
@@ -70,24 +70,6 @@ def _train(args: argparse.Namespace) -> int:
               "from it.", file=sys.stderr, flush=True)
         return code
     return 0
-
-
-def _record_failure(run_dir: Path, exc: Exception) -> None:
-    """Leave the error where `finetune launch` looks for it (see errors.FAILED_MARKER)."""
-    import json
-    import os
-
-    from finetune.fileio.atomic import write_atomic
-    from finetune.errors import FAILED_MARKER, RunError
-    from finetune.run.launched import rank_of
-
-    problems = getattr(exc, "problems", None) or [str(exc)]
-    rank = rank_of(os.environ)
-    try:
-        write_atomic(run_dir / FAILED_MARKER.replace(".json", f"-{rank}.json"),
-                     json.dumps({"rank": rank, "errors": problems}))
-    except RunError:
-        pass  # a full or read-only disk: the error itself is still printed
 
 
 def _launch_overrides(args: argparse.Namespace) -> list[str]:
@@ -386,6 +368,14 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except ImportError:  # transformers imports a torchvision that is there, broken or not
+        from finetune.commands.machine import torchvision_problem
+
+        problem = torchvision_problem()
+        if problem is None:
+            raise
+        print(f"error: {problem}", file=sys.stderr)
+        return EXIT_USER_ERROR
 
 
 def entry() -> None:

@@ -22,8 +22,8 @@ from finetune.config.derived import kernels
 from finetune.launch import probe
 from finetune.report.summary import PACKAGES
 
-KEYS = {"finetune", "python", "platform", "packages", "driver", "torch", "gpus", "device",
-        "precision", "attention", "liger", "bitsandbytes", "flash_attn"}
+KEYS = {"finetune", "python", "platform", "packages", "driver", "torch", "torchvision",
+        "gpus", "device", "precision", "attention", "liger", "bitsandbytes", "flash_attn"}
 
 
 # CI's torch is the CPU build; a CUDA build (bash setup.sh --cuda) runs on a CPU machine too
@@ -112,6 +112,38 @@ def test_a_torch_that_does_not_import_is_reported(tmp_path):
     text = machine.render(found)
     assert f"  torch         {_version('torch')} ({error})" in text
     assert f"  none that torch sees ({error})" in text
+
+
+@pytest.mark.slow  # two cold starts
+def test_a_torchvision_built_for_another_torch_is_one_line(tmp_path):
+    """What `pip install torchvision` beside a local torch wheel leaves (PyPI's build, made
+    for PyPI's torch): `import torchvision` fails, and transformers imports it wherever it
+    loads a model or data. `finetune env` names it with its fix; any other command stops
+    in that one line instead of transformers' "Could not import module" traceback."""
+    site = tmp_path / "site"
+    (site / "torchvision").mkdir(parents=True)
+    (site / "torchvision" / "__init__.py").write_text(
+        "raise RuntimeError('operator torchvision::nms does not exist')\n")
+    (site / "torchvision-0.28.0.dist-info").mkdir()
+    (site / "torchvision-0.28.0.dist-info" / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: torchvision\nVersion: 0.28.0\n")
+    problem = (f"torchvision 0.28.0 is installed but does not import beside torch "
+               f"{_version('torch')} (RuntimeError: operator torchvision::nms does not "
+               f"exist), and transformers imports it wherever it loads a model or data: "
+               f"{machine.TORCHVISION_FIX}")
+    result, _ = _env_cli("--json", tmp_path=tmp_path, PYTHONPATH=str(site))
+    assert result.returncode == 0, result.stderr
+    found = json.loads(result.stdout)
+    assert found["packages"]["torchvision"] == "0.28.0"
+    assert found["torchvision"] == {"value": None, "why": problem,
+                                    "fix": machine.TORCHVISION_FIX}
+    assert ("  torchvision   0.28.0 (does not import: it was built for another torch)\n"
+            f"                fix: {machine.TORCHVISION_FIX}") in machine.render(found)
+    config = REPO / "configs" / "quickstart" / "sft.yaml"
+    result = subprocess.run([sys.executable, "-m", "finetune", "data", str(config), "-n", "1"],
+                            cwd=tmp_path, text=True, capture_output=True, timeout=300,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(site)})
+    assert (result.returncode, result.stderr) == (2, f"error: {problem}\n"), result.stderr
 
 
 def test_a_bogus_flag_is_one_error_line(tmp_path):

@@ -61,8 +61,38 @@ def facts(env: Mapping[str, str] = os.environ) -> dict[str, Any]:
         "packages": {name: _version(name) for name in PACKAGES},
         "driver": _driver(env), "device": _entry(device, why)}
     found.update(_torch(found["packages"]["torch"]))
+    found["torchvision"] = _entry(None, torchvision_problem(), TORCHVISION_FIX)
+    if found["torchvision"]["why"] is None:
+        found["torchvision"]["fix"] = None
     found.update(_choices(found))
     return found
+
+
+TORCHVISION_FIX = ("install the torchvision built for the installed torch (docs/install.md: "
+                   "bash setup.sh --cuda or --torch-index URL installs the pair), or pip "
+                   "uninstall torchvision")
+
+
+def torchvision_problem() -> str | None:
+    """Why torchvision, installed, does not import (it was built for another torch), else
+    None. transformers imports an installed torchvision wherever it loads an image
+    processor or its Trainer, so then every command that loads a model or data fails."""
+    import importlib
+    import importlib.util
+
+    from finetune.errors import first_line
+
+    version = _version("torchvision")
+    if version is None or importlib.util.find_spec("torchvision") is None:
+        return None
+    try:
+        importlib.import_module("torchvision")
+    except Exception as exc:  # noqa: BLE001 - a build for another torch raises anything
+        return (f"torchvision {version} is installed but does not import beside torch "
+                f"{_version('torch')} ({type(exc).__name__}: {first_line(exc)}), and "
+                "transformers imports it wherever it loads a model or data: "
+                f"{TORCHVISION_FIX}")
+    return None
 
 
 def _entry(value: Any, why: str | None, fix: str | None = None) -> dict[str, Any]:
@@ -228,10 +258,14 @@ def render(found: dict[str, Any]) -> str:
     """The facts on one screen."""
     torch = found["torch"]
     lines = [f"finetune {found['finetune']}, Python {found['python']}, {found['platform']}"]
+    vision = found["torchvision"]
     for name, version in found["packages"].items():
         note = f" ({torch['build'] or torch['error']})" if name == "torch" and version else ""
+        if name == "torchvision" and vision["why"]:
+            note = " (does not import: it was built for another torch)"
         lines += _line(name, f"{version or 'not installed'}{note}",
-                       torch["fix"] if name == "torch" else None)
+                       torch["fix"] if name == "torch" else
+                       vision["fix"] if name == "torchvision" else None)
     lines.append(f"GPUs, NVIDIA driver {found['driver'] or 'unknown (no nvidia-smi answered)'}")
     lines += [f"  {g['index']}  {g['name']}, compute capability {g['capability']}, "
               f"{g['memory_gib']} GiB" for g in found["gpus"]] or \

@@ -18,8 +18,8 @@ from finetune.config.derived.effective import record, setting
 from finetune.data.sizes import size_warnings
 
 # What environment.json records and `finetune env` (machine.py) prints: one list.
-PACKAGES = ("torch", "transformers", "accelerate", "peft", "trl", "datasets", "deepspeed",
-            "bitsandbytes", "liger-kernel", "flash-attn", "kernels", "pydantic")
+PACKAGES = ("torch", "torchvision", "transformers", "accelerate", "peft", "trl", "datasets",
+            "deepspeed", "bitsandbytes", "liger-kernel", "flash-attn", "kernels", "pydantic")
 
 
 def environment(device: str, precision: str, attention: str | None) -> dict[str, Any]:

@@ -21,6 +21,22 @@ def rank_of(env: Mapping[str, str]) -> int:
     return int(env.get("RANK", "0"))
 
 
+def record_failure(run_dir: Path, exc: Exception) -> None:
+    """Leave the error where `finetune launch` looks for it (see errors.FAILED_MARKER)."""
+    import json
+
+    from finetune.errors import FAILED_MARKER, RunError
+    from finetune.fileio.atomic import write_atomic
+
+    problems = getattr(exc, "problems", None) or [str(exc)]
+    rank = rank_of(os.environ)
+    try:
+        write_atomic(run_dir / FAILED_MARKER.replace(".json", f"-{rank}.json"),
+                     json.dumps({"rank": rank, "errors": problems}))
+    except RunError:
+        pass  # a full or read-only disk: the error itself is still printed
+
+
 def parallel_note(experiment: Experiment, device: str) -> str | None:
     """Said at the start of a run whose processes train as DDP although no strategy was
     asked for: `--num-processes N` (or num_processes) with strategy none."""
