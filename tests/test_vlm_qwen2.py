@@ -31,7 +31,8 @@ with_torchvision = pytest.mark.skipif(
 
 PICTURE = QUICKSTART / "data" / "vlm_train" / "0000.png"
 REFUSAL = ("the processor of {!r} needs torchvision, which is not installed: pip install "
-           "torchvision (the build matching the installed torch {})")
+           "torchvision (the build made for the installed torch {}, from where it came; bash "
+           "setup.sh --cuda or --torch-index URL installs the pair: docs/install.md)")
 
 
 @without_torchvision

@@ -66,8 +66,10 @@ def processor_from(source: str, revision: str | None, trusted: bool, key: str):
             import torch
 
             raise ConfigError([f"{key}: the processor of {source!r} needs torchvision, which "
-                               "is not installed: pip install torchvision (the build "
-                               f"matching the installed torch {torch.__version__})"]) from None
+                               "is not installed: pip install torchvision (the build made "
+                               f"for the installed torch {torch.__version__}, from where it "
+                               "came; bash setup.sh --cuda or --torch-index URL installs "
+                               "the pair: docs/install.md)"]) from None
         raise RunError(f"{key}: cannot load the processor of {source!r}: "
                        f"{first_line(exc)}") from None
 
