@@ -113,3 +113,23 @@ def test_a_qwen2_vl_learns_the_vision_quickstart_and_answers_from_its_pictures(f
     after = summary["after"]["eval_rewards/accuracies"]
     print(family, "dpo preference accuracy", before, "->", after)
     assert before <= 0.05 and after >= 0.8
+
+
+@with_torchvision
+@pytest.mark.slow  # loads the processor (and torch)
+def test_finetune_data_counts_a_qwen2_vl_picture_as_training_fits_it(write, tmp_path):
+    """Qwen2-VL's image tokens follow the picture's size: `finetune data` fits the pictures
+    to vision.max_pixels as training does (a 32x32 picture is 4 tokens; under 256 pixels it
+    is 16x16, 1 token), and its length statistics count them so."""
+    from vlm_configs import tiny_qwen2_vl
+
+    model = tiny_qwen2_vl(tmp_path / "qwen2_vl")
+    config = write("sft.yaml", f"method: sft\nmodel: {{name_or_path: {model}, init: random}}\n"
+                               f"data: {{train: {DATA / 'vlm_train.jsonl'}}}\n")
+    tokens = {}
+    for bound in ([], ["vision.max_pixels=256"]):
+        result = run_cli("data", config, "-n", "1", *bound, cwd=tmp_path)
+        assert result.returncode == 0, result.stderr[-3000:]
+        [row] = [line for line in result.stdout.splitlines() if "<|vision_start|>" in line]
+        tokens[bool(bound)] = row.count("<|image_pad|>")
+    assert tokens == {False: 4, True: 1}

@@ -61,6 +61,7 @@ def _sft_vision(rows, processor, experiment: Experiment, splits, split: str) -> 
     expands each image to its tokens), one row at a time and uncut."""
     from trl.trainer.sft_trainer import DataCollatorForVisionLanguageModeling
 
+    from finetune.data.image_size import ImagesSized
     from finetune.methods.sft import assistant_only
     from finetune.methods.sft_plain_vision import PlainPictures
     from finetune.methods.sft_vision import FORMATS, ImageTokensUntrained
@@ -74,7 +75,9 @@ def _sft_vision(rows, processor, experiment: Experiment, splits, split: str) -> 
     else:
         collate = DataCollatorForVisionLanguageModeling(
             processor, assistant_only_loss=assistant_only(experiment, "messages"))
-    collate = ImageTokensUntrained(collate, processor)
+    sizes = experiment.vision  # vision.max_pixels, min_pixels: fitted as in training
+    collate = ImageTokensUntrained(ImagesSized(collate, sizes and sizes.max_pixels,
+                                               sizes and sizes.min_pixels), processor)
     limit = value(experiment, "max_length")
     for row in rows:
         batch = collate([{**{c: row[c] for c in FORMATS[splits.format] if c != "images"},
