@@ -5,6 +5,7 @@ FSDP's random init, and the glue under torch.compile. tests/gpu/ runs them for r
 
 from __future__ import annotations
 
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -239,6 +240,7 @@ def test_the_estimate_counts_logits_for_a_model_liger_does_not_patch(monkeypatch
     (site / "liger_kernel" / "transformers" / "__init__.py").write_text("")
     (site / "liger_kernel" / "transformers" / "monkey_patch.py").write_text(LIGER_SOURCE)
     monkeypatch.syspath_prepend(str(site))
+    monkeypatch.delitem(sys.modules, "liger_kernel", raising=False)  # a real one imported
     found = kernels.installed()
     assert found.liger == frozenset({"qwen2", "mistral"})
 
