@@ -1,7 +1,7 @@
 """The vision-language quickstart on CUDA (configs/quickstart/vlm.yaml: the tiny LLaVA on
 coloured shapes), and what a user does with the run afterwards: `finetune eval` and
-`finetune generate` with images on CUDA. One run, trained once for the module; then the
-same quickstart with a tiny Qwen2-VL, and LoRA/QLoRA on the LLaVA."""
+`finetune generate` with images on CUDA. One run, trained once for the module; LoRA and
+QLoRA on the LLaVA; then the same quickstart with a tiny Qwen2-VL and a tiny Qwen2.5-VL."""
 
 from __future__ import annotations
 
