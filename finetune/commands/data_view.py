@@ -75,9 +75,7 @@ def _sft_vision(rows, processor, experiment: Experiment, splits, split: str) -> 
     else:
         collate = DataCollatorForVisionLanguageModeling(
             processor, assistant_only_loss=assistant_only(experiment, "messages"))
-    sizes = experiment.vision  # vision.max_pixels, min_pixels: fitted as in training
-    collate = ImageTokensUntrained(ImagesSized(collate, sizes and sizes.max_pixels,
-                                               sizes and sizes.min_pixels), processor)
+    collate = ImageTokensUntrained(ImagesSized(collate, experiment), processor)  # as training
     limit = value(experiment, "max_length")
     for row in rows:
         batch = collate([{**{c: row[c] for c in FORMATS[splits.format] if c != "images"},
@@ -131,9 +129,7 @@ def _dpo_vision(rows, processor, experiment: Experiment, splits, split: str) -> 
 
     from finetune.data.image_size import ImagesSized
 
-    sizes = experiment.vision  # vision.max_pixels, min_pixels: fitted as in training
-    collate = ImagesSized(DataCollatorForVisionPreference(processor=processor),
-                          sizes and sizes.max_pixels, sizes and sizes.min_pixels)
+    collate = ImagesSized(DataCollatorForVisionPreference(processor=processor), experiment)
     for row in rows:
         if row.get("prompt") is None:
             row = {**row, **extract_prompt(row)}
@@ -198,9 +194,8 @@ def _kto_vision(rows, processor, experiment: Experiment, splits, split: str) -> 
 
     from finetune.data.image_size import ImagesSized
 
-    sizes = experiment.vision  # vision.max_pixels, min_pixels: fitted as in training
     collate = ImagesSized(DataCollatorForVisionUnpairedPreference(processor, calculate_kl=False),
-                          sizes and sizes.max_pixels, sizes and sizes.min_pixels)
+                          experiment)
     limit = value(experiment, "max_length")
     for row in rows:
         batch = collate([{key: row.get(key) for key in ("prompt", "completion", "label")} |

@@ -61,9 +61,8 @@ def facts(env: Mapping[str, str] = os.environ) -> dict[str, Any]:
         "packages": {name: _version(name) for name in PACKAGES},
         "driver": _driver(env), "device": _entry(device, why)}
     found.update(_torch(found["packages"]["torch"]))
-    found["torchvision"] = _entry(None, torchvision_problem(), TORCHVISION_FIX)
-    if found["torchvision"]["why"] is None:
-        found["torchvision"]["fix"] = None
+    problem = torchvision_problem()
+    found["torchvision"] = _entry(None, problem, problem and TORCHVISION_FIX)
     found.update(_choices(found))
     return found
 

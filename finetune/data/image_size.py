@@ -45,15 +45,15 @@ def fitter(experiment) -> Callable[[list], list]:
 
 class ImagesSized:
     """A collator wrapper: each row's images opened as the processor opens a path
-    (transformers' load_image: EXIF orientation, RGB) and fitted to the bounds."""
+    (transformers' load_image: EXIF orientation, RGB) and fitted to the experiment's
+    vision.max_pixels / min_pixels (fitter); the one wrapper training and `finetune data`
+    put around every vision collator."""
 
-    def __init__(self, collate, max_pixels: int | None, min_pixels: int | None):
-        self.collate, self.max_pixels, self.min_pixels = collate, max_pixels, min_pixels
+    def __init__(self, collate, experiment):
+        self.collate, self.fit = collate, fitter(experiment)
 
     def __call__(self, rows):
-        if self.max_pixels is None and self.min_pixels is None:
+        if self.fit is list:
             return self.collate(rows)
-        return self.collate([
-            {**row, "images": fit_all(row.get("images") or [], self.max_pixels,
-                                      self.min_pixels)}
-            for row in rows])
+        return self.collate([{**row, "images": self.fit(row.get("images") or [])}
+                             for row in rows])

@@ -125,6 +125,4 @@ def vision_rows(splits: Splits, processor, experiment: Experiment, problems: lis
 
 def pictures_fitted(trainer, experiment: Experiment) -> None:
     """vision.max_pixels, min_pixels: the pictures fitted before the trainer's collator."""
-    sizes = experiment.vision
-    trainer.data_collator = ImagesSized(trainer.data_collator, sizes and sizes.max_pixels,
-                                        sizes and sizes.min_pixels)
+    trainer.data_collator = ImagesSized(trainer.data_collator, experiment)

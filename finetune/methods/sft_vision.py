@@ -126,11 +126,9 @@ def build_trainer(job: Job, assistant_only: bool) -> SFTTrainer:
     trainer = trainer_class(model=job.model, args=args, train_dataset=job.data.train,
                             eval_dataset=job.data.eval, processing_class=job.tokenizer,
                             callbacks=job.callbacks)
-    sizes = job.experiment.vision
     if plain:  # TRL's collator cannot lay them out (sft_plain_vision.py)
         trainer.data_collator = PlainPictures(job.tokenizer, args.max_length, completion_only)
-    collate = ImagesSized(trainer.data_collator, sizes and sizes.max_pixels,
-                          sizes and sizes.min_pixels)  # vision.max_pixels, min_pixels
+    collate = ImagesSized(trainer.data_collator, job.experiment)  # vision.max/min_pixels
     trainer.data_collator = ImageTokensUntrained(ImageTokensKept(collate, args.max_length),
                                                  job.tokenizer)
     if weighted:  # data.weight_column, turn weights: the loss weighted (trainers/weighted.py)
