@@ -7,11 +7,12 @@
 #                           resolves it, the CPU build where pip is offered one (this
 #                           project's machines have a local torch-2.13.0+cpu wheel)
 #   bash setup.sh --cuda    .venv with a CUDA build of torch 2.13.0 (PyPI's default on Linux
-#                           x86_64 and aarch64), its torchvision and the gpu extra
-#                           (liger-kernel, bitsandbytes); stops unless torch.version.cuda
-#                           is set
+#                           x86_64 and aarch64), its torchvision and the gpu and vlm
+#                           extras (liger-kernel, bitsandbytes; num2words); stops unless
+#                           torch.version.cuda is set
 #   --torch-index URL       take torch and its torchvision from this index, e.g. PyTorch's
 #                           https://download.pytorch.org/whl/cu126 for an older driver
+#                           (and the vlm extra)
 #   bash setup.sh --latest  .venv-latest, the newest versions pyproject.toml allows, to
 #                           check upcoming releases (docs/testing.md, "Dependencies"); torch
 #                           stays at 2.13.0 (the newest torch of an index may be a
@@ -22,7 +23,7 @@ usage() {
   echo "usage: bash setup.sh [--cuda] [--torch-index URL] [--latest]
   (none)             .venv: torch 2.13.0 as pip resolves it (CI: the CPU build) and finetune
   --cuda             .venv with a CUDA build of torch 2.13.0 (checked), its torchvision
-                     and the gpu extra
+                     and the gpu and vlm extras
   --torch-index URL  take torch and torchvision from this index, e.g.
                      https://download.pytorch.org/whl/cu126
   --latest           .venv-latest: the newest versions pyproject.toml allows"
@@ -75,7 +76,9 @@ key=$torch
 [ "$cuda" = 1 ] && key="$key cuda"
 [ -n "$index" ] && key="$key from $index"
 extras=test
-[ "$cuda" = 1 ] && extras=test,gpu
+[ "$cuda" = 1 ] && extras=$extras,gpu
+# the routes that bring torchvision bring the rest vision-language processors need
+{ [ "$cuda" = 1 ] || [ -n "$index" ]; } && extras=$extras,vlm
 [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
 printf '%s\n' "$torch" "$torchvision" > "$venv/torch.txt"
 stamp=$venv/.finetune-install

@@ -148,7 +148,7 @@ def test_latest_route_upgrades_all_but_torch(tree):
 def test_cuda_route_checks_the_build_then_installs_the_gpu_extra(tree):
     result = setup_sh(tree, "--cuda", cuda_build=True)
     assert result.returncode == 0, result.stderr
-    assert installs(pip_calls(tree)) == [TORCH_AND_VISION, ".[test,gpu]"]
+    assert installs(pip_calls(tree)) == [TORCH_AND_VISION, ".[test,gpu,vlm]"]
     assert "torch 2.13.0 (CUDA 13.0)" in result.stdout
     assert setup_sh(tree, "--cuda", cuda_build=True).returncode == 0
     assert pip_calls(tree) == []
@@ -163,7 +163,7 @@ def test_cuda_route_checks_the_build_then_installs_the_gpu_extra(tree):
     calls = pip_calls(tree)
     assert [c[0] for c in calls] == ["show", "show", "uninstall", "install", "install"]
     assert calls[2][-1] == "torch"  # no torchvision was there
-    assert installs(calls) == [TORCH_AND_VISION, ".[test,gpu]"]
+    assert installs(calls) == [TORCH_AND_VISION, ".[test,gpu,vlm]"]
 
 
 def test_cuda_route_stops_on_a_cpu_build_and_says_how_to_fix_it(tree):
@@ -208,6 +208,10 @@ def test_torch_index_is_passed_to_the_torch_step_as_one_argument(tree):
     # Another index for the same build reinstalls torch.
     assert setup_sh(tree, "--cuda", f"--torch-index={index}x", cuda_build=True).returncode == 0
     assert [c[0] for c in pip_calls(tree)] == ["show", "show", "uninstall", "install", "install"]
+    # Without --cuda (PyTorch's CPU index): torchvision with torch, no gpu extra, and the
+    # vlm extra, as with torchvision on every route
+    assert setup_sh(tree, f"--torch-index={index}").returncode == 0
+    assert installs(pip_calls(tree)) == [TORCH_AND_VISION, ".[test,vlm]"]
 
 
 @pytest.mark.parametrize("system,machine", [("Darwin", "arm64"), ("Linux", "ppc64le")])
