@@ -225,7 +225,11 @@ def tiny_qwen2_vl(directory, family: str = "qwen2_vl"):
     """A model directory (config.json and the processor's files) of a tiny Qwen2-VL, or
     with family "qwen2_5_vl" of a tiny Qwen2.5-VL (the same processor, but for its class;
     a 2-block tower whose first block attends within windows of 2 x 2 merged patches and
-    whose second over the whole picture), for `model.init: random`."""
+    whose second over the whole picture), or with "qwen3_vl" of a tiny Qwen3-VL (its own
+    processor and video processor; a 2-block tower with learned position embeddings whose
+    first block's merged patches are also added into the language model's first layer,
+    deepstack; a Qwen3 language model with interleaved 3D rotary positions), for
+    `model.init: random`."""
     import sys
 
     from conftest import QUICKSTART
@@ -233,7 +237,7 @@ def tiny_qwen2_vl(directory, family: str = "qwen2_vl"):
     sys.path.insert(0, str(QUICKSTART))
     import make_assets
     import make_vlm_assets
-    from transformers import Qwen2_5_VLConfig, Qwen2VLConfig
+    from transformers import Qwen2_5_VLConfig, Qwen2VLConfig, Qwen3VLConfig
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import \
         Qwen2VLImageProcessorPil
 
@@ -247,11 +251,13 @@ def tiny_qwen2_vl(directory, family: str = "qwen2_vl"):
     tokenizer.save_pretrained(directory)
     sizes = dict(patch_size=8, merge_size=2, temporal_patch_size=2,
                  size={"shortest_edge": 16 * 16, "longest_edge": 64 * 64})
-    processor = "Qwen2_5_VLProcessor" if family == "qwen2_5_vl" else "Qwen2VLProcessor"
+    processor, video = {"qwen2_vl": ("Qwen2VLProcessor", "Qwen2VLVideoProcessor"),
+                        "qwen2_5_vl": ("Qwen2_5_VLProcessor", "Qwen2VLVideoProcessor"),
+                        "qwen3_vl": ("Qwen3VLProcessor", "Qwen3VLVideoProcessor")}[family]
     images = {**Qwen2VLImageProcessorPil(**sizes).to_dict(), "processor_class": processor,
               "image_processor_type": "Qwen2VLImageProcessor"}
     videos = {**{k: v for k, v in images.items() if k != "image_processor_type"},
-              "video_processor_type": "Qwen2VLVideoProcessor"}
+              "video_processor_type": video}
     for name, settings in (("preprocessor_config.json", images),
                            ("video_preprocessor_config.json", videos),
                            ("chat_template.json", {"chat_template": template})):
@@ -267,7 +273,16 @@ def tiny_qwen2_vl(directory, family: str = "qwen2_vl"):
                 eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                  "mrope_section": [2, 3, 3]})  # head dim 16: 8 frequencies
-    if family == "qwen2_5_vl":
+    if family == "qwen3_vl":
+        vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2,
+                      patch_size=8, spatial_merge_size=2, temporal_patch_size=2,
+                      out_hidden_size=64, num_position_embeddings=16,
+                      deepstack_visual_indexes=[0])
+        text = {**text, "head_dim": 16, "rope_parameters": {
+            **text["rope_parameters"], "mrope_interleaved": True}}
+        Qwen3VLConfig(architectures=["Qwen3VLForConditionalGeneration"], vision_config=vision,
+                      text_config=text, **ids).save_pretrained(directory)
+    elif family == "qwen2_5_vl":
         vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2,
                       patch_size=8, spatial_merge_size=2, temporal_patch_size=2,
                       window_size=16, fullatt_block_indexes=[1], out_hidden_size=64)

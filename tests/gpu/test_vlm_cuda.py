@@ -116,14 +116,15 @@ def test_vlm_adapter_trains_on_cuda(peft, gpu, tmp_path, figures):
         assert all(m["weight"] == "Parameter" for m in tower), tower
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
 def test_qwen2_vl_learns_and_answers_on_cuda(family, gpu, tmp_path, figures):
-    """The vision quickstart with a tiny Qwen2-VL or Qwen2.5-VL (tests/vlm_configs.py) in
-    place of the LLaVA, on CUDA: its vision tower's attention over each picture's patches
-    (Qwen2.5-VL's within windows too) and its 3D rotary positions on the GPU, in bf16
-    where the GPU has it. Held-out exact match rises from 0 (0.855 and 0.94 after these
-    300 steps on the CPU, fp32), and `finetune generate` answers held-out prompts from
-    their pictures close to it."""
+    """The vision quickstart with a tiny Qwen2-VL, Qwen2.5-VL or Qwen3-VL
+    (tests/vlm_configs.py) in place of the LLaVA, on CUDA: its vision tower's attention
+    over each picture's patches (Qwen2.5-VL's within windows too), its 3D rotary positions
+    (Qwen3-VL's interleaved, and its deepstack additions) on the GPU, in bf16 where the GPU
+    has it. Held-out exact match rises from 0 (0.855, 0.94 and 0.95 after these 300 steps
+    on the CPU, fp32), and `finetune generate` answers held-out prompts from their
+    pictures close to it."""
     if importlib.util.find_spec("torchvision") is None:  # Qwen2-VL's processor needs it
         pytest.skip("torchvision is not installed (tools/gpu/prepare.sh carries it)")
     from vlm_configs import tiny_qwen2_vl
