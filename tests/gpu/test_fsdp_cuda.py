@@ -12,8 +12,11 @@ the final gather do not hang with several ranks: that needs a machine with 2+ GP
 from __future__ import annotations
 
 import math
+import shutil
 
 import pytest
+
+from conftest import QUICKSTART
 
 from .helpers import CUDA, SFT, TINY_CONFIG, finetune, finite, losses, read_json
 
@@ -55,3 +58,44 @@ def test_fsdp_trains_and_saves_a_whole_model(version, port, gpu, tmp_path, figur
     assert tuple(embed.shape) == (TINY_CONFIG["vocab_size"], TINY_CONFIG["hidden_size"])
     assert all(p.isfinite().all() and p.abs().max() > 0 for p in model.parameters())
     assert math.isfinite(summary["after"]["eval_loss"])
+
+
+@pytest.mark.parametrize("version,port", [(1, 29792), (2, 29793)])
+def test_fsdp_trains_a_vision_language_model_with_a_frozen_tower(version, port, gpu, tmp_path,
+                                                                  figures):
+    """The vision quickstart's tiny LLaVA under FSDP, its tower frozen: the model's
+    _no_split_modules name a class it lacks (CLIPTextEmbeddings), which accelerate's wrap
+    stopped on before finetune gave it the classes the model has (tests/test_fsdp.py);
+    FSDP1 then shards units with frozen and trained parameters (use_orig_params). A few
+    steps from saved weights: the loss falls, final/ loads with
+    AutoModelForImageTextToText, its tower is the starting one and its language model
+    is not."""
+    import torch
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    start = tmp_path / "start"
+    shutil.copytree(QUICKSTART / "tiny-vlm", start)
+    torch.manual_seed(0)
+    AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(start)).save_pretrained(
+        start)
+    processes = 2 if gpu["count"] >= 2 else 1
+    run = tmp_path / "run"
+    finetune("launch", QUICKSTART / "vlm.yaml", CUDA, f"model.name_or_path={start}",
+             "model.init=pretrained", "vision.freeze_tower=true", "distributed.strategy=fsdp",
+             f"distributed.fsdp.version={version}", f"distributed.num_processes={processes}",
+             f"distributed.main_process_port={port}", f"training.max_steps={STEPS}",
+             "training.warmup_steps=0", "training.logging_steps=1", "training.save_steps=1000",
+             "evaluation.max_samples=32", f"output.dir={run}", cwd=tmp_path, timeout=300)
+    summary = read_json(run / "summary.json")
+    step_losses = losses(run)
+    figures(processes=processes, losses=step_losses, seconds=summary["seconds"],
+            eval_loss=[summary["before"]["eval_loss"], summary["after"]["eval_loss"]])
+    assert summary["global_step"] == STEPS and finite(step_losses)
+    assert summary["after"]["eval_loss"] < summary["before"]["eval_loss"] - 0.05
+    before = AutoModelForImageTextToText.from_pretrained(start).state_dict()
+    after = AutoModelForImageTextToText.from_pretrained(run / "final").state_dict()
+    assert after.keys() == before.keys()
+    tower = [k for k in before if ".vision_tower." in k]
+    assert tower and all(torch.equal(after[k], before[k]) for k in tower)
+    language = [k for k in before if ".language_model." in k]
+    assert sum(not torch.equal(after[k], before[k]) for k in language) > len(language) // 2
