@@ -10,7 +10,7 @@ the load of a run's model (model/tokenizer.py processor_from) alike. Validate do
 load processors (it stays torch-free, and the machine that trains may have torchvision).
 
 With torchvision (`bash setup.sh --cuda` installs it, on any machine: docs/testing.md), a
-tiny Qwen2-VL (and Qwen2.5-VL, Qwen3-VL) learns the vision quickstart and its run is used
+tiny Qwen2-VL (and Qwen2.5-VL, Qwen3-VL, Qwen3.5) learns the vision quickstart and its run is used
 as a user uses one."""
 
 from __future__ import annotations
@@ -72,15 +72,16 @@ def test_a_qwen2_vl_without_torchvision_is_one_line_at_training_and_at_load(writ
 
 @with_torchvision
 @pytest.mark.slow  # trains twice (~1 minute on 2 cores)
-@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5"])
 def test_a_qwen2_vl_learns_the_vision_quickstart_and_answers_from_its_pictures(family,
                                                                                tmp_path):
     """The vision quickstart (configs/quickstart/vlm.yaml) with a tiny Qwen2-VL,
-    Qwen2.5-VL or Qwen3-VL in place of its LLaVA (its pictures' patches merged 2x2, placed
-    by its 3D rotary positions; Qwen2.5-VL's tower attends within windows, then over the
-    picture; Qwen3-VL's adds its first block's merged patches into the language model's
-    first layer): held-out exact match from 0 to 0.855, 0.94 and 0.95 (seed 0, 2 CPU
-    threads, 20-30 s of training); `finetune generate` answers the held-out prompts from
+    Qwen2.5-VL, Qwen3-VL or Qwen3.5 in place of its LLaVA (its pictures' patches merged
+    2x2, placed by its 3D rotary positions; Qwen2.5-VL's tower attends within windows,
+    then over the picture; Qwen3-VL's adds its first block's merged patches into the
+    language model's first layer; Qwen3.5's language model mixes linear and full
+    attention): held-out exact match from 0 to 0.85, 0.94, 0.95 and 0.88 (seed 0, one CPU
+    thread, 30-40 s of training; 2 threads round otherwise); `finetune generate` answers the held-out prompts from
     their pictures as the run's own evaluation scored them; and dpo from that model, on
     the dpo quickstart's pairs with pictures, moves preference accuracy from 0 to about
     0.93."""

@@ -228,7 +228,9 @@ def tiny_qwen2_vl(directory, family: str = "qwen2_vl"):
     whose second over the whole picture), or with "qwen3_vl" of a tiny Qwen3-VL (its own
     processor and video processor; a 2-block tower with learned position embeddings whose
     first block's merged patches are also added into the language model's first layer,
-    deepstack; a Qwen3 language model with interleaved 3D rotary positions), for
+    deepstack; a Qwen3 language model with interleaved 3D rotary positions), or with
+    "qwen3_5" of a tiny Qwen3.5 (Qwen3-VL's processor and tower without deepstack; a
+    language model of one Gated DeltaNet layer and one gated attention layer), for
     `model.init: random`."""
     import sys
 
@@ -237,7 +239,7 @@ def tiny_qwen2_vl(directory, family: str = "qwen2_vl"):
     sys.path.insert(0, str(QUICKSTART))
     import make_assets
     import make_vlm_assets
-    from transformers import Qwen2_5_VLConfig, Qwen2VLConfig, Qwen3VLConfig
+    from transformers import Qwen2_5_VLConfig, Qwen2VLConfig, Qwen3_5Config, Qwen3VLConfig
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import \
         Qwen2VLImageProcessorPil
 
@@ -253,7 +255,8 @@ def tiny_qwen2_vl(directory, family: str = "qwen2_vl"):
                  size={"shortest_edge": 16 * 16, "longest_edge": 64 * 64})
     processor, video = {"qwen2_vl": ("Qwen2VLProcessor", "Qwen2VLVideoProcessor"),
                         "qwen2_5_vl": ("Qwen2_5_VLProcessor", "Qwen2VLVideoProcessor"),
-                        "qwen3_vl": ("Qwen3VLProcessor", "Qwen3VLVideoProcessor")}[family]
+                        "qwen3_vl": ("Qwen3VLProcessor", "Qwen3VLVideoProcessor"),
+                        "qwen3_5": ("Qwen3VLProcessor", "Qwen3VLVideoProcessor")}[family]
     images = {**Qwen2VLImageProcessorPil(**sizes).to_dict(), "processor_class": processor,
               "image_processor_type": "Qwen2VLImageProcessor"}
     videos = {**{k: v for k, v in images.items() if k != "image_processor_type"},
@@ -273,25 +276,34 @@ def tiny_qwen2_vl(directory, family: str = "qwen2_vl"):
                 eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                  "mrope_section": [2, 3, 3]})  # head dim 16: 8 frequencies
-    if family == "qwen3_vl":
-        vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2,
-                      patch_size=8, spatial_merge_size=2, temporal_patch_size=2,
-                      out_hidden_size=64, num_position_embeddings=16,
-                      deepstack_visual_indexes=[0])
-        text = {**text, "head_dim": 16, "rope_parameters": {
-            **text["rope_parameters"], "mrope_interleaved": True}}
-        Qwen3VLConfig(architectures=["Qwen3VLForConditionalGeneration"], vision_config=vision,
-                      text_config=text, **ids).save_pretrained(directory)
-    elif family == "qwen2_5_vl":
+    architecture = {"qwen2_vl": "Qwen2VLForConditionalGeneration",
+                    "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+                    "qwen3_vl": "Qwen3VLForConditionalGeneration",
+                    "qwen3_5": "Qwen3_5ForConditionalGeneration"}[family]
+    qwen3_tower = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2,
+                       patch_size=8, spatial_merge_size=2, temporal_patch_size=2,
+                       out_hidden_size=64, num_position_embeddings=16)
+    interleaved = {**text["rope_parameters"], "mrope_interleaved": True}
+    if family == "qwen2_5_vl":
         vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2,
                       patch_size=8, spatial_merge_size=2, temporal_patch_size=2,
                       window_size=16, fullatt_block_indexes=[1], out_hidden_size=64)
-        Qwen2_5_VLConfig(architectures=["Qwen2_5_VLForConditionalGeneration"],
-                         vision_config=vision, text_config=text,
-                         **ids).save_pretrained(directory)
-    else:
-        Qwen2VLConfig(architectures=["Qwen2VLForConditionalGeneration"], vision_config=vision,
-                      text_config=text, **ids).save_pretrained(directory)
+    elif family == "qwen3_vl":
+        vision = {**qwen3_tower, "deepstack_visual_indexes": [0]}
+        text = {**text, "head_dim": 16, "rope_parameters": interleaved}
+    elif family == "qwen3_5":
+        # layer 0 Gated DeltaNet (linear attention), layer 1 gated full attention that
+        # rotates a quarter of each 32-dim head: 4 frequencies
+        vision = qwen3_tower
+        text = {**text, "head_dim": 32, "layer_types": ["linear_attention", "full_attention"],
+                "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+                "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+                "rope_parameters": {**interleaved, "partial_rotary_factor": 0.25,
+                                    "mrope_section": [2, 1, 1]}}
+    config = {"qwen2_vl": Qwen2VLConfig, "qwen2_5_vl": Qwen2_5_VLConfig,
+              "qwen3_vl": Qwen3VLConfig, "qwen3_5": Qwen3_5Config}[family]
+    config(architectures=[architecture], vision_config=vision, text_config=text,
+           **ids).save_pretrained(directory)
     return directory
 
 

@@ -1,7 +1,8 @@
 """The vision-language quickstart on CUDA (configs/quickstart/vlm.yaml: the tiny LLaVA on
 coloured shapes), and what a user does with the run afterwards: `finetune eval` and
 `finetune generate` with images on CUDA. One run, trained once for the module; LoRA and
-QLoRA on the LLaVA; then the same quickstart with a tiny Qwen2-VL and a tiny Qwen2.5-VL."""
+QLoRA on the LLaVA; then the same quickstart with a tiny Qwen2-VL, Qwen2.5-VL, Qwen3-VL
+and Qwen3.5."""
 
 from __future__ import annotations
 
@@ -116,15 +117,16 @@ def test_vlm_adapter_trains_on_cuda(peft, gpu, tmp_path, figures):
         assert all(m["weight"] == "Parameter" for m in tower), tower
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5"])
 def test_qwen2_vl_learns_and_answers_on_cuda(family, gpu, tmp_path, figures):
-    """The vision quickstart with a tiny Qwen2-VL, Qwen2.5-VL or Qwen3-VL
+    """The vision quickstart with a tiny Qwen2-VL, Qwen2.5-VL, Qwen3-VL or Qwen3.5
     (tests/vlm_configs.py) in place of the LLaVA, on CUDA: its vision tower's attention
     over each picture's patches (Qwen2.5-VL's within windows too), its 3D rotary positions
-    (Qwen3-VL's interleaved, and its deepstack additions) on the GPU, in bf16 where the GPU
-    has it. Held-out exact match rises from 0 (0.855, 0.94 and 0.95 after these 300 steps
-    on the CPU, fp32), and `finetune generate` answers held-out prompts from their
-    pictures close to it."""
+    (Qwen3-VL's interleaved, and its deepstack additions), Qwen3.5's linear attention
+    (transformers' torch fallback where flash-linear-attention is not installed) on the
+    GPU, in bf16 where the GPU has it. Held-out exact match rises from 0 (0.855, 0.94,
+    0.95 and 0.865 after these 300 steps on the CPU, fp32), and `finetune generate`
+    answers held-out prompts from their pictures close to it."""
     if importlib.util.find_spec("torchvision") is None:  # Qwen2-VL's processor needs it
         pytest.skip("torchvision is not installed (tools/gpu/prepare.sh carries it)")
     from vlm_configs import tiny_qwen2_vl
