@@ -3,8 +3,11 @@
 # Here first: bash tools/gpu/prepare.sh (fills .whl/; carry [".whl"]). There:
 #   source tools/gpu/env.sh && bash tools/gpu/lane.sh [lane | bench [RUN ...] | all]
 #
-#   lane           (the default) the environment, then the GPU tests:
+#   lane [ARGS]    (the default) the environment, then the GPU tests:
 #                  python -m pytest -m cuda tests/gpu -q --durations=0   (budget: 8 minutes)
+#                  ARGS in place of tests/gpu, to split the lane over two calls where it
+#                  outgrows one: `lane --ignore=tests/gpu/test_vlm_cuda.py`, then
+#                  `lane tests/gpu/test_vlm_cuda.py`
 #   bench [RUN...] bench/run.py's GPU presets. RUN is PRESET[:full|lora][:CONTENDERS], e.g.
 #                  gpu-llama1b   gpu-qwen0.5b-dense:lora   gpu-llama1b:full:finetune,same
 #                  Without RUN, all eight: gpu-llama1b and gpu-qwen0.5b, each log-normal and
@@ -47,11 +50,12 @@ print("varlen_attn", inspect.signature(v.varlen_attn))' || echo "varlen_attn: no
   } 2>&1 | tee -a "$OUT/environment.txt"
 }
 
-lane() {
-  echo "== lane: python -m pytest -m cuda tests/gpu -q --durations=0"
-  local t0=$SECONDS
+lane() {  # [PYTEST_ARGS]: tests/gpu where none
+  local t0=$SECONDS tests=("$@")
+  [ ${#tests[@]} -gt 0 ] || tests=(tests/gpu)
+  echo "== lane: python -m pytest -m cuda ${tests[*]} -q --durations=0"
   FINETUNE_GPU_FIGURES="$OUT/lane-figures.json" timeout -k 15 "${LANE_TIMEOUT:-570}" \
-    "$PY" -m pytest -m cuda tests/gpu -q -n 0 --durations=0 -rs -p no:cacheprovider \
+    "$PY" -m pytest -m cuda "${tests[@]}" -q -n 0 --durations=0 -rs -p no:cacheprovider \
     --junitxml "$OUT/lane.xml" 2>&1 | tee "$OUT/lane.log"
   local rc=${PIPESTATUS[0]}
   echo "== lane: exit $rc in $((SECONDS - t0)) s"
@@ -106,11 +110,11 @@ bench() {
 what=${1:-lane}
 [ $# -gt 0 ] && shift
 case "$what" in
-  lane) environment; lane ;;
+  lane) environment; lane "$@" ;;
   bench) environment; bench "$@" ;;
   vlm) environment; vlm "$@" ;;
   all) environment; lane; bench; vlm lora ;;
-  *) echo "usage: bash tools/gpu/lane.sh [lane | bench [PRESET[:full|lora][:CONTENDERS] ...]" \
+  *) echo "usage: bash tools/gpu/lane.sh [lane [PYTEST_ARGS] | bench [PRESET[:full|lora][:CONTENDERS] ...]" \
           "| vlm [lora|full] | all]" >&2
      exit 2 ;;
 esac
