@@ -150,31 +150,31 @@ def test_evaluation_as_training_begins_sees_the_untrained_model(tmp_path):
     assert deferred.evaluate()["eval_loss"] < before  # and training went on from there
 
 
+
 @pytest.mark.slow  # builds the tiny LLaVA (and imports torch.distributed.fsdp)
 @pytest.mark.parametrize("version", [1, 2])
 def test_fsdp_wraps_the_layers_a_vision_language_model_has(version):
     """transformers gathers a model's _no_split_modules from every class it is built from:
     the tiny LLaVA's name CLIPTextEmbeddings, which it lacks, and accelerate's
-    transformer-based wrap stops on it ("Could not find the transformer layer class",
-    also for Gemma 3 and PaliGemma: SigLIP's text embeddings). method_trainer gives the
-    plugin the classes the model has: each decoder layer and tower layer is then a unit,
-    for the model and for it under LoRA; a list named in accelerate.yaml is kept."""
+    transformer-based wrap stops on it ("Could not find the transformer layer class"), as
+    does peft's, which the Trainer takes under LoRA (also for Gemma 3 and PaliGemma:
+    SigLIP's text embeddings). The model training starts from names only the classes it
+    has: each decoder layer and tower layer is then a unit, under LoRA too."""
     from accelerate.utils import FullyShardedDataParallelPlugin
     from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
     from peft import LoraConfig, get_peft_model
+    from peft.utils.other import fsdp_auto_wrap_policy
     from transformers import AutoConfig, AutoModelForImageTextToText
 
     from conftest import QUICKSTART
-    from finetune.run.build import wrap_the_layers_it_has
+    from finetune.model.load import name_only_layers_it_has
 
-    def plugin(**names) -> FullyShardedDataParallelPlugin:
+    def units(model) -> list[str]:
+        """The modules FSDP makes units of, as accelerate's prepare() wraps them."""
         device_free = {"sync_module_states": False, "cpu_ram_efficient_loading": False}
-        return FullyShardedDataParallelPlugin(
-            fsdp_version=version, auto_wrap_policy="TRANSFORMER_BASED_WRAP", **names,
+        plugin = FullyShardedDataParallelPlugin(
+            fsdp_version=version, auto_wrap_policy="TRANSFORMER_BASED_WRAP",
             **(device_free if version == 1 else {}))
-
-    def units(plugin, model) -> list[str]:
-        """The modules the plugin's policy makes FSDP units of, as prepare() applies it."""
         if version == 2:
             policy = fsdp2_prepare_auto_wrap_policy(plugin, model)
         else:
@@ -182,20 +182,28 @@ def test_fsdp_wraps_the_layers_a_vision_language_model_has(version):
             policy = lambda module: plugin.auto_wrap_policy(module, False, 0)
         return sorted({type(m).__name__ for m in model.modules() if policy(m)})
 
-    model = AutoModelForImageTextToText.from_config(
-        AutoConfig.from_pretrained(QUICKSTART / "tiny-vlm"))
+    def peft_units(model) -> list[str]:
+        """The modules peft's policy (the Trainer's under LoRA) makes units of."""
+        policy = fsdp_auto_wrap_policy(model)
+        return sorted({type(m).__name__ for m in model.modules() if policy(m, False, 0)})
+
+    def tiny_llava():
+        return AutoModelForImageTextToText.from_config(
+            AutoConfig.from_pretrained(QUICKSTART / "tiny-vlm"))
+
+    lora = LoraConfig(target_modules=["q_proj", "v_proj"])
+    model = tiny_llava()
     assert "CLIPTextEmbeddings" in model._no_split_modules
     with pytest.raises(ValueError, match="Could not find the transformer layer class "
                                          "CLIPTextEmbeddings"):
-        units(plugin(), model)  # accelerate's default: the bug this guards against
+        units(model)  # the library's own names: the failure this guards against
+    with pytest.raises(TypeError, match="Could not find the transformer layer class"):
+        peft_units(get_peft_model(tiny_llava(), lora))
     layers = ["CLIPEncoderLayer", "CLIPVisionEmbeddings", "LlamaDecoderLayer"]
-    lora = get_peft_model(AutoModelForImageTextToText.from_config(model.config),
-                          LoraConfig(target_modules=["q_proj", "v_proj"]))
-    for wrapped in (model, lora):
-        fixed = plugin()
-        wrap_the_layers_it_has(fixed, wrapped)
-        assert fixed.transformer_cls_names_to_wrap == layers
-        assert units(fixed, wrapped) == layers
-    named = plugin(transformer_cls_names_to_wrap=["LlamaDecoderLayer"])
-    wrap_the_layers_it_has(named, model)
-    assert named.transformer_cls_names_to_wrap == ["LlamaDecoderLayer"]
+    name_only_layers_it_has(model)
+    assert units(model) == layers
+    adapted = tiny_llava()
+    name_only_layers_it_has(adapted)  # starting_model does it before the adapters
+    adapted = get_peft_model(adapted, lora)
+    assert units(adapted) == layers
+    assert peft_units(adapted) == sorted({*layers, "Linear"})  # and each trained LoRA matrix

@@ -21,6 +21,7 @@ from finetune.data.load import ORIGIN, Splits
 from finetune.errors import ConfigError, DataError
 from finetune.methods import Job
 from finetune.model import vision
+from finetune.model.load import name_only_layers_it_has
 from finetune.model.tokenizer import render_chat
 
 # ORPOTrainer and CPOTrainer read training.max_length None as this.
@@ -92,6 +93,7 @@ def frozen_reference(job: Job):
         ref = loader.from_pretrained(
             named, dtype=job.hardware.model_dtype(spec, "reference"),
             trust_remote_code=spec.model.trust_remote_code)
+        name_only_layers_it_has(ref)  # as the policy's: FSDP wraps it too
     elif spec.peft.type != "none":
         return None
     else:

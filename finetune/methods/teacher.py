@@ -45,6 +45,7 @@ def _load(experiment: Experiment, dtype, student_sees: bool):
     distill.teacher."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from finetune.model.load import name_only_layers_it_has
     from finetune.model.tokenizer import processor_from
     from finetune.model.vision import MODEL_CLASS
 
@@ -59,7 +60,9 @@ def _load(experiment: Experiment, dtype, student_sees: bool):
                                "model scores text and has no next-token distribution"])
         _refuse(teacher_refused(student_sees, run.vision, source))
         tokenizer = load_tokenizer(run)  # a vision-language run's: its processor
-        return load_model(run, tokenizer, dtype, "cpu"), tokenizer
+        model = load_model(run, tokenizer, dtype, "cpu")
+        name_only_layers_it_has(model)  # as the student's: FSDP wraps it too
+        return model, tokenizer
     sees = _sees_pictures(source, trust)
     _refuse(teacher_refused(student_sees, sees, source))
     kind = "vision-language model" if sees else "causal LM"
@@ -69,6 +72,7 @@ def _load(experiment: Experiment, dtype, student_sees: bool):
     except (OSError, ValueError) as exc:
         raise ConfigError([f"{WHERE}: cannot load {source!r} as a {kind}: "
                            f"{first_line(exc)}"]) from None
+    name_only_layers_it_has(model)
     try:
         tokenizer = processor_from(source, None, trust, WHERE) if sees else \
             AutoTokenizer.from_pretrained(source, trust_remote_code=trust)

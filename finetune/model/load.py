@@ -218,6 +218,19 @@ def load_model(experiment: Experiment, hw: Hardware, tokenizer: PreTrainedTokeni
         dtype=hw.model_dtype(experiment, "policy"), **kwargs)
 
 
+def name_only_layers_it_has(model: PreTrainedModel) -> None:
+    """The model's _no_split_modules (the layers FSDP makes units of, and device_map keeps
+    whole) cut to the classes it has. transformers gathers them from every class a model
+    is built from: a LLaVA names CLIPTextEmbeddings (CLIP's text half, which it lacks), a
+    Gemma 3 or a PaliGemma SigLIP's text embeddings and pooling head; accelerate's
+    transformer-based wrap, and peft's under LoRA, stop on a name the model has no module
+    of ("Could not find the transformer layer class")."""
+    names = getattr(model, "_no_split_modules", None)
+    if names:
+        present = {type(module).__name__ for module in model.modules()}
+        model._no_split_modules = {name for name in names if name in present}
+
+
 def quantized_placement(hw: Hardware) -> dict:
     """Where bitsandbytes puts a quantized model: this process's own GPU (one process per
     GPU, hardware.local_gpu), whole."""

@@ -21,7 +21,7 @@ from finetune.errors import ConfigError, RunError
 from finetune.model.hardware import Hardware
 from finetune.run.launched import launch_problems, process_group_problems
 from finetune.methods import Job, build_trainer, preparation
-from finetune.model.load import initial_weights, load_model
+from finetune.model.load import initial_weights, load_model, name_only_layers_it_has
 from finetune.model.peft import apply_peft, match_adapter_precision, trainable_tensors
 from finetune.model.tokenizer import load_processor, load_tokenizer
 from finetune.model.vision import is_vision_language
@@ -118,6 +118,7 @@ def starting_model(experiment: Experiment, hw: Hardware, tokenizer, init_dir: Pa
     args.distributed_state.wait_for_everyone()  # rank 0 has saved the initial weights
     set_seed(args.seed)
     model = load_model(experiment, hw, tokenizer, init_dir, initial)
+    name_only_layers_it_has(model)
     initial = None  # loaded back from init-model/ (quantized, ZeRO-3): not kept alive
     # The adapters are drawn from the seed whatever loading drew: loaded under ZeRO-3
     # (zero.Init), CLIP's __init__ draws its class embedding with torch.randn; loaded on
@@ -134,26 +135,7 @@ def method_trainer(job: Job) -> Any:
     if job.experiment.distributed.strategy == "fsdp" and not trainer.is_fsdp_enabled:
         raise RunError("distributed.strategy is fsdp, but the Trainer runs without FSDP: start "
                        "it with `finetune launch` (its accelerate.yaml turns FSDP on)")
-    if trainer.is_fsdp_enabled:
-        wrap_the_layers_it_has(trainer.accelerator.state.fsdp_plugin, trainer.model)
     if qlora:
         match_adapter_precision(trainer.model, job.hardware.precision, before)
     return trainer
 
-
-def wrap_the_layers_it_has(plugin, model) -> None:
-    """FSDP's transformer-based wrap makes a unit of every module whose class the model's
-    _no_split_modules names, and accelerate 1.15 stops on a name the model has no module
-    of. transformers gathers those names from every class a model is built from: a LLaVA
-    names CLIPTextEmbeddings (CLIP's text half, which it lacks), a Gemma 3 or a PaliGemma
-    SigLIP's text embeddings and pooling head. The plugin gets the names of the classes
-    the model has (those a user names in accelerate.yaml are left as they are)."""
-    from accelerate.utils.dataclasses import get_module_class_from_name
-    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
-
-    if plugin.auto_wrap_policy is not transformer_auto_wrap_policy or \
-            plugin.transformer_cls_names_to_wrap is not None:
-        return
-    names = getattr(model, "_no_split_modules", None) or []
-    plugin.transformer_cls_names_to_wrap = sorted(
-        name for name in names if get_module_class_from_name(model, name) is not None)

@@ -60,17 +60,18 @@ def test_fsdp_trains_and_saves_a_whole_model(version, port, gpu, tmp_path, figur
     assert math.isfinite(summary["after"]["eval_loss"])
 
 
-@pytest.mark.parametrize("version,port", [(1, 29792), (2, 29793)])
-def test_fsdp_trains_a_vision_language_model_with_a_frozen_tower(version, port, gpu, tmp_path,
-                                                                  figures):
-    """The vision quickstart's tiny LLaVA under FSDP, its tower frozen: the model's
-    _no_split_modules name a class it lacks (CLIPTextEmbeddings), which accelerate's wrap
-    stopped on before finetune gave it the classes the model has (tests/test_fsdp.py);
-    FSDP1 then shards units with frozen and trained parameters (use_orig_params). A few
-    steps from saved weights: the loss falls, final/ loads with
-    AutoModelForImageTextToText, its tower is the starting one and its language model
-    is not."""
+
+@pytest.mark.parametrize("version,peft,port", [(1, "none", 29792), (2, "lora", 29793)])
+def test_fsdp_trains_a_vision_language_model(version, peft, port, gpu, tmp_path, figures):
+    """The vision quickstart's tiny LLaVA under FSDP: its _no_split_modules name a class it
+    lacks (CLIPTextEmbeddings), on which accelerate's wrap (and peft's, under LoRA)
+    stopped before finetune cut them to the classes it has (tests/test_fsdp.py). FSDP1,
+    full training with the tower frozen: units with frozen and trained parameters
+    (use_orig_params); final/ loads with AutoModelForImageTextToText, its tower the
+    starting one and its language model moved. FSDP2 under LoRA: the adapter on the
+    language model only. A few steps from saved weights; the loss falls."""
     import torch
+    from safetensors import safe_open
     from transformers import AutoConfig, AutoModelForImageTextToText
 
     start = tmp_path / "start"
@@ -81,10 +82,11 @@ def test_fsdp_trains_a_vision_language_model_with_a_frozen_tower(version, port, 
     processes = 2 if gpu["count"] >= 2 else 1
     run = tmp_path / "run"
     finetune("launch", QUICKSTART / "vlm.yaml", CUDA, f"model.name_or_path={start}",
-             "model.init=pretrained", "vision.freeze_tower=true", "distributed.strategy=fsdp",
-             f"distributed.fsdp.version={version}", f"distributed.num_processes={processes}",
-             f"distributed.main_process_port={port}", f"training.max_steps={STEPS}",
-             "training.warmup_steps=0", "training.logging_steps=1", "training.save_steps=1000",
+             "model.init=pretrained", f"peft.type={peft}", "vision.freeze_tower=true",
+             "distributed.strategy=fsdp", f"distributed.fsdp.version={version}",
+             f"distributed.num_processes={processes}", f"distributed.main_process_port={port}",
+             f"training.max_steps={STEPS}", "training.warmup_steps=0",
+             "training.logging_steps=1", "training.save_steps=1000",
              "evaluation.max_samples=32", f"output.dir={run}", cwd=tmp_path, timeout=300)
     summary = read_json(run / "summary.json")
     step_losses = losses(run)
@@ -92,6 +94,11 @@ def test_fsdp_trains_a_vision_language_model_with_a_frozen_tower(version, port, 
             eval_loss=[summary["before"]["eval_loss"], summary["after"]["eval_loss"]])
     assert summary["global_step"] == STEPS and finite(step_losses)
     assert summary["after"]["eval_loss"] < summary["before"]["eval_loss"] - 0.05
+    if peft == "lora":
+        with safe_open(run / "final" / "adapter_model.safetensors", "pt") as adapter:
+            names = list(adapter.keys())
+        assert names and all(".language_model." in name for name in names), names
+        return
     before = AutoModelForImageTextToText.from_pretrained(start).state_dict()
     after = AutoModelForImageTextToText.from_pretrained(run / "final").state_dict()
     assert after.keys() == before.keys()
