@@ -1,10 +1,10 @@
 """A vision-language model's vision tower and projector, from its config.json (torch-free),
 one module per family: LLaVA (llava.py), LLaVA-NeXT (llava_next.py), Qwen2-VL and
-Qwen2.5-VL (qwen2_vl.py), Gemma 3 (gemma3.py), PaliGemma (paligemma.py), Idefics3 and
-SmolVLM (idefics3.py), their SigLIP-layout towers in siglip.py, Mistral 3 (mistral3.py,
-its Pixtral tower's activations in pixtral_activations.py), InternVL (internvl.py) and
-Llama 3.2 Vision (mllama.py; its language model's cross-attention layers in
-estimate/cross_attention.py).
+Qwen2.5-VL (qwen2_vl.py), Qwen3-VL (qwen3_vl.py, on Qwen2-VL's shape), Gemma 3 (gemma3.py),
+PaliGemma (paligemma.py), Idefics3 and SmolVLM (idefics3.py), their SigLIP-layout towers
+in siglip.py, Mistral 3 (mistral3.py, its Pixtral tower's activations in
+pixtral_activations.py), InternVL (internvl.py) and Llama 3.2 Vision (mllama.py; its
+language model's cross-attention layers in estimate/cross_attention.py).
 
 Each family's read(config, where, processor) returns the language model's config (read
 by shapes.shape_of as a text model's) and a vision shape that answers, for the rest of
@@ -14,7 +14,8 @@ never reaches), image_bytes(regime, checkpointing, training) (what one image sav
 the backward, with a frozen tower or projector as `training` says), for_image(size) (the
 shape for pictures of that size, where the tokens depend on it), tower_prefix and
 projector_prefix, and image_note()/tower_note() (what the report says it assumed).
-Other vision-language types are refused by name rather than guessed (shapes.shape_of).
+Other vision-language types are refused by name rather than guessed (shapes.shape_of),
+some with the reason (REFUSED).
 """
 
 from __future__ import annotations
@@ -22,16 +23,27 @@ from __future__ import annotations
 from typing import Any
 
 from finetune.estimate.vision import (gemma3, idefics3, internvl, llava, llava_next, mistral3,
-                                      mllama, paligemma, qwen2_vl)
+                                      mllama, paligemma, qwen2_vl, qwen3_vl)
 from finetune.estimate.vision.common import Training
 
-FAMILIES = {"llava": llava, "qwen2_vl": qwen2_vl, "qwen2_5_vl": qwen2_vl, "gemma3": gemma3,
-            "paligemma": paligemma, "llava_next": llava_next, "idefics3": idefics3,
-            "smolvlm": idefics3, "mistral3": mistral3,
+FAMILIES = {"llava": llava, "qwen2_vl": qwen2_vl, "qwen2_5_vl": qwen2_vl, "qwen3_vl": qwen3_vl,
+            "gemma3": gemma3, "paligemma": paligemma, "llava_next": llava_next,
+            "idefics3": idefics3, "smolvlm": idefics3, "mistral3": mistral3,
             "internvl": internvl, "mllama": mllama}
 COUNTED = tuple(FAMILIES)
+# Types that share a counted family's tower but not its kind of language model.
+REFUSED = {
+    "qwen3_vl_moe": "Qwen3-VL's tower with a mixture-of-experts language model (routed "
+                    "experts), which the estimator does not count (it counts the dense "
+                    "qwen3_vl)",
+    "qwen3_5": "Qwen3-VL's tower with a hybrid language model (Gated DeltaNet and gated "
+               "attention layers), which the estimator does not count",
+    "qwen3_5_moe": "Qwen3-VL's tower with a hybrid mixture-of-experts language model, "
+                   "which the estimator does not count",
+}
 LANGUAGE_MODEL = "model.language_model."
-# Every family's tower and projector: a VLM's tp_plan is its language model's.
+# Every family's tower and projector: a VLM's tp_plan is its language model's (Qwen's
+# mergers are inside its tower, model.visual).
 VISION_PREFIXES = (llava.TOWER, llava.PROJECTOR, qwen2_vl.TOWER, gemma3.TOWER, gemma3.PROJECTOR,
                    paligemma.TOWER, paligemma.PROJECTOR, llava_next.NEWLINE, idefics3.TOWER,
                    idefics3.PROJECTOR, mllama.TOWER, mllama.PROJECTOR)
@@ -63,5 +75,5 @@ def part_of(name: str, vision) -> str:
     return "language_model"
 
 
-__all__ = ["COUNTED", "LANGUAGE_MODEL", "Training", "VISION_PREFIXES", "language", "part_of",
-           "read", "text_prefix"]
+__all__ = ["COUNTED", "LANGUAGE_MODEL", "REFUSED", "Training", "VISION_PREFIXES", "language",
+           "part_of", "read", "text_prefix"]

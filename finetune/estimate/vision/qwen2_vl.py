@@ -43,7 +43,7 @@ MAX_ASPECT = 200  # smart_resize refuses more
 
 @dataclass(frozen=True)
 class QwenVision:
-    family: str                  # qwen2_vl or qwen2_5_vl
+    family: str                  # qwen2_vl or qwen2_5_vl (qwen3_vl: qwen3_vl.Qwen3Vision)
     tower: str                   # the vision config's model type
     hidden: int                  # the tower's width (Qwen2-VL: embed_dim)
     intermediate: int            # its MLP's
@@ -187,6 +187,14 @@ def _vision_int(vision: dict[str, Any], key: str, alias: str, where: str) -> int
     return positive({key: vision.get(key, vision.get(alias))}, key, where)
 
 
+def square_patches(vision: dict[str, Any], where: str) -> None:
+    """transformers' config also takes a patch size per axis: the estimator reads one."""
+    for key in ("patch_size", "temporal_patch_size"):
+        if not isinstance(vision.get(key), int):
+            raise ConfigError([f"{where}: vision_config.{key} must be one integer (the "
+                               f"estimator reads square patches), got {vision.get(key)!r}"])
+
+
 def read(config: dict[str, Any], where: str,
          processor: dict[str, Any] | None = None) -> tuple[dict[str, Any], QwenVision]:
     """(the language model's config, read as a qwen2 one; the vision shape). A published
@@ -213,10 +221,7 @@ def read(config: dict[str, Any], where: str,
         intermediate = positive(vision, "intermediate_size", where)
     else:
         intermediate = int(hidden * vision.get("mlp_ratio", 4))
-    for key in ("patch_size", "temporal_patch_size"):
-        if not isinstance(vision.get(key), int):
-            raise ConfigError([f"{where}: vision_config.{key} must be one integer (the "
-                               f"estimator reads square patches), got {vision.get(key)!r}"])
+    square_patches(vision, where)
     blocks = vision.get("fullatt_block_indexes", ()) if qwen25 else ()
     low, high = _pixels(processor, where)
     shape = QwenVision(
