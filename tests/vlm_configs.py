@@ -44,6 +44,46 @@ QWEN25_VL_3B = {
                       "fullatt_block_indexes": [7, 15, 23, 31], "tokens_per_second": 2,
                       "temporal_patch_size": 2},
     "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]}, "vocab_size": 151936}
+# Qwen/Qwen3-VL-2B-Instruct's and Qwen/Qwen3-VL-8B-Instruct's config.json, transcribed
+# from copies of them in public repositories (the sizes; the keys as a complete copy of
+# Qwen3-VL-4B-Instruct's lists them): the vision config names its model type "qwen3_vl",
+# which Qwen3VLConfig renames qwen3_vl_vision.
+_QWEN3_VL_TEXT = {"attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 151643,
+                  "dtype": "bfloat16", "eos_token_id": 151645, "head_dim": 128,
+                  "hidden_act": "silu", "initializer_range": 0.02,
+                  "max_position_embeddings": 262144, "model_type": "qwen3_vl_text",
+                  "num_key_value_heads": 8, "rms_norm_eps": 1e-06,
+                  "rope_scaling": {"mrope_interleaved": True, "mrope_section": [24, 20, 20],
+                                   "rope_type": "default"},
+                  "rope_theta": 5000000, "use_cache": True, "vocab_size": 151936}
+_QWEN3_VL_VISION = {"hidden_act": "gelu_pytorch_tanh", "in_channels": 3,
+                    "initializer_range": 0.02, "model_type": "qwen3_vl", "num_heads": 16,
+                    "num_position_embeddings": 2304, "patch_size": 16, "spatial_merge_size": 2,
+                    "temporal_patch_size": 2}
+_QWEN3_VL = {"architectures": ["Qwen3VLForConditionalGeneration"], "image_token_id": 151655,
+             "model_type": "qwen3_vl", "transformers_version": "4.57.0.dev0",
+             "video_token_id": 151656, "vision_end_token_id": 151653,
+             "vision_start_token_id": 151652}
+QWEN3_VL_2B = {
+    **_QWEN3_VL, "tie_word_embeddings": True,
+    "text_config": {**_QWEN3_VL_TEXT, "hidden_size": 2048, "intermediate_size": 6144,
+                    "num_attention_heads": 16, "num_hidden_layers": 28,
+                    "tie_word_embeddings": True},
+    "vision_config": {**_QWEN3_VL_VISION, "deepstack_visual_indexes": [5, 11, 17], "depth": 24,
+                      "hidden_size": 1024, "intermediate_size": 4096, "out_hidden_size": 2048}}
+QWEN3_VL_8B = {
+    **_QWEN3_VL, "tie_word_embeddings": False,
+    "text_config": {**_QWEN3_VL_TEXT, "hidden_size": 4096, "intermediate_size": 12288,
+                    "num_attention_heads": 32, "num_hidden_layers": 36,
+                    "tie_word_embeddings": False},
+    "vision_config": {**_QWEN3_VL_VISION, "deepstack_visual_indexes": [8, 16, 24], "depth": 27,
+                      "hidden_size": 1152, "intermediate_size": 4304, "out_hidden_size": 4096}}
+# What Qwen3-VL's preprocessor_config.json sets (its size: 256x256 to 4096x4096 pixels)
+QWEN3_VL_PROCESSOR = {"patch_size": 16, "temporal_patch_size": 2, "merge_size": 2,
+                      "size": {"longest_edge": 16777216, "shortest_edge": 65536},
+                      "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+                      "processor_class": "Qwen3VLProcessor",
+                      "image_processor_type": "Qwen2VLImageProcessorFast"}
 # google/gemma-3-4b-it's config.json.
 GEMMA3_4B = {
     "architectures": ["Gemma3ForConditionalGeneration"], "boi_token_index": 255999,
