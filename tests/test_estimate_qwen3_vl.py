@@ -24,8 +24,8 @@ from finetune.estimate.vision import qwen2_vl_activations
 
 VLM = QUICKSTART / "vlm.yaml"
 # By part, as transformers builds them (test_parameters_are_transformers_own); the totals
-# are the model cards' 2B and 8B (2.13B and 8.77B on the hub). The projector is the merger
-# and the 3 deepstack mergers.
+# are the models' names' 2B and 8B (2.13B, 8.77B). The projector is the merger and the 3
+# deepstack mergers.
 PARTS = {
     "qwen3-vl-2b": (QWEN3_VL_2B, {"language_model": 1_720_574_976,
                                   "vision_tower": 306_242_560, "projector": 100_714_496}),
