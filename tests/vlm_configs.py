@@ -347,6 +347,60 @@ def tiny_qwen2_vl(directory, family: str = "qwen2_vl"):
     return directory
 
 
+# A tiny SmolVLM: a 1-layer SigLIP-layout tower on 32x32 pictures (4 x 4 patches of 8,
+# pixel-shuffled 2x2 into 4 tokens), its processor not splitting pictures into tiles, so a
+# picture is <fake_token_around_image><global-img>, 4 <image> and <fake_token_around_image>.
+# The processor's files are written as tiny_qwen2_vl's are: SmolVLM's processor takes
+# videos, so it is built only where torchvision (and num2words) is.
+SMOLVLM_TOKENS = ("<fake_token_around_image>", "<global-img>", "<image>", "<end_of_utterance>")
+
+
+def tiny_smolvlm(directory):
+    """A model directory (config.json and the processor's files) of a tiny SmolVLM, for
+    `model.init: random`."""
+    import sys
+
+    from conftest import QUICKSTART
+
+    sys.path.insert(0, str(QUICKSTART))
+    import make_assets
+    import make_vlm_assets
+    from transformers import SmolVLMConfig
+    from transformers.models.smolvlm.image_processing_pil_smolvlm import \
+        SmolVLMImageProcessorPil
+
+    sys.path.remove(str(QUICKSTART))
+    tokenizer = make_assets.build_tokenizer()
+    tokenizer.add_tokens(list(SMOLVLM_TOKENS), special_tokens=True)
+    template = make_vlm_assets.CHAT_TEMPLATE.replace(make_vlm_assets.IMAGE_TOKEN, "<image>")
+    tokenizer.chat_template = template
+    tokenizer.save_pretrained(directory)
+    sizes = dict(do_image_splitting=False, size={"longest_edge": 32},
+                 max_image_size={"longest_edge": 32})
+    images = {**SmolVLMImageProcessorPil(**sizes).to_dict(), "processor_class": "SmolVLMProcessor",
+              "image_processor_type": "SmolVLMImageProcessor"}
+    videos = {**{k: v for k, v in images.items() if k != "image_processor_type"},
+              "video_processor_type": "SmolVLMVideoProcessor"}
+    for name, settings in (("preprocessor_config.json", images),
+                           ("video_preprocessor_config.json", videos),
+                           ("processor_config.json", {"image_seq_len": 4,
+                                                      "processor_class": "SmolVLMProcessor"}),
+                           ("chat_template.json", {"chat_template": template})):
+        (directory / name).write_text(json.dumps(settings, indent=2) + "\n")
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=2, image_size=32, patch_size=8)
+    text = dict(model_type="llama", vocab_size=len(tokenizer), hidden_size=64,
+                intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=256,
+                bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id)
+    SmolVLMConfig(architectures=["SmolVLMForConditionalGeneration"], vision_config=vision,
+                  text_config=text, scale_factor=2,
+                  image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+                  pad_token_id=tokenizer.pad_token_id).save_pretrained(directory)
+    return directory
+
+
 # A tiny Gemma 3: a 1-layer SigLIP tower on 32x32 pictures (4 x 4 patches of 8, pooled to
 # 2 x 2), so a picture is <start_of_image>, 4 <image_soft_token> and <end_of_image> in the
 # text (the processor puts them in place of the <start_of_image> its chat template
