@@ -138,4 +138,3 @@ def method_trainer(job: Job) -> Any:
     if qlora:
         match_adapter_precision(trainer.model, job.hardware.precision, before)
     return trainer
-
