@@ -150,7 +150,6 @@ def test_evaluation_as_training_begins_sees_the_untrained_model(tmp_path):
     assert deferred.evaluate()["eval_loss"] < before  # and training went on from there
 
 
-
 @pytest.mark.slow  # builds the tiny LLaVA (and imports torch.distributed.fsdp)
 @pytest.mark.parametrize("version", [1, 2])
 def test_fsdp_wraps_the_layers_a_vision_language_model_has(version):

@@ -60,7 +60,6 @@ def test_fsdp_trains_and_saves_a_whole_model(version, port, gpu, tmp_path, figur
     assert math.isfinite(summary["after"]["eval_loss"])
 
 
-
 @pytest.mark.parametrize("version,peft,port", [(1, "none", 29792), (2, "lora", 29793)])
 def test_fsdp_trains_a_vision_language_model(version, peft, port, gpu, tmp_path, figures):
     """The vision quickstart's tiny LLaVA under FSDP: its _no_split_modules name a class it
