@@ -187,6 +187,16 @@ def _vision_int(vision: dict[str, Any], key: str, alias: str, where: str) -> int
     return positive({key: vision.get(key, vision.get(alias))}, key, where)
 
 
+def tower_fields(vision: dict[str, Any], where: str) -> dict[str, Any]:
+    """What every Qwen tower's config gives alike: heads, channels, patches, merge, act."""
+    return dict(heads=_vision_int(vision, "num_heads", "num_attention_heads", where),
+                channels=positive(vision, "in_channels", where),
+                patch=positive(vision, "patch_size", where),
+                temporal_patch=positive(vision, "temporal_patch_size", where),
+                merge=positive(vision, "spatial_merge_size", where),
+                act=str(vision.get("hidden_act")))
+
+
 def square_patches(vision: dict[str, Any], where: str) -> None:
     """transformers' config also takes a patch size per axis: the estimator reads one."""
     for key in ("patch_size", "temporal_patch_size"):
@@ -227,12 +237,7 @@ def read(config: dict[str, Any], where: str,
     shape = QwenVision(
         family=kind, tower=str(vision.get("model_type", f"{kind}_vision")), hidden=hidden,
         intermediate=intermediate, layers=_vision_int(vision, "depth", "num_hidden_layers", where),
-        heads=_vision_int(vision, "num_heads", "num_attention_heads", where),
-        channels=positive(vision, "in_channels", where),
-        patch=positive(vision, "patch_size", where),
-        temporal_patch=positive(vision, "temporal_patch_size", where),
-        merge=positive(vision, "spatial_merge_size", where),
-        act=str(vision.get("hidden_act")),
+        **tower_fields(vision, where),
         out_hidden=positive(vision, "out_hidden_size" if qwen25 else "hidden_size", where),
         min_pixels=low, max_pixels=high,
         window=positive(vision, "window_size", where) if qwen25 else 0,

@@ -28,7 +28,7 @@ from finetune.estimate.param import Param
 from finetune.estimate.vision import qwen3_vl_activations
 from finetune.estimate.vision.common import Training, layer_norm, linear, positive, vision_config
 from finetune.estimate.vision.qwen2_vl import (TOWER, QwenVision, _pixels, _vision_int,
-                                               square_patches)
+                                               square_patches, tower_fields)
 
 MERGER = f"{TOWER}merger."
 DEEPSTACK = f"{TOWER}deepstack_merger_list."
@@ -135,12 +135,7 @@ def read(config: dict[str, Any], where: str,
         family="qwen3_vl", tower=MODEL_TYPE if tower == "qwen3_vl" else str(tower),
         hidden=positive(vision, "hidden_size", where),
         intermediate=positive(vision, "intermediate_size", where), layers=layers,
-        heads=_vision_int(vision, "num_heads", "num_attention_heads", where),
-        channels=positive(vision, "in_channels", where),
-        patch=positive(vision, "patch_size", where),
-        temporal_patch=positive(vision, "temporal_patch_size", where),
-        merge=positive(vision, "spatial_merge_size", where),
-        act=str(vision.get("hidden_act")),
+        **tower_fields(vision, where),
         out_hidden=positive(vision, "out_hidden_size", where),
         min_pixels=low, max_pixels=high,
         position_embeddings=positive(vision, "num_position_embeddings", where),
