@@ -165,7 +165,7 @@ class QwenVision:
         return qwen2_vl_activations.image_bytes(self, reg, checkpointing, training)
 
 
-def _pixels(processor: dict[str, Any] | None, where: str) -> tuple[int, int]:
+def pixel_bounds(processor: dict[str, Any] | None, where: str) -> tuple[int, int]:
     """(min_pixels, max_pixels) as the image processor reads them: its size, with
     min_pixels/max_pixels over it (preprocessor_config.json, else the class default)."""
     size = dict(class_attribute(*IMAGE_PROCESSOR, "size"))
@@ -182,14 +182,14 @@ def _pixels(processor: dict[str, Any] | None, where: str) -> tuple[int, int]:
     return low, high
 
 
-def _vision_int(vision: dict[str, Any], key: str, alias: str, where: str) -> int:
+def vision_int(vision: dict[str, Any], key: str, alias: str, where: str) -> int:
     """transformers' attribute_map lets a config name num_heads/depth by their usual names."""
     return positive({key: vision.get(key, vision.get(alias))}, key, where)
 
 
 def tower_fields(vision: dict[str, Any], where: str) -> dict[str, Any]:
     """What every Qwen tower's config gives alike: heads, channels, patches, merge, act."""
-    return dict(heads=_vision_int(vision, "num_heads", "num_attention_heads", where),
+    return dict(heads=vision_int(vision, "num_heads", "num_attention_heads", where),
                 channels=positive(vision, "in_channels", where),
                 patch=positive(vision, "patch_size", where),
                 temporal_patch=positive(vision, "temporal_patch_size", where),
@@ -233,10 +233,10 @@ def read(config: dict[str, Any], where: str,
         intermediate = int(hidden * vision.get("mlp_ratio", 4))
     square_patches(vision, where)
     blocks = vision.get("fullatt_block_indexes", ()) if qwen25 else ()
-    low, high = _pixels(processor, where)
+    low, high = pixel_bounds(processor, where)
     shape = QwenVision(
         family=kind, tower=str(vision.get("model_type", f"{kind}_vision")), hidden=hidden,
-        intermediate=intermediate, layers=_vision_int(vision, "depth", "num_hidden_layers", where),
+        intermediate=intermediate, layers=vision_int(vision, "depth", "num_hidden_layers", where),
         **tower_fields(vision, where),
         out_hidden=positive(vision, "out_hidden_size" if qwen25 else "hidden_size", where),
         min_pixels=low, max_pixels=high,

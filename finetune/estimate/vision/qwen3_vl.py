@@ -27,7 +27,7 @@ from finetune.estimate.defaults import config_defaults, with_defaults
 from finetune.estimate.param import Param
 from finetune.estimate.vision import qwen3_vl_activations
 from finetune.estimate.vision.common import Training, layer_norm, linear, positive, vision_config
-from finetune.estimate.vision.qwen2_vl import (TOWER, QwenVision, _pixels, _vision_int,
+from finetune.estimate.vision.qwen2_vl import (TOWER, QwenVision, pixel_bounds, vision_int,
                                                square_patches, tower_fields)
 
 MERGER = f"{TOWER}merger."
@@ -127,8 +127,8 @@ def read(config: dict[str, Any], where: str,
                 if v is not None}
     vision = {**defaults, **vision}
     square_patches(vision, where)
-    layers = _vision_int(vision, "depth", "num_hidden_layers", where)
-    low, high = _pixels(processor, where)
+    layers = vision_int(vision, "depth", "num_hidden_layers", where)
+    low, high = pixel_bounds(processor, where)
     # Qwen3VLConfig renames the vision model_type "qwen3_vl" of the published configs
     tower = vision.get("model_type", MODEL_TYPE)
     shape = Qwen3Vision(
