@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from finetune.estimate import cross_attention
+from finetune.estimate import cross_attention, linear_attention
 from finetune.estimate.shapes import Shape
 from finetune.estimate.walk import Regime, _gemma_norm, _linear, _norm, _T, _Walk
 
@@ -63,24 +63,42 @@ def _attention(w: _Walk, q: _T, k: _T, v: _T, shape: Shape, reg: Regime, seq: in
     return out
 
 
+def _self_attention(w: _Walk, y: _T, shape: Shape, reg: Regime, targets: frozenset[str],
+                    seq: int, grad: bool) -> _T:
+    """q/k/v, their norms, attention and o_proj; returns o_proj's output. Qwen3.5's gated
+    attention: q_proj also makes a gate, and o_proj reads the output times its sigmoid
+    (the product saves the output and the sigmoid's, which saves it too)."""
+    q_out = 2 * shape.q_dim if shape.attn_gate else shape.q_dim
+    q = _linear(w, y, q_out, reg, "q_proj" in targets, grad)
+    k = _linear(w, y, shape.kv_dim, reg, "k_proj" in targets, grad)
+    v = _linear(w, y, shape.kv_dim, reg, "v_proj" in targets, grad)
+    if shape.attn_gate:  # q_proj's halves; `gate` stands for the sigmoid's output
+        q, gate = w.new(shape.q_dim, q.nbytes), w.new(shape.q_dim, q.nbytes)
+    if shape.qk_norm:  # qwen3, gemma3: RMSNorm over each head of q and k
+        q = _any_norm(w, q, shape.heads, reg, shape)
+        k = _any_norm(w, k, shape.kv_heads, reg, shape)
+    out = _attention(w, q, k, v, shape, reg, seq)
+    if shape.attn_gate:
+        w.save(out, gate)
+        out = w.new(shape.q_dim, max(out.nbytes, gate.nbytes))
+    return _linear(w, out, shape.hidden, reg, "o_proj" in targets)
+
+
 def layer_bytes(shape: Shape, reg: Regime, targets: frozenset[str], seq: int,
                 grad: bool = True, index: int = -1) -> int:
     """Bytes saved by one decoder layer, per token. grad: whether its input requires grad.
-    index: the layer's (mllama's cross-attention layers walk their own way)."""
+    index: the layer's (mllama's cross-attention layers walk their own way, Qwen3.5's
+    Gated DeltaNet layers their token mixer: linear_attention.py)."""
     if index in shape.cross_layers:
         return cross_attention.layer_bytes(shape, reg, targets, grad)
     w = _Walk()
     h, i = shape.hidden, shape.intermediate
     x = w.new(h, reg.residual)
     y = _any_norm(w, x, 1, reg, shape, grad)
-    q = _linear(w, y, shape.q_dim, reg, "q_proj" in targets, grad)
-    k = _linear(w, y, shape.kv_dim, reg, "k_proj" in targets, grad)
-    v = _linear(w, y, shape.kv_dim, reg, "v_proj" in targets, grad)
-    if shape.qk_norm:  # qwen3, gemma3: RMSNorm over each head of q and k
-        q = _any_norm(w, q, shape.heads, reg, shape)
-        k = _any_norm(w, k, shape.kv_heads, reg, shape)
-    out = _attention(w, q, k, v, shape, reg, seq)
-    o = _linear(w, out, h, reg, "o_proj" in targets)
+    if index in shape.linear_layers:
+        o = linear_attention.mixer_bytes(w, y, shape, reg, targets, seq, grad)
+    else:
+        o = _self_attention(w, y, shape, reg, targets, seq, grad)
     if shape.sandwich:  # Gemma 2/3's post_attention_layernorm, on the attention's output
         o = _gemma_norm(w, o, 1, reg.base_trainable)
     x2 = w.new(h, max(reg.residual, o.nbytes))

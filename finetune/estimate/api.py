@@ -8,7 +8,7 @@ from finetune.config.derived.kernels import Kernels, installed
 from finetune.config.methods import method, names_where, spoken
 from finetune.config.schema import Experiment
 from finetune.errors import ConfigError
-from finetune.estimate import vision, vision_peft
+from finetune.estimate import linear_attention, vision, vision_peft
 from finetune.estimate.census import census, value_census, value_head
 from finetune.estimate.core import (CUDA_CONTEXT, FRAGMENTATION, GiB, Evaluation, evaluate,
                                     ladder_layouts)
@@ -112,6 +112,8 @@ def _assumptions(settings: Settings, shape: Shape) -> list[str]:
     attention = {"sdpa": "sdpa" + mask, "eager": "eager (scores kept)" + mask,
                  "flash": "a flash/varlen kernel, no mask"}
     out.append(f"attention: {attention[settings.attention]}")
+    if shape.linear_layers:
+        out.append(linear_attention.note(shape))
     if settings.fused_loss:
         out.append("use_liger_kernel: the fused linear cross-entropy never holds the logits "
                    "(counted as 0)")

@@ -1,8 +1,8 @@
 """Model shapes from a config.json, read as JSON: the estimator must not import torch.
 
-The parameter list mirrors what transformers builds for llama, mistral, qwen2 and qwen3,
-and for the vision-language models of vision/ (their language model, a vision tower and a
-projector),
+The parameter list mirrors what transformers builds for llama, mistral, qwen2, qwen3, the
+Gemmas and Qwen3.5's hybrid language model (linear_attention.py), and for the
+vision-language models of vision/ (their language model, a vision tower and a projector),
 names included, so a test can compare tensor by tensor; other architectures are refused
 rather than guessed.
 """
@@ -18,11 +18,12 @@ from typing import Any
 
 from finetune.config.vision import image_text_model_types
 from finetune.errors import ConfigError
-from finetune.estimate import cross_attention, vision
+from finetune.estimate import cross_attention, linear_attention, vision
 from finetune.estimate.defaults import with_defaults
 from finetune.estimate.param import Param
 
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text",
+             "qwen3_5_text")
 # Gemma's decoders (transformers models/gemma, gemma2, gemma3): Gemma's RMSNorm (x * (1 + w),
 # in fp32) and a GELU-tanh MLP; Gemma 2 and 3 add a norm after attention and after the MLP
 # (sandwich norms), Gemma 3 q/k norms. Their config classes' head_dim (256) is not
@@ -57,6 +58,9 @@ class Shape:
     attn_softcap: bool = False         # Gemma 2: the attention scores are capped so too
     cross_layers: tuple[int, ...] = ()  # mllama: cross-attention layers (cross_attention.py)
     extra_embeddings: int = 0          # mllama: embed_tokens rows past the vocabulary
+    linear_layers: tuple[int, ...] = ()  # qwen3_5: Gated DeltaNet layers (linear_attention.py)
+    delta: Any = None                  # qwen3_5: their sizes (linear_attention.DeltaNet)
+    attn_gate: bool = False            # qwen3_5: q_proj also makes the output's sigmoid gate
 
     @property
     def image_tokens(self) -> int:
@@ -162,6 +166,8 @@ def shape_of(config: dict[str, Any], where: str,
                            f"(supported: {', '.join(SUPPORTED)})"])
     if kind in GEMMA:
         config = with_defaults(config, *GEMMA[kind])
+    if kind == "qwen3_5_text":
+        config = with_defaults(config, *linear_attention.CONFIG)
     hidden = _int(config, "hidden_size", where)
     heads = _int(config, "num_attention_heads", where)
     kv_heads = _int(config, "num_key_value_heads", where, default=heads)
@@ -170,21 +176,24 @@ def shape_of(config: dict[str, Any], where: str,
     attention_bias = bool(config.get("attention_bias", False))
     qkv_bias = {"qwen2": True, "mistral": False}.get(kind, attention_bias)
     o_bias = {"qwen2": False, "mistral": False}.get(kind, attention_bias)
+    layers = _int(config, "num_hidden_layers", where)
+    hybrid = kind == "qwen3_5_text"
+    linear, delta = linear_attention.read(config, layers, where) if hybrid else ((), None)
     return Shape(
         model_type=kind, hidden=hidden, intermediate=_int(config, "intermediate_size", where),
-        layers=_int(config, "num_hidden_layers", where), heads=heads, kv_heads=kv_heads,
+        layers=layers, heads=heads, kv_heads=kv_heads,
         head_dim=_int({"head_dim": head_dim}, "head_dim", where),
         vocab=_int(config, "vocab_size", where),
         tied=bool(config.get("tie_word_embeddings", False)),
         qkv_bias=qkv_bias, o_bias=o_bias,
         mlp_bias=kind == "llama" and bool(config.get("mlp_bias", False)),
-        qk_norm=kind in ("qwen3", "gemma3_text"), gemma=kind in GEMMA,
+        qk_norm=kind in ("qwen3", "gemma3_text") or hybrid, gemma=kind in GEMMA or hybrid,
         sandwich=kind in ("gemma2", "gemma3_text"),
         logit_softcap=kind in GEMMA and config.get("final_logit_softcapping") is not None,
         attn_softcap=kind in GEMMA and config.get("attn_logit_softcapping") is not None,
         max_positions=_int(config, "max_position_embeddings", where)
         if config.get("max_position_embeddings") is not None else None,
-        source=where)
+        source=where, linear_layers=linear, delta=delta, attn_gate=hybrid)
 
 
 def read_shape(name_or_path: str, revision: str | None = None) -> Shape:
@@ -224,13 +233,18 @@ def linears(shape: Shape, head: str, num_labels: int = 1) -> list[Linear]:
     out = [Linear(f"{lm}embed_tokens", shape.vocab + shape.extra_embeddings, h, False,
                   "embedding")]
     for n in range(shape.layers):
-        a = f"{lm}layers.{n}.{cross_attention.attention_name(shape, n)}"
+        a = f"{lm}layers.{n}.{_attention_name(shape, n)}"
         m = f"{lm}layers.{n}.mlp"
-        out += [Linear(f"{a}.q_proj", h, shape.q_dim, shape.qkv_bias, "layer"),
-                Linear(f"{a}.k_proj", h, shape.kv_dim, shape.qkv_bias, "layer"),
-                Linear(f"{a}.v_proj", h, shape.kv_dim, shape.qkv_bias, "layer"),
-                Linear(f"{a}.o_proj", shape.q_dim, h, shape.o_bias, "layer"),
-                Linear(f"{m}.gate_proj", h, i, shape.mlp_bias, "layer"),
+        if n in shape.linear_layers:
+            out += [Linear(name, inp, o, False, "layer")
+                    for name, inp, o in linear_attention.projections(shape, a)]
+        else:  # Qwen3.5's gated attention: q_proj makes the query and its output's gate
+            q_out = 2 * shape.q_dim if shape.attn_gate else shape.q_dim
+            out += [Linear(f"{a}.q_proj", h, q_out, shape.qkv_bias, "layer"),
+                    Linear(f"{a}.k_proj", h, shape.kv_dim, shape.qkv_bias, "layer"),
+                    Linear(f"{a}.v_proj", h, shape.kv_dim, shape.qkv_bias, "layer"),
+                    Linear(f"{a}.o_proj", shape.q_dim, h, shape.o_bias, "layer")]
+        out += [Linear(f"{m}.gate_proj", h, i, shape.mlp_bias, "layer"),
                 Linear(f"{m}.up_proj", h, i, shape.mlp_bias, "layer"),
                 Linear(f"{m}.down_proj", i, h, shape.mlp_bias, "layer")]
     if head == "lm":
@@ -238,6 +252,13 @@ def linears(shape: Shape, head: str, num_labels: int = 1) -> list[Linear]:
     else:
         out.append(Linear("score", h, num_labels, False, "head"))
     return out
+
+
+def _attention_name(shape: Shape, n: int) -> str:
+    """Layer n's token mixer: self_attn, mllama's cross_attn or Qwen3.5's linear_attn."""
+    if n in shape.linear_layers:
+        return "linear_attn"
+    return cross_attention.attention_name(shape, n)
 
 
 def matched(candidates: list[Linear], target) -> list[Linear]:
@@ -259,9 +280,12 @@ def module_names(shape: Shape, head: str) -> list[str]:
     names = [lm.rstrip("."), f"{lm}embed_tokens", f"{lm}layers"]
     for n in range(shape.layers):
         p = f"{lm}layers.{n}"
-        a = f"{p}.{cross_attention.attention_name(shape, n)}"
-        names += [p, a, f"{a}.q_proj", f"{a}.k_proj", f"{a}.v_proj", f"{a}.o_proj"]
-        if shape.qk_norm or n in shape.cross_layers:
+        a = f"{p}.{_attention_name(shape, n)}"
+        if n in shape.linear_layers:
+            names += [p, *linear_attention.module_names(shape, a)]
+        else:
+            names += [p, a, f"{a}.q_proj", f"{a}.k_proj", f"{a}.v_proj", f"{a}.o_proj"]
+        if (shape.qk_norm and n not in shape.linear_layers) or n in shape.cross_layers:
             names += [f"{a}.q_norm", f"{a}.k_norm"]
         names += [f"{p}.mlp", f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj", f"{p}.mlp.down_proj",
                   f"{p}.mlp.act_fn", *(f"{p}.{norm}" for norm in _norms(shape))]
@@ -287,6 +311,10 @@ def parameters(shape: Shape, head: str, num_labels: int = 1) -> list[Param]:
                         "embedding", f"{lm}embed_tokens", h))
     for lin in linears(shape, head, num_labels):
         if lin.kind != "layer":
+            continue
+        if lin.name.endswith(".linear_attn.out_proj"):  # the first of a Gated DeltaNet's
+            params += linear_attention.parameters(shape, lin.name.rsplit(".", 1)[0])
+        if ".linear_attn." in lin.name:
             continue
         params.append(Param(f"{lin.name}.weight", lin.inp * lin.out, "linear", lin.name, lin.out))
         if lin.bias:
