@@ -1,6 +1,7 @@
 """A vision-language model's vision tower and projector, from its config.json (torch-free),
 one module per family: LLaVA (llava.py), LLaVA-NeXT (llava_next.py), Qwen2-VL and
-Qwen2.5-VL (qwen2_vl.py), Qwen3-VL (qwen3_vl.py, on Qwen2-VL's shape), Gemma 3 (gemma3.py),
+Qwen2.5-VL (qwen2_vl.py), Qwen3-VL (qwen3_vl.py, on Qwen2-VL's shape), Qwen3.5 (qwen3_5.py:
+Qwen3-VL's tower; its hybrid language model in estimate/linear_attention.py), Gemma 3 (gemma3.py),
 PaliGemma (paligemma.py), Idefics3 and SmolVLM (idefics3.py), their SigLIP-layout towers
 in siglip.py, Mistral 3 (mistral3.py, its Pixtral tower's activations in
 pixtral_activations.py), InternVL (internvl.py) and Llama 3.2 Vision (mllama.py; its
@@ -23,11 +24,11 @@ from __future__ import annotations
 from typing import Any
 
 from finetune.estimate.vision import (gemma3, idefics3, internvl, llava, llava_next, mistral3,
-                                      mllama, paligemma, qwen2_vl, qwen3_vl)
+                                      mllama, paligemma, qwen2_vl, qwen3_5, qwen3_vl)
 from finetune.estimate.vision.common import Training
 
 FAMILIES = {"llava": llava, "qwen2_vl": qwen2_vl, "qwen2_5_vl": qwen2_vl, "qwen3_vl": qwen3_vl,
-            "gemma3": gemma3, "paligemma": paligemma, "llava_next": llava_next,
+            "qwen3_5": qwen3_5, "gemma3": gemma3, "paligemma": paligemma, "llava_next": llava_next,
             "idefics3": idefics3, "smolvlm": idefics3, "mistral3": mistral3,
             "internvl": internvl, "mllama": mllama}
 COUNTED = tuple(FAMILIES)
@@ -36,10 +37,9 @@ REFUSED = {
     "qwen3_vl_moe": "Qwen3-VL's tower with a mixture-of-experts language model (routed "
                     "experts), which the estimator does not count (it counts the dense "
                     "qwen3_vl)",
-    "qwen3_5": "Qwen3-VL's tower with a hybrid language model (Gated DeltaNet and gated "
-               "attention layers), which the estimator does not count",
-    "qwen3_5_moe": "Qwen3-VL's tower with a hybrid mixture-of-experts language model, "
-                   "which the estimator does not count",
+    "qwen3_5_moe": "Qwen3.5's tower and hybrid language model with mixture-of-experts "
+                   "MLPs (routed experts), which the estimator does not count (it counts "
+                   "the dense qwen3_5)",
 }
 LANGUAGE_MODEL = "model.language_model."
 # Every family's tower and projector: a VLM's tp_plan is its language model's (Qwen's
