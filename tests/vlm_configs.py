@@ -84,6 +84,38 @@ QWEN3_VL_PROCESSOR = {"patch_size": 16, "temporal_patch_size": 2, "merge_size": 
                       "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
                       "processor_class": "Qwen3VLProcessor",
                       "image_processor_type": "Qwen2VLImageProcessorFast"}
+# Qwen/Qwen3.5-0.8B's config.json, its sizes transcribed from a copy in a public repository
+# (brolm's qwen35 config test, "a compact mirror": the other keys are Qwen3_5Config's
+# defaults); every 4th layer full attention, 16 key and 16 value heads in the Gated
+# DeltaNet layers. QWEN3_5_DEFAULTS: Qwen3_5Config's own defaults (a "Qwen3.5-9B style"
+# language model, 16 key and 32 value heads; Qwen3-VL-8B's tower, 27 blocks).
+QWEN3_5_0_8B = {
+    "architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+    "image_token_id": 248056, "video_token_id": 248057, "vision_start_token_id": 248053,
+    "vision_end_token_id": 248054, "tie_word_embeddings": True,
+    "text_config": {"vocab_size": 248320, "hidden_size": 1024, "intermediate_size": 3584,
+                    "num_hidden_layers": 24, "num_attention_heads": 8, "num_key_value_heads": 2,
+                    "head_dim": 256, "attention_bias": False, "attn_output_gate": True,
+                    "linear_num_key_heads": 16, "linear_num_value_heads": 16,
+                    "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+                    "linear_conv_kernel_dim": 4, "rms_norm_eps": 1e-6,
+                    "full_attention_interval": 4, "max_position_embeddings": 262144,
+                    "tie_word_embeddings": True, "mtp_num_hidden_layers": 1,
+                    "mtp_use_dedicated_embeddings": False,
+                    "layer_types": ["linear_attention"] * 3 + ["full_attention"]
+                    + ["linear_attention"] * 3 + ["full_attention"]
+                    + ["linear_attention"] * 3 + ["full_attention"]
+                    + ["linear_attention"] * 3 + ["full_attention"]
+                    + ["linear_attention"] * 3 + ["full_attention"]
+                    + ["linear_attention"] * 3 + ["full_attention"],
+                    "rope_parameters": {"mrope_interleaved": True, "mrope_section": [11, 11, 10],
+                                        "rope_theta": 10000000, "partial_rotary_factor": 0.25}},
+    "vision_config": {"depth": 12, "hidden_size": 768, "num_heads": 12,
+                      "intermediate_size": 3072, "in_channels": 3, "patch_size": 16,
+                      "temporal_patch_size": 2, "spatial_merge_size": 2, "out_hidden_size": 1024,
+                      "num_position_embeddings": 2304, "deepstack_visual_indexes": []}}
+QWEN3_5_DEFAULTS = {"architectures": ["Qwen3_5ForConditionalGeneration"],
+                    "model_type": "qwen3_5"}
 # google/gemma-3-4b-it's config.json.
 GEMMA3_4B = {
     "architectures": ["Gemma3ForConditionalGeneration"], "boi_token_index": 255999,

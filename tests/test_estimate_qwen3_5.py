@@ -1,0 +1,228 @@
+"""`finetune estimate` for Qwen3.5 (vision/qwen3_5.py: Qwen3-VL's tower without deepstack;
+estimate/linear_attention.py: the hybrid language model of Gated DeltaNet and gated
+attention layers): the published and the default configs' parts against what transformers
+builds (the meta device), every parameter by name, LoRA's targets against apply_peft, what
+one Gated DeltaNet layer and one gated attention layer save against autograd (a small
+model, random weights, CPU autocast), the text-only qwen3_5_text, the report, the CLI and
+bad configs."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import replace
+
+import pytest
+
+from conftest import QUICKSTART, run_cli
+from vlm_configs import CPU_AUTOCAST, QWEN3_5_0_8B, QWEN3_5_DEFAULTS, kept_by_autograd, model_dir
+from finetune.config import load_experiment
+from finetune.errors import ConfigError
+from finetune.estimate import estimate, render_text
+from finetune.estimate.activations import layer_bytes
+from finetune.estimate.census import census
+from finetune.estimate.shapes import parameters, read_shape
+
+VLM = QUICKSTART / "vlm.yaml"
+SFT = QUICKSTART / "sft.yaml"
+# By part, as transformers builds them (test_parameters_are_transformers_own): Qwen3.5-0.8B
+# (0.853B, its embeddings tied) and Qwen3_5Config's defaults (9.41B). The projector is the
+# merger (no deepstack mergers).
+PARTS = {
+    "qwen3.5-0.8b": (QWEN3_5_0_8B, {"language_model": 752_393_024, "vision_tower": 88_004_352,
+                                    "projector": 12_588_544}),
+    "qwen3.5-defaults": (QWEN3_5_DEFAULTS, {"language_model": 8_953_803_264,
+                                            "vision_tower": 415_891_440,
+                                            "projector": 37_759_232}),
+}
+# A small hybrid language model: a Gated DeltaNet layer (2 key heads, 4 value heads:
+# queries and keys repeated) and a gated attention layer; 2 blocks of Qwen3.5's tower.
+SMALL_TEXT = {"model_type": "qwen3_5_text", "hidden_size": 64, "intermediate_size": 96,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "head_dim": 32, "vocab_size": 300, "linear_num_key_heads": 2,
+              "linear_num_value_heads": 4, "linear_key_head_dim": 32,
+              "linear_value_head_dim": 32, "layer_types": ["linear_attention", "full_attention"],
+              "tie_word_embeddings": False}
+SMALL = {**QWEN3_5_0_8B, "tie_word_embeddings": False,
+         "text_config": {k: v for k, v in SMALL_TEXT.items() if k != "model_type"},
+         "vision_config": {**QWEN3_5_0_8B["vision_config"], "depth": 2, "hidden_size": 64,
+                           "intermediate_size": 80, "num_heads": 4, "out_hidden_size": 64,
+                           "num_position_embeddings": 64}}
+
+
+def _with(config: dict, part: str = "text_config", **values) -> dict:
+    return {**config, part: {**config[part], **values}}
+
+
+def _meta_model(path):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    config = AutoConfig.from_pretrained(path)
+    auto = AutoModelForCausalLM if config.model_type == "qwen3_5_text" else \
+        AutoModelForImageTextToText
+    with torch.device("meta"):
+        return auto.from_config(config)
+
+
+@pytest.mark.parametrize("name", PARTS)
+def test_parts_and_total(tmp_path, name):
+    config, parts = PARTS[name]
+    result = estimate(load_experiment(VLM, [f"model.name_or_path={model_dir(tmp_path, config)}"]))
+    assert result.parts == parts
+    assert result.params == result.trainable_params == sum(parts.values())
+
+
+@pytest.mark.slow  # imports torch; the meta device builds no weights (about 4 s)
+def test_parameters_are_transformers_own(tmp_path):
+    """By name, count and order: the published and the default configs, the small one
+    untied, and the text-only qwen3_5_text (Qwen3_5ForCausalLM)."""
+    pytest.importorskip("torch")
+    for config in [c for c, _ in PARTS.values()] + [SMALL, SMALL_TEXT]:
+        path = model_dir(tmp_path, config)
+        real = [(n, p.numel()) for n, p in _meta_model(path).named_parameters()]
+        assert [(p.name, p.numel) for p in parameters(read_shape(str(path)), "lm")] == real
+
+
+@pytest.mark.slow  # imports torch and peft; the meta device builds no weights (about 4 s)
+def test_lora_and_qlora_as_training_puts_them(tmp_path):
+    """Qwen3.5-0.8B on the meta device through apply_peft, tensor by tensor: all-linear
+    puts adapters on every Linear of the language model, the Gated DeltaNet's in_proj_qkv,
+    in_proj_z, in_proj_b, in_proj_a and out_proj among them (its conv1d is no Linear), the
+    tower's too where it trains; named modules; a frozen tower under full fine-tuning.
+    QLoRA's 4-bit weights are exactly the Linears outside what training keeps
+    unquantized."""
+    torch = pytest.importorskip("torch")
+    from transformers import AutoConfig, AutoModelForImageTextToText
+    from test_estimate_vision_peft import _estimate_name
+    from finetune.model.peft import apply_peft
+    from finetune.model.vision_parts import inside, unquantized
+
+    path = model_dir(tmp_path, QWEN3_5_0_8B)
+    config = AutoConfig.from_pretrained(path)
+    dtypes = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+    for overrides in (["peft.type=lora", "peft.r=2"],
+                      ["peft.type=lora", "peft.r=2", "vision.freeze_tower=false"],
+                      ["peft.type=lora", "peft.r=2",
+                       "peft.target_modules=[in_proj_qkv,q_proj,out_proj]"],
+                      ["vision.freeze_tower=true"]):
+        experiment = load_experiment(VLM, ["precision=bf16", f"model.name_or_path={path}",
+                                           *overrides])
+        dtype = torch.bfloat16 if experiment.peft.type == "lora" else torch.float32
+        with torch.device("meta"):
+            model = AutoModelForImageTextToText.from_config(config, dtype=dtype)
+            model = apply_peft(model, experiment, gradient_checkpointing=False)
+        real = {_estimate_name(n): (p.numel(), p.numel() * p.element_size(), dtypes[p.dtype],
+                                    p.requires_grad) for n, p in model.named_parameters()}
+        result = estimate(experiment)
+        assert {t.name: (t.numel, t.nbytes, t.dtype, t.trainable)
+                for t in census(result.shape, result.settings)} == real, overrides
+        if overrides == ["peft.type=lora", "peft.r=2"]:
+            adapted = {n.split(".")[-2] for n in real if n.endswith("lora_A")}
+            assert {"in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj",
+                    "q_proj", "o_proj", "down_proj"} <= adapted
+    qlora = load_experiment(VLM, ["precision=bf16", f"model.name_or_path={path}",
+                                  "peft.type=qlora", "peft.r=2"])
+    skipped = unquantized(qlora, config)
+    linears = [n for n, m in _meta_model(path).named_modules()
+               if isinstance(m, torch.nn.Linear)]
+    result = estimate(qlora)
+    assert {t.name for t in census(result.shape, result.settings) if t.dtype == "nf4"} == \
+        {f"{n}.weight" for n in linears if not any(inside(n, s) for s in skipped)}
+
+
+@pytest.mark.slow  # imports torch; two small layers, a few forwards (about 3 s)
+@pytest.mark.parametrize("seq", [128, 100, 64])
+def test_layer_activations_against_autograd(tmp_path, seq):
+    """Each layer of the small language model, fp32 weights, CPU autocast, one row of seq
+    tokens (100: padded to 2 chunks of 64; 64: one chunk), trained and with every weight frozen (the input
+    needing its gradient, as under LoRA): what autograd keeps, less the 16-bit weight
+    copies, against layer_bytes and the RMSNorms' 1 + weight (in fp32, per layer, not per
+    token): within 0.01% (left out: exp(A_log), per layer). The gated attention layer once
+    two more things are added: the rotary cos/sin (made once per forward) and
+    the copy the CPU makes of sdpa's output, laid out (batch, heads, seq, dim) where CUDA's
+    kernels write (batch, seq, heads, dim) and the transpose is free."""
+    torch = pytest.importorskip("torch")
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = model_dir(tmp_path, SMALL_TEXT)
+    shape = read_shape(str(path))
+    assert shape.linear_layers == (0,)
+    config = AutoConfig.from_pretrained(path)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).train()
+    inner = model.model
+    storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    x = torch.randn(1, seq, shape.hidden, requires_grad=True)
+    cos, sin = inner.rotary_emb(x, torch.arange(seq)[None].expand(3, 1, -1))
+    for trained in (True, False):
+        reg = CPU_AUTOCAST if trained else replace(CPU_AUTOCAST, base_trainable=False)
+        for p in model.parameters():
+            p.requires_grad_(trained)
+        for n, layer in enumerate(inner.layers):
+            _, kept = kept_by_autograd(lambda: layer(x, position_embeddings=(cos, sin)),
+                                       storages)
+            kept -= sum(2 * p.numel() for p in layer.parameters() if p.dim() > 1)
+            expected = seq * layer_bytes(shape, reg, frozenset(), seq, index=n) + sum(
+                4 * m.weight.numel() for m in layer.modules()  # 1 + weight, in fp32
+                if type(m).__name__ == "Qwen3_5RMSNorm")
+            if n not in shape.linear_layers:
+                expected += seq * shape.q_dim * 2 + cos.numel() * 4 + sin.numel() * 4
+            assert abs(kept - expected) <= 0.0001 * kept, (n, trained, kept, expected)
+
+
+def test_the_report_says_what_it_assumed(tmp_path):
+    path = model_dir(tmp_path, QWEN3_5_0_8B)
+    text = render_text(estimate(load_experiment(VLM, [f"model.name_or_path={path}",
+                                                      "training.max_length=1024"])))
+    assert "Gated DeltaNet layers (18 of 24): transformers' PyTorch linear attention " \
+           "(torch_chunk_gated_delta_rule over chunks of 64 tokens, F.conv1d), what finetune " \
+           "runs; flash-linear-attention and causal-conv1d, where installed, would save " \
+           "other tensors" in text
+    assert "vision tower: qwen3_5_vision, 12 blocks over 1200 patches an image (attention " \
+           "over the whole image), all kept for the backward;" in text
+
+
+def test_the_text_model_alone(tmp_path):
+    """qwen3_5_text (Qwen3_5ForCausalLM) through the same code: the language model of
+    Qwen3.5-0.8B, its names under model., its head tied as its text config says."""
+    text = {**QWEN3_5_0_8B["text_config"], "model_type": "qwen3_5_text"}
+    result = estimate(load_experiment(SFT, [f"model.name_or_path={model_dir(tmp_path, text)}"]))
+    assert result.params == PARTS["qwen3.5-0.8b"][1]["language_model"]
+    assert result.shape.prefix == "model." and result.shape.tied
+    assert len(result.shape.linear_layers) == 18
+
+
+@pytest.mark.slow  # a CLI process
+def test_cli(tmp_path):
+    model = model_dir(tmp_path, QWEN3_5_0_8B)
+    result = run_cli("estimate", str(VLM), f"model.name_or_path={model}", "peft.type=lora",
+                     "training.max_length=1024", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    for text in ("model: qwen3_5, 0.853B parameters", "300 tokens an image",
+                 "Gated DeltaNet layers (18 of 24)"):
+        assert text in result.stdout, text
+    data = json.loads(run_cli("estimate", str(VLM), f"model.name_or_path={model}", "--json",
+                              cwd=tmp_path).stdout)
+    assert data["model"]["parts"] == PARTS["qwen3.5-0.8b"][1]
+
+
+@pytest.mark.parametrize("config, message", [
+    (_with(QWEN3_5_0_8B, layer_types=["linear_attention"] * 23),
+     "layer_types must list 24 (num_hidden_layers) of linear_attention "
+     "or full_attention"),
+    (_with(QWEN3_5_0_8B, layer_types=["linear_attention"] * 23 + ["sliding_attention"]),
+     "layer_types must list 24"),
+    (_with(QWEN3_5_0_8B, linear_num_value_heads=24),
+     "linear_num_value_heads (24) must be a multiple of linear_num_key_heads (16)"),
+    (_with(QWEN3_5_0_8B, linear_key_head_dim=0), "linear_key_head_dim must be an integer"),
+    ({**QWEN3_5_0_8B, "text_config": "big"}, "text_config must be an object"),
+    ({**QWEN3_5_0_8B, "model_type": "qwen3_5_moe"},
+     "model_type 'qwen3_5_moe' is Qwen3.5's tower and hybrid language model with "
+     "mixture-of-experts MLPs"),
+], ids=["layers", "kind", "heads", "head-dim", "text", "moe"])
+def test_bad_configs_are_one_error_naming_the_key(tmp_path, config, message):
+    with pytest.raises(ConfigError, match=re.escape(message)) as raised:
+        read_shape(str(model_dir(tmp_path, config)))
+    assert len(raised.value.problems) == 1
