@@ -2,8 +2,8 @@
 estimate/linear_attention.py: the hybrid language model of Gated DeltaNet and gated
 attention layers): the published and the default configs' parts against what transformers
 builds (the meta device), every parameter by name, LoRA's targets against apply_peft, what
-one Gated DeltaNet layer and one gated attention layer save against autograd (a small
-model, random weights, CPU autocast), the text-only qwen3_5_text, the report, the CLI and
+one Gated DeltaNet layer, one gated attention layer and the tower save against autograd
+(a small model, random weights, CPU autocast), the text-only qwen3_5_text, the report, the CLI and
 bad configs."""
 
 from __future__ import annotations
@@ -170,6 +170,42 @@ def test_layer_activations_against_autograd(tmp_path, seq):
             if n not in shape.linear_layers:
                 expected += seq * shape.q_dim * 2 + cos.numel() * 4 + sin.numel() * 4
             assert abs(kept - expected) <= 0.0001 * kept, (n, trained, kept, expected)
+
+
+@pytest.mark.slow  # imports torch; a 2-block tower (about 1 s)
+def test_image_activations_against_autograd(tmp_path):
+    """The small VLM's tower (Qwen3_5VisionModel), fp32 weights, one 448x336 picture, CPU
+    autocast: what autograd keeps, less the 16-bit weight copies, plus the pixels, equals
+    Qwen3-VL's walk without deepstack to the byte, trained and with the tower frozen."""
+    torch = pytest.importorskip("torch")
+    from transformers import AutoConfig
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
+    from finetune.estimate.vision import Training
+
+    path = model_dir(tmp_path, SMALL)
+    vision = read_shape(str(path)).vision.for_image((448, 336))
+    vision_config = AutoConfig.from_pretrained(path).vision_config
+    vision_config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    tower = Qwen3_5VisionModel._from_config(vision_config).train()
+    width, height = vision.resized
+    grid = torch.tensor([[1, height // vision.patch, width // vision.patch]])
+    pixels = torch.randn(vision.positions, vision.patch_values)
+    storages = {p.untyped_storage().data_ptr() for p in tower.parameters()}
+
+    def measured(copied) -> int:
+        features, kept = kept_by_autograd(lambda: tower(pixels, grid_thw=grid).pooler_output,
+                                          storages)
+        assert features.shape[0] == vision.image_tokens
+        copies = sum(2 * p.numel() for n, p in tower.named_parameters()
+                     if p.dim() > 1 and n != "pos_embed.weight" and copied(n))
+        return kept - copies + pixels.numel() * 4
+
+    assert measured(lambda name: True) == vision.image_bytes(CPU_AUTOCAST, False)
+    for name, p in tower.named_parameters():
+        p.requires_grad_(name.startswith("merger."))
+    assert measured(lambda name: name.startswith("merger.")) == vision.image_bytes(
+        CPU_AUTOCAST, False, Training(tower=False))
 
 
 def test_the_report_says_what_it_assumed(tmp_path):
