@@ -15,6 +15,7 @@ from finetune import compat
 from finetune.data import sft_tokens
 from finetune.data.load import Splits
 from finetune.data.parallel import processes
+from finetune.config import stateful
 from finetune.config.schema import Experiment
 from finetune.config.derived.effective import value as effective_value
 from finetune.errors import ConfigError
@@ -128,9 +129,22 @@ def prepare(splits: Splits, tokenizer, experiment: Experiment) -> Splits:
     return out
 
 
+def _padded_if_stateful(job: Job) -> None:
+    """A model with a recurrent state trains on padded rows (config/stateful.py): a hub
+    model's type is known here, once loaded (a local one's at validate)."""
+    if not getattr(job.model, "_is_stateful", False):
+        return
+    for key in ("packing", "padding_free"):
+        if job.experiment.training.get(key):
+            raise ConfigError([f"training.{key}: "
+                               f"{stateful.refusal(job.model.config.model_type)}"])
+    job.args.padding_free = False  # our speed default only
+
+
 def build_trainer(job: Job) -> SFTTrainer:
     if is_processor(job.tokenizer):
         return sft_vision.build_trainer(job, assistant_only(job.experiment, job.data.format))
+    _padded_if_stateful(job)
     args = job.args
     args.dataset_kwargs = {**(args.dataset_kwargs or {}), "skip_prepare_dataset": True}
     kwargs = dict(model=job.model, args=args, train_dataset=job.data.train,

@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from finetune.config import trl_fields, vision
+from finetune.config import stateful, trl_fields, vision
 from finetune.config.derived import attention
 from finetune.config.derived.deepspeed import deepspeed_dict
 from finetune.config.derived.kernels import Kernels, installed
@@ -80,11 +80,13 @@ def flattens(experiment: Experiment) -> bool:
     across rows from the position_ids; remote code might not, and would silently attend
     across rows. Nor under sequence or context parallelism: both drop the attention mask,
     so rows are padded there (config/rules/sequence.py). Nor rows with images: TRL's vision
-    collator pads them (a local vision-language model; a hub one is padded at training)."""
+    collator pads them (a local vision-language model; a hub one is padded at training).
+    Nor a model with a recurrent state (config/stateful.py; a hub one: at training)."""
     training = experiment.training
     return record(experiment).flattens and experiment.data.weight_column is None \
         and not experiment.model.trust_remote_code \
         and not vision.is_vision_language(experiment.model.name_or_path) \
+        and stateful.stateful_type(experiment.model.name_or_path) is None \
         and experiment.distributed.sequence_parallel == 1 \
         and experiment.distributed.context_parallel == 1 \
         and (bool(training.get("packing")) or training.get("padding_free") is not False)

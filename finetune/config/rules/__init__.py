@@ -389,7 +389,7 @@ def _teacher(exp: Experiment, loc: tuple, teacher: str) -> Iterator[Problem]:
 
 RULES = (_credentials, _paths, _peft, _data, _precision, _method_sections, _rewards, _ppo,
          _classify, _distributed, parallel.check, sequence.check, _resume, values.check,
-         _distill, vision.check)
+         _distill, vision.check, models.flattened_state)
 
 
 def check(exp: Experiment) -> list[Problem]:

@@ -1,6 +1,6 @@
 """What validate can tell about a model without loading it: a local directory that ships
-its own modelling code, and a hub id that cannot be fetched: the hub is off, does not
-answer, or has no such model."""
+its own modelling code, a hub id that cannot be fetched (the hub is off, does not
+answer, or has no such model), and flattened rows for a model with a recurrent state."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Iterator
 
-from finetune.config import paths
+from finetune.config import paths, stateful
 from finetune.errors import shown
 
 Problem = tuple[tuple, str]
@@ -34,6 +34,15 @@ def remote_code(loc: tuple, directory: str, trusted: bool) -> Iterator[Problem]:
     if isinstance(config, dict) and config.get("auto_map"):
         yield loc, (f"{directory} ships its own modelling code (auto_map in config.json); "
                     "read it, then set model.trust_remote_code: true to run it")
+
+
+def flattened_state(exp) -> Iterator[Problem]:
+    """packing or padding_free set for a local model with a recurrent state
+    (config/stateful.py; a hub model's is refused at training, methods/sft.py)."""
+    found = stateful.stateful_type(exp.model.name_or_path)
+    for name in ("packing", "padding_free"):
+        if found and exp.training.get(name):
+            yield ("training", name), stateful.refusal(found)
 
 
 def hub_cache() -> Path:
