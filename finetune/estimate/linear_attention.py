@@ -25,7 +25,7 @@ and layer, is left out.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from finetune.errors import ConfigError
 from finetune.estimate import walk
@@ -59,21 +59,21 @@ class DeltaNet:
         return 2 * self.keys + self.values
 
 
-def read(config: dict[str, Any], layers: int, where: str) -> tuple[tuple[int, ...], DeltaNet]:
+def read(config: dict[str, Any], layers: int, where: str,
+         integer: Callable[..., int]) -> tuple[tuple[int, ...], DeltaNet]:
     """(the Gated DeltaNet layers, their sizes) of a qwen3_5_text config (with its class's
-    defaults). layer_types, where absent, is what Qwen3_5TextConfig makes of
+    defaults), its integers read by shapes.py's reader (`integer`, passed in: shapes
+    imports this module). layer_types, where absent, is what Qwen3_5TextConfig makes of
     full_attention_interval (default 4): every interval-th layer full attention."""
-    from finetune.estimate.shapes import _int
-
     kinds = config.get("layer_types")
     if kinds is None:
-        interval = _int(config, "full_attention_interval", where, default=4)
+        interval = integer(config, "full_attention_interval", where, default=4)
         kinds = ["linear_attention" if (i + 1) % interval else "full_attention"
                  for i in range(layers)]
     if not isinstance(kinds, list) or len(kinds) != layers or not all(k in KINDS for k in kinds):
         raise ConfigError([f"{where}: layer_types must list {layers} (num_hidden_layers) of "
                            f"{' or '.join(KINDS)}, got {str(kinds)[:60]}"])
-    sizes = DeltaNet(*(_int(config, key, where) for key in (
+    sizes = DeltaNet(*(integer(config, key, where) for key in (
         "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
         "linear_value_head_dim", "linear_conv_kernel_dim")))
     if sizes.value_heads % sizes.key_heads:

@@ -178,7 +178,7 @@ def shape_of(config: dict[str, Any], where: str,
     o_bias = {"qwen2": False, "mistral": False}.get(kind, attention_bias)
     layers = _int(config, "num_hidden_layers", where)
     hybrid = kind == "qwen3_5_text"
-    linear, delta = linear_attention.read(config, layers, where) if hybrid else ((), None)
+    linear, delta = linear_attention.read(config, layers, where, _int) if hybrid else ((), None)
     return Shape(
         model_type=kind, hidden=hidden, intermediate=_int(config, "intermediate_size", where),
         layers=layers, heads=heads, kv_heads=kv_heads,
