@@ -1,10 +1,10 @@
 """`finetune estimate` for Qwen3.5 (vision/qwen3_5.py: Qwen3-VL's tower without deepstack;
 estimate/linear_attention.py: the hybrid language model of Gated DeltaNet and gated
 attention layers): the published and the default configs' parts against what transformers
-builds (the meta device), every parameter by name, LoRA's targets against apply_peft, what
-one Gated DeltaNet layer, one gated attention layer and the tower save against autograd
-(a small model, random weights, CPU autocast), the text-only qwen3_5_text, the report, the CLI and
-bad configs."""
+builds (the meta device), every parameter by name, what one Gated DeltaNet layer, one
+gated attention layer and the tower save against autograd (a small model, random weights,
+CPU autocast), the text-only qwen3_5_text, the report, the CLI and bad configs. LoRA and
+QLoRA against apply_peft: test_estimate_vision_peft.py's published-config cases."""
 
 from __future__ import annotations
 
@@ -15,12 +15,12 @@ from dataclasses import replace
 import pytest
 
 from conftest import QUICKSTART, run_cli
-from vlm_configs import CPU_AUTOCAST, QWEN3_5_0_8B, QWEN3_5_DEFAULTS, kept_by_autograd, model_dir
+from vlm_configs import (CPU_AUTOCAST, QWEN3_5_0_8B, QWEN3_5_DEFAULTS, kept_by_autograd,
+                         model_dir, qwen_tower_kept)
 from finetune.config import load_experiment
 from finetune.errors import ConfigError
 from finetune.estimate import estimate, render_text
 from finetune.estimate.activations import layer_bytes
-from finetune.estimate.census import census
 from finetune.estimate.shapes import parameters, read_shape
 
 VLM = QUICKSTART / "vlm.yaml"
@@ -84,64 +84,17 @@ def test_parameters_are_transformers_own(tmp_path):
         assert [(p.name, p.numel) for p in parameters(read_shape(str(path)), "lm")] == real
 
 
-@pytest.mark.slow  # imports torch and peft; the meta device builds no weights (about 4 s)
-def test_lora_and_qlora_as_training_puts_them(tmp_path):
-    """Qwen3.5-0.8B on the meta device through apply_peft, tensor by tensor: all-linear
-    puts adapters on every Linear of the language model, the Gated DeltaNet's in_proj_qkv,
-    in_proj_z, in_proj_b, in_proj_a and out_proj among them (its conv1d is no Linear), the
-    tower's too where it trains; named modules; a frozen tower under full fine-tuning.
-    QLoRA's 4-bit weights are exactly the Linears outside what training keeps
-    unquantized."""
-    torch = pytest.importorskip("torch")
-    from transformers import AutoConfig, AutoModelForImageTextToText
-    from test_estimate_vision_peft import _estimate_name
-    from finetune.model.peft import apply_peft
-    from finetune.model.vision_parts import inside, unquantized
-
-    path = model_dir(tmp_path, QWEN3_5_0_8B)
-    config = AutoConfig.from_pretrained(path)
-    dtypes = {torch.float32: "fp32", torch.bfloat16: "bf16"}
-    for overrides in (["peft.type=lora", "peft.r=2"],
-                      ["peft.type=lora", "peft.r=2", "vision.freeze_tower=false"],
-                      ["peft.type=lora", "peft.r=2",
-                       "peft.target_modules=[in_proj_qkv,q_proj,out_proj]"],
-                      ["vision.freeze_tower=true"]):
-        experiment = load_experiment(VLM, ["precision=bf16", f"model.name_or_path={path}",
-                                           *overrides])
-        dtype = torch.bfloat16 if experiment.peft.type == "lora" else torch.float32
-        with torch.device("meta"):
-            model = AutoModelForImageTextToText.from_config(config, dtype=dtype)
-            model = apply_peft(model, experiment, gradient_checkpointing=False)
-        real = {_estimate_name(n): (p.numel(), p.numel() * p.element_size(), dtypes[p.dtype],
-                                    p.requires_grad) for n, p in model.named_parameters()}
-        result = estimate(experiment)
-        assert {t.name: (t.numel, t.nbytes, t.dtype, t.trainable)
-                for t in census(result.shape, result.settings)} == real, overrides
-        if overrides == ["peft.type=lora", "peft.r=2"]:
-            adapted = {n.split(".")[-2] for n in real if n.endswith("lora_A")}
-            assert {"in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj",
-                    "q_proj", "o_proj", "down_proj"} <= adapted
-    qlora = load_experiment(VLM, ["precision=bf16", f"model.name_or_path={path}",
-                                  "peft.type=qlora", "peft.r=2"])
-    skipped = unquantized(qlora, config)
-    linears = [n for n, m in _meta_model(path).named_modules()
-               if isinstance(m, torch.nn.Linear)]
-    result = estimate(qlora)
-    assert {t.name for t in census(result.shape, result.settings) if t.dtype == "nf4"} == \
-        {f"{n}.weight" for n in linears if not any(inside(n, s) for s in skipped)}
-
-
 @pytest.mark.slow  # imports torch; two small layers, a few forwards (about 3 s)
 @pytest.mark.parametrize("seq", [128, 100, 64])
 def test_layer_activations_against_autograd(tmp_path, seq):
     """Each layer of the small language model, fp32 weights, CPU autocast, one row of seq
-    tokens (100: padded to 2 chunks of 64; 64: one chunk), trained and with every weight frozen (the input
-    needing its gradient, as under LoRA): what autograd keeps, less the 16-bit weight
-    copies, against layer_bytes and the RMSNorms' 1 + weight (in fp32, per layer, not per
-    token): within 0.01% (left out: exp(A_log), per layer). The gated attention layer once
-    two more things are added: the rotary cos/sin (made once per forward) and
-    the copy the CPU makes of sdpa's output, laid out (batch, heads, seq, dim) where CUDA's
-    kernels write (batch, seq, heads, dim) and the transpose is free."""
+    tokens (100: padded to 2 chunks of 64; 64: one chunk), trained and with every weight
+    frozen (the input needing its gradient, as under LoRA): what autograd keeps, less the
+    16-bit weight copies, against layer_bytes and the RMSNorms' 1 + weight (in fp32, per
+    layer, not per token): within 0.01% (left out: exp(A_log), per layer). The gated
+    attention layer once two more things are added: the rotary cos/sin (made once per
+    forward) and the copy the CPU makes of sdpa's output, laid out (batch, heads, seq, dim)
+    where CUDA's kernels write (batch, seq, heads, dim) and the transpose is free."""
     torch = pytest.importorskip("torch")
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -177,29 +130,18 @@ def test_image_activations_against_autograd(tmp_path):
     """The small VLM's tower (Qwen3_5VisionModel), fp32 weights, one 448x336 picture, CPU
     autocast: what autograd keeps, less the 16-bit weight copies, plus the pixels, equals
     Qwen3-VL's walk without deepstack to the byte, trained and with the tower frozen."""
-    torch = pytest.importorskip("torch")
-    from transformers import AutoConfig
+    pytest.importorskip("torch")
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
     from finetune.estimate.vision import Training
 
     path = model_dir(tmp_path, SMALL)
     vision = read_shape(str(path)).vision.for_image((448, 336))
-    vision_config = AutoConfig.from_pretrained(path).vision_config
-    vision_config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    tower = Qwen3_5VisionModel._from_config(vision_config).train()
-    width, height = vision.resized
-    grid = torch.tensor([[1, height // vision.patch, width // vision.patch]])
-    pixels = torch.randn(vision.positions, vision.patch_values)
-    storages = {p.untyped_storage().data_ptr() for p in tower.parameters()}
+    tower, kept = qwen_tower_kept(Qwen3_5VisionModel, path, vision)
 
     def measured(copied) -> int:
-        features, kept = kept_by_autograd(lambda: tower(pixels, grid_thw=grid).pooler_output,
-                                          storages)
+        features, saved = kept(copied)
         assert features.shape[0] == vision.image_tokens
-        copies = sum(2 * p.numel() for n, p in tower.named_parameters()
-                     if p.dim() > 1 and n != "pos_embed.weight" and copied(n))
-        return kept - copies + pixels.numel() * 4
+        return saved
 
     assert measured(lambda name: True) == vision.image_bytes(CPU_AUTOCAST, False)
     for name, p in tower.named_parameters():

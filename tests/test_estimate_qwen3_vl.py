@@ -2,7 +2,8 @@
 against what transformers builds (the meta device), every parameter by name on a small
 model, the tokens against its image processor (Qwen2-VL's, 16-pixel patches), the tower's
 and the deepstack mergers' activations against autograd (a small tower, random weights,
-CPU autocast), what trains under the vision section and LoRA, bad configs and the CLI."""
+CPU autocast), what trains under the vision section, bad configs and the CLI. LoRA and
+QLoRA against apply_peft: test_estimate_vision_peft.py's published-config cases."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 
 from conftest import QUICKSTART, run_cli
 from vlm_configs import (CPU_AUTOCAST, QWEN3_VL_2B, QWEN3_VL_8B, QWEN3_VL_PROCESSOR,
-                         kept_by_autograd, model_dir)
+                         model_dir, qwen_tower_kept)
 from finetune.config import load_experiment
 from finetune.errors import ConfigError
 from finetune.estimate import estimate, render_text
@@ -119,34 +120,19 @@ def test_image_activations_against_autograd(tmp_path):
     frozen but its mergers (the position embeddings too), and with activation
     checkpointing (there less what the saved-tensor hooks cannot see: the rotary cos/sin
     the checkpointed blocks hold and the one block recomputed in the backward)."""
-    torch = pytest.importorskip("torch")
-    from transformers import AutoConfig
+    pytest.importorskip("torch")
     from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
 
     path = model_dir(tmp_path, SMALL)
     vision = read_shape(str(path)).vision.for_image((448, 336))
-    vision_config = AutoConfig.from_pretrained(path).vision_config
-    vision_config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    tower = Qwen3VLVisionModel._from_config(vision_config).train()
-    width, height = vision.resized
-    grid = torch.tensor([[1, height // vision.patch, width // vision.patch]])
-    pixels = torch.randn(vision.positions, vision.patch_values)
-    storages = {p.untyped_storage().data_ptr() for p in tower.parameters()}
+    tower, kept = qwen_tower_kept(Qwen3VLVisionModel, path, vision)
     mergers = ("merger.", "deepstack_merger_list.")
 
     def measured(copied) -> int:
-        """Autograd's, less the 16-bit weight copies the matmuls save (pos_embed is read
-        without one), plus the batch's pixel_values (held by the caller)."""
-        def forward():
-            out = tower(pixels, grid_thw=grid)
-            return out.pooler_output, out.deepstack_features
-
-        (features, deepstack), kept = kept_by_autograd(forward, storages)
+        (features, deepstack), saved = kept(copied, lambda out: (out.pooler_output,
+                                                                 out.deepstack_features))
         assert features.shape[0] == vision.image_tokens and len(deepstack) == 2
-        copies = sum(2 * p.numel() for n, p in tower.named_parameters()
-                     if p.dim() > 1 and n != "pos_embed.weight" and copied(n))
-        return kept - copies + pixels.numel() * 4
+        return saved
 
     assert measured(lambda name: True) == vision.image_bytes(CPU_AUTOCAST, False)
     for name, p in tower.named_parameters():
@@ -212,46 +198,6 @@ def test_the_mergers_train_and_freeze_with_the_tower(tmp_path):
         assert f"{module}.lora_A" in adapters
     quantized = {t.name for t in census(lora.shape, lora.settings) if t.dtype == "nf4"}
     assert quantized and all(n.startswith("model.language_model.") for n in quantized)
-
-
-@pytest.mark.slow  # imports torch and peft; the meta device builds no weights (about 2 s)
-def test_lora_and_qlora_as_training_puts_them(tmp_path):
-    """Qwen3-VL-2B on the meta device through apply_peft, as test_estimate_vision_peft.py
-    checks Qwen2-VL: LoRA on the tower (its mergers' Linears included), on named modules,
-    and full fine-tuning with a frozen tower, tensor by tensor; QLoRA's 4-bit weights
-    exactly the Linears outside what training keeps unquantized (the tower, mergers too)."""
-    torch = pytest.importorskip("torch")
-    from transformers import AutoConfig, AutoModelForImageTextToText
-    from test_estimate_vision_peft import _estimate_name
-    from finetune.model.peft import apply_peft
-    from finetune.model.vision_parts import inside, unquantized
-
-    path = model_dir(tmp_path, QWEN3_VL_2B)
-    config = AutoConfig.from_pretrained(path)
-    dtypes = {torch.float32: "fp32", torch.bfloat16: "bf16"}
-    for overrides in (["peft.type=lora", "peft.r=2", "vision.freeze_tower=false"],
-                      ["peft.type=lora", "peft.r=2", "vision.freeze_tower=false",
-                       "peft.target_modules=[linear_fc1,q_proj]"],
-                      ["vision.freeze_tower=true"]):
-        experiment = load_experiment(VLM, ["precision=bf16", f"model.name_or_path={path}",
-                                           *overrides])
-        dtype = torch.bfloat16 if experiment.peft.type == "lora" else torch.float32
-        with torch.device("meta"):
-            model = AutoModelForImageTextToText.from_config(config, dtype=dtype)
-            model = apply_peft(model, experiment, gradient_checkpointing=False)
-        real = {_estimate_name(n): (p.numel(), p.numel() * p.element_size(), dtypes[p.dtype],
-                                    p.requires_grad) for n, p in model.named_parameters()}
-        result = estimate(experiment)
-        assert {t.name: (t.numel, t.nbytes, t.dtype, t.trainable)
-                for t in census(result.shape, result.settings)} == real, overrides
-    qlora = load_experiment(VLM, ["precision=bf16", f"model.name_or_path={path}",
-                                  "peft.type=qlora", "peft.r=2"])
-    skipped = unquantized(qlora, config)
-    linears = [n for n, m in _meta_model(path).named_modules()
-               if isinstance(m, torch.nn.Linear)]
-    result = estimate(qlora)
-    assert {t.name for t in census(result.shape, result.settings) if t.dtype == "nf4"} == \
-        {f"{n}.weight" for n in linears if not any(inside(n, s) for s in skipped)}
 
 
 def test_an_image_in_the_report(tmp_path):

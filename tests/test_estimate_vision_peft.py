@@ -16,7 +16,8 @@ import pytest
 
 from conftest import QUICKSTART, REPO
 from test_estimate import _held_bytes
-from vlm_configs import LLAVA_NEXT_7B, QWEN2_VL_2B, kept_by_autograd, model_dir
+from vlm_configs import (LLAVA_NEXT_7B, QWEN2_VL_2B, QWEN3_5_0_8B, QWEN3_VL_2B, kept_by_autograd,
+                         model_dir)
 from finetune.config import load_experiment
 from finetune.errors import ConfigError
 from finetune.estimate import as_dict, estimate, render_text
@@ -191,6 +192,14 @@ META_CASES = {  # id: (model directory maker, overrides)
     # LLaVA-NeXT's image_newline, a bare parameter beside the tower, freezes with the projector
     "llava-next-7b-full-frozen-projector": (lambda tmp: model_dir(tmp, LLAVA_NEXT_7B),
                                             ["vision.train_projector=false"]),
+    # Qwen3-VL's deepstack mergers, inside the tower, take LoRA with it
+    "qwen3-vl-2b-lora-on-the-tower": (lambda tmp: model_dir(tmp, QWEN3_VL_2B),
+                                      ["peft.type=lora", "vision.freeze_tower=false"]),
+    # Qwen3.5: Gated DeltaNet's in_proj_qkv/z/a/b and out_proj beside attention's q/k/v/o
+    "qwen3.5-0.8b-lora": (lambda tmp: model_dir(tmp, QWEN3_5_0_8B), ["peft.type=lora"]),
+    "qwen3.5-0.8b-lora-named": (lambda tmp: model_dir(tmp, QWEN3_5_0_8B),
+                                ["peft.type=lora",
+                                 "peft.target_modules=[in_proj_qkv,q_proj,out_proj]"]),
 }
 
 

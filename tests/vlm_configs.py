@@ -230,6 +230,36 @@ def kept_by_autograd(forward, parameters: set[int]):
     return result, sum(alive.values())
 
 
+def qwen_tower_kept(tower_class, path, vision):
+    """(tower, kept(copied, outputs)) for the Qwen3-VL-layout tower of the model at `path`
+    (Qwen3-VL's, Qwen3.5's), built from its config with random weights, on one picture of
+    the estimate's `vision` size: kept() is what its forward keeps for the backward as the
+    estimate counts it: autograd's, less the 16-bit weight copies of the parameters
+    `copied(name)` says train (pos_embed is read without one), plus the batch's
+    pixel_values (held by the caller); outputs(result) gives what the test checks of the
+    tower's output."""
+    import torch
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path).vision_config
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    tower = tower_class._from_config(config).train()
+    width, height = vision.resized
+    grid = torch.tensor([[1, height // vision.patch, width // vision.patch]])
+    pixels = torch.randn(vision.positions, vision.patch_values)
+    storages = {p.untyped_storage().data_ptr() for p in tower.parameters()}
+
+    def kept(copied, outputs=lambda out: out.pooler_output):
+        result, saved = kept_by_autograd(lambda: outputs(tower(pixels, grid_thw=grid)),
+                                         storages)
+        copies = sum(2 * p.numel() for n, p in tower.named_parameters()
+                     if p.dim() > 1 and n != "pos_embed.weight" and copied(n))
+        return result, saved - copies + pixels.numel() * 4
+
+    return tower, kept
+
+
 # fp32 weights under CPU autocast (bf16), sdpa: the regime the autograd checks run
 CPU_AUTOCAST = Regime(residual=4, compute=2, autocast=True, base_trainable=True, quantized=0,
                       attention="sdpa", cuda=False)
