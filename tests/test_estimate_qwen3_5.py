@@ -15,8 +15,8 @@ from dataclasses import replace
 import pytest
 
 from conftest import QUICKSTART, run_cli
-from vlm_configs import (CPU_AUTOCAST, QWEN3_5_0_8B, QWEN3_5_DEFAULTS, kept_by_autograd,
-                         model_dir, qwen_tower_kept)
+from test_estimate_vision_families import PARTS as FAMILIES
+from vlm_configs import CPU_AUTOCAST, QWEN3_5_0_8B, kept_by_autograd, model_dir, qwen_tower_kept
 from finetune.config import load_experiment
 from finetune.errors import ConfigError
 from finetune.estimate import estimate, render_text
@@ -25,16 +25,8 @@ from finetune.estimate.shapes import parameters, read_shape
 
 VLM = QUICKSTART / "vlm.yaml"
 SFT = QUICKSTART / "sft.yaml"
-# By part, as transformers builds them (test_parameters_are_transformers_own): Qwen3.5-0.8B
-# (0.853B, its embeddings tied) and Qwen3_5Config's defaults (9.41B). The projector is the
-# merger (no deepstack mergers).
-PARTS = {
-    "qwen3.5-0.8b": (QWEN3_5_0_8B, {"language_model": 752_393_024, "vision_tower": 88_004_352,
-                                    "projector": 12_588_544}),
-    "qwen3.5-defaults": (QWEN3_5_DEFAULTS, {"language_model": 8_953_803_264,
-                                            "vision_tower": 415_891_440,
-                                            "projector": 37_759_232}),
-}
+# By part (test_estimate_vision_families.py checks them against the estimate)
+PARTS = {name: FAMILIES[name] for name in ("qwen3.5-0.8b", "qwen3.5-defaults")}
 # A small hybrid language model: a Gated DeltaNet layer (2 key heads, 4 value heads:
 # queries and keys repeated) and a gated attention layer; 2 blocks of Qwen3.5's tower.
 SMALL_TEXT = {"model_type": "qwen3_5_text", "hidden_size": 64, "intermediate_size": 96,
@@ -63,14 +55,6 @@ def _meta_model(path):
         AutoModelForImageTextToText
     with torch.device("meta"):
         return auto.from_config(config)
-
-
-@pytest.mark.parametrize("name", PARTS)
-def test_parts_and_total(tmp_path, name):
-    config, parts = PARTS[name]
-    result = estimate(load_experiment(VLM, [f"model.name_or_path={model_dir(tmp_path, config)}"]))
-    assert result.parts == parts
-    assert result.params == result.trainable_params == sum(parts.values())
 
 
 @pytest.mark.slow  # imports torch; the meta device builds no weights (about 4 s)

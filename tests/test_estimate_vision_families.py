@@ -1,6 +1,7 @@
 """`finetune estimate` for the vision-language families past LLaVA (test_estimate_vision.py):
 every family's parts against transformers' (the published configs in vlm_configs.py, built
-on the meta device), Qwen2-VL's and Qwen2.5-VL's tokens against its image processor and
+on the meta device; Qwen3-VL and Qwen3.5 in detail: test_estimate_qwen3_vl.py,
+test_estimate_qwen3_5.py), Qwen2-VL's and Qwen2.5-VL's tokens against its image processor and
 their towers' activations against autograd (small towers, random weights, CPU autocast),
 a frozen tower, the picture's size and the CLI's flags, and bad configs. Gemma 3,
 PaliGemma, LLaVA-NeXT and Idefics3 in detail: test_estimate_siglip_and_tiled_vlms.py."""
@@ -14,7 +15,8 @@ import pytest
 
 from conftest import QUICKSTART, run_cli
 from vlm_configs import (CPU_AUTOCAST, GEMMA3_4B, LLAVA_NEXT_7B, PALIGEMMA2_3B, PALIGEMMA_3B,
-                         QWEN2_VL_2B, QWEN25_VL_3B, SMOLVLM_256M, kept_by_autograd)
+                         QWEN2_VL_2B, QWEN3_5_0_8B, QWEN3_5_DEFAULTS, QWEN3_VL_2B, QWEN3_VL_8B,
+                         QWEN25_VL_3B, SMOLVLM_256M, qwen_tower_kept)
 from vlm_configs import model_dir as _model
 from finetune.config import load_experiment
 from finetune.errors import ConfigError
@@ -33,6 +35,17 @@ PARTS = {
                                   "projector": 34_087_936}),
     "qwen2.5-vl-3b": (QWEN25_VL_3B, {"language_model": 3_085_938_688,
                                      "vision_tower": 631_975_680, "projector": 36_708_608}),
+    # the projector: the merger and Qwen3-VL's 3 deepstack mergers (2.13B, 8.77B)
+    "qwen3-vl-2b": (QWEN3_VL_2B, {"language_model": 1_720_574_976,
+                                  "vision_tower": 306_242_560, "projector": 100_714_496}),
+    "qwen3-vl-8b": (QWEN3_VL_8B, {"language_model": 8_190_735_360,
+                                  "vision_tower": 415_891_440, "projector": 160_496_896}),
+    # Qwen3.5-0.8B (its embeddings tied) and Qwen3_5Config's defaults (9.41B)
+    "qwen3.5-0.8b": (QWEN3_5_0_8B, {"language_model": 752_393_024, "vision_tower": 88_004_352,
+                                    "projector": 12_588_544}),
+    "qwen3.5-defaults": (QWEN3_5_DEFAULTS, {"language_model": 8_953_803_264,
+                                            "vision_tower": 415_891_440,
+                                            "projector": 37_759_232}),
     "gemma-3-4b": (GEMMA3_4B, {"language_model": 3_880_263_168, "vision_tower": 416_866_032,
                                "projector": 2_950_272}),
     "paligemma-3b": (PALIGEMMA_3B, {"language_model": 2_508_662_784,
@@ -118,8 +131,7 @@ def test_image_activations_against_autograd(tmp_path, family):
     training, with a frozen tower, and with activation checkpointing (there less what the
     saved-tensor hooks cannot see: the rotary cos/sin the checkpointed blocks hold, and
     the one block recomputed in the backward, not alive yet)."""
-    torch = pytest.importorskip("torch")
-    from transformers import AutoConfig
+    pytest.importorskip("torch")
     from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
         Qwen2_5_VisionTransformerPretrainedModel)
     from transformers.models.qwen2_vl.modeling_qwen2_vl import (
@@ -129,26 +141,14 @@ def test_image_activations_against_autograd(tmp_path, family):
     config = {**config, "vision_config": {**config["vision_config"], **small}}
     path = _model(tmp_path, config)
     vision = read_shape(str(path)).vision.for_image((448, 336))
-    vision_config = AutoConfig.from_pretrained(path).vision_config
-    vision_config._attn_implementation = "sdpa"
     build = {"qwen2_vl": Qwen2VisionTransformerPretrainedModel,
              "qwen2_5_vl": Qwen2_5_VisionTransformerPretrainedModel}[family]
-    torch.manual_seed(0)
-    tower = build._from_config(vision_config).train()
-    width, height = vision.resized
-    grid = torch.tensor([[1, height // vision.patch, width // vision.patch]])
-    pixels = torch.randn(vision.positions, vision.patch_values)
-    storages = {p.untyped_storage().data_ptr() for p in tower.parameters()}
+    tower, kept = qwen_tower_kept(build, path, vision)
 
     def measured(copied) -> int:
-        """Autograd's, less the 16-bit weight copies the matmuls save (the autocast row),
-        plus the batch's pixel_values (held by the caller, not saved by autograd)."""
-        features, kept = kept_by_autograd(lambda: tower(pixels, grid_thw=grid).pooler_output,
-                                           storages)
+        features, saved = kept(copied)
         assert features.shape[0] == vision.image_tokens
-        copies = sum(2 * p.numel() for n, p in tower.named_parameters()
-                     if p.dim() > 1 and copied(n))
-        return kept - copies + pixels.numel() * 4
+        return saved
 
     assert measured(lambda name: True) == vision.image_bytes(CPU_AUTOCAST, False)
     for p in tower.parameters():

@@ -231,9 +231,9 @@ def kept_by_autograd(forward, parameters: set[int]):
 
 
 def qwen_tower_kept(tower_class, path, vision):
-    """(tower, kept(copied, outputs)) for the Qwen3-VL-layout tower of the model at `path`
-    (Qwen3-VL's, Qwen3.5's), built from its config with random weights, on one picture of
-    the estimate's `vision` size: kept() is what its forward keeps for the backward as the
+    """(tower, kept(copied, outputs)) for the Qwen tower of the model at `path` (Qwen2-VL's,
+    Qwen2.5-VL's, Qwen3-VL's, Qwen3.5's), built from its config with random weights, on
+    one picture of the estimate's `vision` size: kept() is what its forward keeps for the backward as the
     estimate counts it: autograd's, less the 16-bit weight copies of the parameters
     `copied(name)` says train (pos_embed is read without one), plus the batch's
     pixel_values (held by the caller); outputs(result) gives what the test checks of the
