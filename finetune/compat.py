@@ -70,7 +70,8 @@ OVERRIDES = (
     Member("trl:DPOTrainer", "_set_signature_columns_if_needed",
            users="finetune.trainers.weighted:WeightedDPOTrainer"),
     Member("trl:SFTTrainer", "_set_signature_columns_if_needed",
-           users="finetune.trainers.weighted:WeightedVisionSFTTrainer"),
+           users="finetune.trainers.weighted:WeightedVisionSFTTrainer "
+                 "finetune.trainers.vision:VisionSFTTrainer"),
     Member("transformers:Trainer", "_get_num_items_in_batch", ("batch_samples", "device"),
            users="finetune.trainers.weighted:WeightedSFTTrainer "
                  "finetune.trainers.weighted:WeightedVisionSFTTrainer "

@@ -58,28 +58,41 @@ def _sft(rows, tokenizer, experiment: Experiment, splits, split: str) -> Iterato
 
 def _sft_vision(rows, processor, experiment: Experiment, splits, split: str) -> Iterator[Sample]:
     """Rows with images as TRL's vision collator makes them in training (the processor
-    expands each image to its tokens), one row at a time and uncut."""
+    expands each image to its tokens), one row at a time and uncut; assistant turns found
+    as training finds them (methods/vision_turns.py)."""
     from trl.trainer.sft_trainer import DataCollatorForVisionLanguageModeling
 
-    from finetune.data.image_size import ImagesSized
+    from finetune.data.image_size import ImagesSized, fitter
     from finetune.methods.sft import assistant_only
     from finetune.methods.sft_plain_vision import PlainPictures
     from finetune.methods.sft_vision import FORMATS, ImageTokensUntrained
+    from finetune.methods.vision_lengths import measure
+    from finetune.methods.vision_turns import SPANS, TurnsTrained, turns_of
 
     completion_only = value(experiment, "completion_only_loss") is not False
+    turns, by_prefixes = turns_of(processor), False
     if splits.format == "prompt_completion" and isinstance(rows[0]["prompt"], str):
         collate = PlainPictures(processor, None, completion_only)
     elif splits.format == "prompt_completion":
         collate = DataCollatorForVisionLanguageModeling(processor,
                                                         completion_only_loss=completion_only)
     else:
+        marked = assistant_only(experiment, "messages")
+        by_prefixes = marked and turns.by_prefixes
         collate = DataCollatorForVisionLanguageModeling(
-            processor, assistant_only_loss=assistant_only(experiment, "messages"))
+            processor, assistant_only_loss=marked and not by_prefixes,
+            chat_template=turns.template)
     collate = ImageTokensUntrained(ImagesSized(collate, experiment), processor)  # as training
-    limit = value(experiment, "max_length")
+    if by_prefixes:
+        collate = TurnsTrained(collate)
+    limit, fit = value(experiment, "max_length"), fitter(experiment)
     for row in rows:
-        batch = collate([{**{c: row[c] for c in FORMATS[splits.format] if c != "images"},
-                          "images": row.get("images") or []}])
+        given = {**{c: row[c] for c in FORMATS[splits.format] if c != "images"},
+                 "images": row.get("images") or []}
+        if by_prefixes:
+            given[SPANS] = measure(processor, row["messages"], given["images"], True, fit,
+                                   turns, row[ORIGIN]).spans
+        batch = collate([given])
         ids, trained = batch["input_ids"][0].tolist(), (batch["labels"][0] != -100).tolist()
         yield Sample(row[ORIGIN], [("", ids, trained)],
                      limit is not None and not any(trained[:limit]))

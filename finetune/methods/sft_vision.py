@@ -6,8 +6,9 @@ pixel values). Nothing is tokenized ahead: image processing per batch is TRL's d
 and the prepared-data cache keeps the checked rows (messages and absolute image paths).
 
 What trains: the assistant turns by default, as for text conversations (sft.py
-assistant_only): TRL masks every token outside the template's {% generation %} markers,
-the prompt and so every image token. Prompt/completion rows train their completion
+assistant_only): TRL masks every token outside the template's {% generation %} markers
+(or its training version of the template), the prompt and so every image token; a
+template with neither has its turns found by prefixes (vision_turns.py). Prompt/completion rows train their completion
 (training.completion_only_loss, TRL's default): conversational ones through TRL's
 collator, plain ones through sft_plain_vision.PlainPictures. Image tokens never train,
 every turn trained or not (ImageTokensUntrained: TRL's collator leaves them in the
@@ -28,6 +29,7 @@ from finetune.data.load import ORIGIN, Splits
 from finetune.data.rows import PREFIX_LM_ROWS, TURN_WEIGHTS_WITH_IMAGES, WEIGHT
 from finetune.errors import ConfigError, DataError
 from finetune.methods import Job, vision_lengths
+from finetune.methods.vision_turns import SPANS, TurnsTrained, turns_of
 from finetune.methods.sft_plain_vision import PlainPictures
 from finetune.model.vision import image_token_ids, prefix_lm
 from finetune.trainers.vision import VisionSFTTrainer
@@ -93,17 +95,18 @@ def prepare(splits: Splits, processor, experiment: Experiment, said: str | None,
         splits.notes.append(said)
     max_length, fit = effective_value(experiment, "max_length"), fitter(experiment)
     completion_only = effective_value(experiment, "completion_only_loss") is not False
+    turns = turns_of(processor)
 
     def keep(rows, split):
         if IMAGES not in rows.column_names:  # text-only rows: no pictures to collate
             rows = rows.add_column(IMAGES, [[] for _ in range(len(rows))])
         if splits.format == "messages":
             rows = vision_lengths.kept(rows, split, processor, max_length, assistant_only,
-                                       fit, splits.notes)
+                                       fit, splits.notes, turns)
         else:
             rows = vision_lengths.kept_completions(rows, split, processor, max_length,
                                                    completion_only, fit, splits.notes)
-        return rows.select_columns([c for c in (*FORMATS[splits.format], WEIGHT, ORIGIN)
+        return rows.select_columns([c for c in (*FORMATS[splits.format], SPANS, WEIGHT, ORIGIN)
                                     if c in rows.column_names])
 
     return splits.tokenized(keep)
@@ -115,7 +118,8 @@ def build_trainer(job: Job, assistant_only: bool) -> SFTTrainer:
     args, training = job.args, job.experiment.training
     completions = "completion" in (job.data.train.column_names or ())
     plain = completions and isinstance(job.data.train[0]["prompt"], str)
-    args.assistant_only_loss = assistant_only and not completions
+    by_prefixes = SPANS in (job.data.train.column_names or ())  # vision_turns.py
+    args.assistant_only_loss = assistant_only and not completions and not by_prefixes
     # TRL's vision collator refuses completion_only_loss for messages
     completion_only = effective_value(job.experiment, "completion_only_loss") is not False
     args.completion_only_loss = completion_only if completions else None
@@ -129,6 +133,8 @@ def build_trainer(job: Job, assistant_only: bool) -> SFTTrainer:
     if plain:  # TRL's collator cannot lay them out (sft_plain_vision.py)
         trainer.data_collator = PlainPictures(job.tokenizer, args.max_length, completion_only)
     collate = ImagesSized(trainer.data_collator, job.experiment)  # vision.max/min_pixels
+    if by_prefixes:
+        collate = TurnsTrained(collate)
     trainer.data_collator = ImageTokensUntrained(ImageTokensKept(collate, args.max_length),
                                                  job.tokenizer)
     if weighted:  # data.weight_column, turn weights: the loss weighted (trainers/weighted.py)

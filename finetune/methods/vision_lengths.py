@@ -20,7 +20,6 @@ written."""
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 
 from datasets import Dataset
@@ -28,6 +27,7 @@ from datasets import Dataset
 from finetune.data.images import IMAGES
 from finetune.data.load import ORIGIN
 from finetune.errors import DataError
+from finetune.methods.vision_turns import SPANS, Turns, rendered_ids, spans
 
 SHOWN = "(`finetune data` shows every row's length with its image tokens)"
 
@@ -37,25 +37,32 @@ class Measured:
     length: int                 # tokens, the images' expanded
     image_end: int              # one past the last image token or marker (0: no image)
     first_trained: int | None   # the first trained token (None: none)
+    spans: tuple = ()           # the assistant turns' [start, end), found by_prefixes
 
 
 def measure(processor, messages: list[dict], images: list, assistant_only: bool,
-            fit=list) -> Measured:
-    from trl.data_utils import prepare_multimodal_messages
+            fit=list, turns: Turns = Turns(), where: str = "") -> Measured:
+    """The row as it trains; where turns.by_prefixes, with its assistant turns' spans
+    (vision_turns.py)."""
+    from finetune.model.vision import image_token_ids, with_images
 
-    from finetune.model.vision import image_token_ids
-
-    rendered = prepare_multimodal_messages(copy.deepcopy(messages), images=fit(images or []))
-    out = processor.apply_chat_template(
-        [rendered], tokenize=True, return_dict=True, return_assistant_tokens_mask=assistant_only,
-        processor_kwargs={"add_special_tokens": False})
+    rendered = with_images(messages, fit(images or []))
+    marked = assistant_only and not turns.by_prefixes
+    out = rendered_ids(processor, rendered, template=turns.template, assistant_mask=marked)
     ids = list(out["input_ids"][0])
+    found = spans(processor, rendered, ids, where) if assistant_only and turns.by_prefixes \
+        else []
+    if marked:
+        mask = list(out["assistant_masks"][0])
+    elif found:
+        mask = [any(start <= i < end for start, end in found) for i in range(len(ids))]
+    else:
+        mask = [not assistant_only] * len(ids)
     images = set(image_token_ids(processor))  # never trained (sft_vision.ImageTokensUntrained)
     ends = [i + 1 for i, t in enumerate(ids) if t in images]  # end markers included
-    trained = [keep and t not in images for keep, t in zip(
-        out["assistant_masks"][0] if assistant_only else [1] * len(ids), ids)]
+    trained = [keep and t not in images for keep, t in zip(mask, ids)]
     first = next((i for i, keep in enumerate(trained) if keep), None)
-    return Measured(len(ids), max(ends, default=0), first)
+    return Measured(len(ids), max(ends, default=0), first, tuple(found))
 
 
 def fits(measured: Measured, max_length: int | None) -> bool:
@@ -66,10 +73,14 @@ def fits(measured: Measured, max_length: int | None) -> bool:
 
 
 def kept(rows: Dataset, split: str, processor, max_length: int | None, assistant_only: bool,
-         fit, notes: list[str]) -> Dataset:
-    """The rows that fit; a note counting the others; a DataError when none does."""
-    keep = [fits(measure(processor, messages, images, assistant_only, fit), max_length)
-            for messages, images in zip(rows["messages"], rows[IMAGES])]
+         fit, notes: list[str], turns: Turns = Turns()) -> Dataset:
+    """The rows that fit; a note counting the others; a DataError when none does. With
+    turns.by_prefixes, each row's assistant spans in a SPANS column (vision_turns.py)."""
+    measured = [measure(processor, messages, images, assistant_only, fit, turns, where)
+                for messages, images, where in zip(rows["messages"], rows[IMAGES], rows[ORIGIN])]
+    if assistant_only and turns.by_prefixes:
+        rows = rows.add_column(SPANS, [list(m.spans) for m in measured])
+    keep = [fits(m, max_length) for m in measured]
     return _selected(rows, keep, notes, f"data.{split}: no row fits training.max_length "
                      f"{max_length} with its image tokens and a trained token {SHOWN}: "
                      "raise it",

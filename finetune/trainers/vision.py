@@ -13,8 +13,10 @@ from pathlib import Path
 
 from trl import DPOTrainer, KTOTrainer, SFTTrainer
 
+from finetune import compat
 from finetune.config.rules.vision import method_refused
 from finetune.errors import ConfigError, DataError
+from finetune.methods.vision_turns import SPANS
 from finetune.model.vision import load_saved_weights
 
 
@@ -56,7 +58,13 @@ def _method_of(trainer) -> str:
 
 
 class VisionSFTTrainer(VisionCheckpoints, SFTTrainer):
-    pass
+    def _set_signature_columns_if_needed(self):  # compat.OVERRIDES
+        """TRL drops dataset columns its collator does not know; keep the assistant
+        turns' spans (methods/vision_turns.py TurnsTrained reads them)."""
+        super()._set_signature_columns_if_needed()
+        columns = compat.signature_columns(self)
+        if SPANS not in columns:
+            compat.set_signature_columns(self, [*columns, SPANS])
 
 
 class ImageTokensCut:

@@ -1,0 +1,96 @@
+"""Which tokens of a conversation with pictures are the assistant's, for assistant-only
+sft of a vision-language model (training.assistant_only_loss, on by default for
+conversations). TRL's vision collator masks by the chat template's {% generation %}
+markers, and a hub checkpoint's template carries none as a rule. So, as TRL's
+SFTTrainer decides it:
+- a template with the markers is used as it is;
+- one TRL 1.16 ships a training version of (chat_template_utils.get_training_chat_template:
+  Qwen2.5-VL's, Qwen3-VL's, Qwen3.5's, SmolVLM's, Idefics3's, Gemma 3's, LLaVA-NeXT's)
+  through that version; the measures taken while preparing and `finetune data` use it too;
+- any other is split as finetune splits text conversations (data/sft_tokens.py): the
+  tokens between "messages up to turn i with the generation prompt" and "messages through
+  turn i", each rendered through the processor with its pictures, are turn i's. The spans
+  are found once, while the data are prepared (the SPANS column), and TurnsTrained keeps
+  the labels inside them; TRL's collator then trains every token it is given."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from finetune.errors import DataError
+
+SPANS = "assistant_spans"  # [start, end) of each assistant turn's tokens
+
+
+@dataclass(frozen=True)
+class Turns:
+    """How a processor's chat template shows the assistant's turns: by TRL's markers in
+    `template` (None: the processor's own template), or by_prefixes."""
+    template: str | None = None
+    by_prefixes: bool = False
+
+
+def turns_of(processor) -> Turns:
+    from trl.chat_template_utils import get_training_chat_template, has_generation_markers
+
+    own = processor.chat_template
+    if not own or has_generation_markers(own):  # none: model/tokenizer.py says so
+        return Turns()
+    try:
+        return Turns(template=get_training_chat_template(processor))
+    except ValueError:  # TRL knows no training version of this template
+        return Turns(by_prefixes=True)
+
+
+def rendered_ids(processor, rendered: list[dict], generation_prompt: bool = False,
+                 template: str | None = None, assistant_mask: bool = False) -> dict:
+    """One conversation (images in its parts: model/vision.with_images) through the
+    processor as TRL's collator renders it, uncut."""
+    return processor.apply_chat_template(
+        [rendered], tokenize=True, return_dict=True, chat_template=template,
+        add_generation_prompt=generation_prompt, return_assistant_tokens_mask=assistant_mask,
+        processor_kwargs={"add_special_tokens": False})
+
+
+def spans(processor, rendered: list[dict], ids: list[int], where: str) -> list[list[int]]:
+    """Each assistant turn's [start, end) in `ids` (the whole conversation's tokens)."""
+    out = []
+    for i, message in enumerate(rendered):
+        if message["role"] != "assistant":
+            continue
+        start = _ids(processor, rendered[:i], True) if i else []
+        end = _ids(processor, rendered[: i + 1], False)
+        if ids[:len(start)] != start or ids[:len(end)] != end:
+            raise DataError(f"{where}: the chat template does not render this conversation "
+                            "turn by turn (a prefix renders differently) and has no "
+                            "{% generation %} markers, so its assistant turns cannot be "
+                            "located for assistant_only_loss (on by default for "
+                            "conversations); give a template that does, or one with the "
+                            "markers (tokenizer.chat_template), or set "
+                            "training.assistant_only_loss: false to train on every turn")
+        out.append([len(start), len(end)])
+    return out
+
+
+def _ids(processor, rendered: list[dict], generation_prompt: bool) -> list[int]:
+    return list(rendered_ids(processor, rendered, generation_prompt)["input_ids"][0])
+
+
+class TurnsTrained:
+    """A vision collator (TRL's, training every token) whose labels keep each row's
+    assistant spans (SPANS) only."""
+
+    def __init__(self, collate):
+        self.collate = collate
+
+    def __call__(self, rows):
+        import torch
+
+        batch = self.collate(rows)
+        labels = batch["labels"]
+        inside = torch.zeros_like(labels, dtype=torch.bool)
+        for i, row in enumerate(rows):
+            for start, end in row[SPANS]:
+                inside[i, start:end] = True
+        labels[~inside] = -100
+        return batch

@@ -1,0 +1,100 @@
+"""Assistant-only sft of a vision-language model whose chat template has no
+{% generation %} markers, as a hub checkpoint's has not (methods/vision_turns.py): one TRL
+ships a training version of trains through that version, any other has its assistant
+turns found by prefixes, the same tokens the markers would give; a template that cannot
+be split is one error naming the row."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from conftest import QUICKSTART, run_cli
+from test_vlm import PICTURE, collated_batch
+
+# LLaVA-1.5-like: the assistant's turn after "ASSISTANT:", no markers. MARKED renders the
+# same text with the markers around what "through the turn" adds to "up to it, with the
+# generation prompt".
+USER = ("{% if m['role'] == 'user' %}{{ 'USER:' }}{% for c in m['content'] %}"
+        "{% if c['type'] == 'image' %}{{ ' <image>' }}{% else %}{{ ' ' + c['text'] }}{% endif %}"
+        "{% endfor %}{{ '\\n' }}{% else %}{{ 'ASSISTANT:' }}")
+REPLY = "{% for c in m['content'] %}{{ ' ' + c['text'] + '\\n' }}{% endfor %}"
+PLAIN = ("{% for m in messages %}" + USER + REPLY + "{% endif %}{% endfor %}"
+         "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}")
+MARKED = PLAIN.replace(REPLY, "{% generation %}" + REPLY + "{% endgeneration %}")
+# Its generation prompt is not what its turns start with: no prefix splits it.
+UNSPLIT = PLAIN.replace("{% if add_generation_prompt %}{{ 'ASSISTANT:' }}",
+                        "{% if add_generation_prompt %}{{ 'BOT:' }}")
+assert UNSPLIT != PLAIN
+
+
+def two_turns(tmp_path: Path) -> Path:
+    """A row of two turns, a picture in each user turn, and a text-only row."""
+    data = tmp_path / "data"
+    data.mkdir()
+    shutil.copy(PICTURE, data / "pic.png")
+    picture = [{"type": "image"}, {"type": "text", "text": "Its color?"}]
+    rows = [{"messages": [{"role": "user", "content": picture},
+                          {"role": "assistant", "content": "red"},
+                          {"role": "user", "content": picture},
+                          {"role": "assistant", "content": "red again"}],
+             "images": ["pic.png", "pic.png"]},
+            {"messages": [{"role": "user", "content": "Say blue."},
+                          {"role": "assistant", "content": "blue"}]}]
+    (data / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return data / "rows.jsonl"
+
+
+def config(write, rows: Path, template: str) -> Path:
+    (rows.parent / "template.jinja").write_text(template)
+    return write("exp.yaml", f"method: sft\nmodel: {{name_or_path: {QUICKSTART / 'tiny-vlm'}, "
+                             f"init: random}}\ndata: {{train: {rows}}}\n"
+                             f"tokenizer: {{chat_template: {rows.parent / 'template.jinja'}}}\n"
+                             "training: {per_device_train_batch_size: 2, seed: 0}\n")
+
+
+def trained(batch, processor) -> list[str]:
+    return [processor.tokenizer.decode(ids[labels != -100])
+            for ids, labels in zip(batch["input_ids"], batch["labels"])]
+
+
+@pytest.mark.slow  # builds the model and three trainers
+def test_turns_without_markers_train_what_markers_would(write, tmp_path):
+    from trl.chat_template_utils import get_training_chat_template
+
+    from finetune.methods.vision_turns import Turns, turns_of
+
+    rows = two_turns(tmp_path)
+    marked, processor, _ = collated_batch(tmp_path / "m", [], config(write, rows, MARKED))
+    plain, processor, _ = collated_batch(tmp_path / "p", [], config(write, rows, PLAIN))
+    assert turns_of(processor) == Turns(by_prefixes=True)
+    assert (plain["input_ids"] == marked["input_ids"]).all()
+    assert (plain["labels"] == marked["labels"]).all()
+    assert sorted(trained(plain, processor)) == [" blue\n", " red\n red again\n"]
+
+    # a template TRL has a training version of: that version's markers, as TRL's trainer
+    # swaps it in (the tokens measured while preparing included)
+    known = (Path(__import__("trl").__file__).parent / "chat_templates" / "llava_next.jinja")
+    batch, processor, _ = collated_batch(tmp_path / "k", [],
+                                         config(write, rows, known.read_text()))
+    assert turns_of(processor).template == get_training_chat_template(processor) is not None
+    assert sorted(trained(batch, processor)) == [" blue</s>", " red</s> red again</s>"]
+
+
+@pytest.mark.slow  # two CLI processes
+def test_finetune_data_shows_the_turns_and_names_a_row_it_cannot_split(write, tmp_path):
+    rows = two_turns(tmp_path)
+    shown = run_cli("data", "-n", "2", str(config(write, rows, PLAIN)), cwd=tmp_path)
+    assert shown.returncode == 0, shown.stderr[-3000:]
+    assert "ASSISTANT:⟦ red\n⟧USER: <image>" in shown.stdout
+    assert "ASSISTANT:⟦ blue\n⟧" in shown.stdout
+
+    refused = run_cli("train", str(config(write, rows, UNSPLIT)), cwd=tmp_path)
+    assert refused.returncode != 0
+    error = refused.stderr.strip().splitlines()[-1]
+    assert error.startswith(f"error: {rows} row 1: the chat template does not render this "
+                            "conversation turn by turn"), refused.stderr[-3000:]
+    assert "training.assistant_only_loss: false" in error
