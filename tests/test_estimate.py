@@ -296,7 +296,7 @@ def test_model_states_exact_against_real_tensors(case, tiny_model, tmp_path):
 
     shape = read_shape(experiment.model.name_or_path)
     settings = settings_of(experiment, max_positions=shape.max_positions)
-    states = model_states(census(shape, settings), [], shape, settings, Layout("none"))
+    states = model_states(census(shape, settings), [], settings, Layout("none"))
 
     trainable = [p for p in model.parameters() if p.requires_grad]
     assert _held_bytes(model) == states.weights + states.trainable
@@ -366,25 +366,25 @@ def test_zero_arithmetic_full_8b():
     def ceil(a):
         return -(-a // n)
 
-    plain = model_states(tensors, [], shape, settings, Layout("ddp"))
+    plain = model_states(tensors, [], settings, Layout("ddp"))
     assert (plain.trainable, plain.gradients, plain.buffers) == (4 * p, 4 * p, 4 * p)  # + DDP
     assert plain.optimizer == adam
     linear = sum(t.numel for t in tensors if t.role in ("linear", "head"))
     assert plain.autocast == 2 * linear and plain.weights == plain.master == 0
 
-    z1 = model_states(tensors, [], shape, settings, Layout("deepspeed", 1))
+    z1 = model_states(tensors, [], settings, Layout("deepspeed", 1))
     assert (z1.trainable, z1.gradients, z1.master) == (2 * p, 2 * p, ceil(4 * p))
     assert z1.optimizer == ceil(8 * p + 4 * count) and z1.autocast == 0
-    z2 = model_states(tensors, [], shape, settings, Layout("deepspeed", 2))
+    z2 = model_states(tensors, [], settings, Layout("deepspeed", 2))
     assert (z2.trainable, z2.gradients, z2.master) == (2 * p, ceil(2 * p), ceil(4 * p))
-    z3 = model_states(tensors, [], shape, settings, Layout("deepspeed", 3))
+    z3 = model_states(tensors, [], settings, Layout("deepspeed", 3))
     assert (z3.trainable, z3.gradients) == (ceil(2 * p), ceil(2 * p))
-    layer = 4096 * (4096 + 2 * 1024) + 4096 * 4096 + 3 * 4096 * 14336
+    layer = 4096 * (4096 + 2 * 1024) + 4096 * 4096 + 3 * 4096 * 14336 + 2 * 4096  # + norms
     assert z3.buffers == 2 * max(2 * layer, 128256 * 4096)  # two layers, or the embedding
-    off = model_states(tensors, [], shape, settings, Layout("deepspeed", 3, "cpu"))
+    off = model_states(tensors, [], settings, Layout("deepspeed", 3, "cpu"))
     assert off.master == off.optimizer == 0
     assert off.cpu == ceil(4 * p) + ceil(adam) + ceil(4 * p)  # master, states, fp32 grads
-    both = model_states(tensors, [], shape, settings, Layout("deepspeed", 3, "cpu", "cpu"))
+    both = model_states(tensors, [], settings, Layout("deepspeed", 3, "cpu", "cpu"))
     assert both.trainable == 0 and both.cpu == off.cpu + ceil(2 * p)
 
 
@@ -401,7 +401,7 @@ def test_tensor_parallel_splits_the_decoder_linears_and_zero_shards_over_the_res
     tensors = census(shape, settings)
     layer = 4096 * (4096 + 2 * 1024) + 4096 * 4096 + 3 * 4096 * 14336
     held = 8_030_261_248 - 32 * layer // 2  # parameters one process holds
-    z1 = model_states(tensors, [], shape, settings, settings.layout)
+    z1 = model_states(tensors, [], settings, settings.layout)
     assert (z1.trainable, z1.gradients) == (2 * held, 2 * held)
     assert z1.master == -(-4 * held // 4)
     ladder = ladder_layouts(settings)

@@ -21,6 +21,9 @@ from finetune.config import load_experiment
 from finetune.errors import ConfigError
 from finetune.estimate import estimate, render_text
 from finetune.estimate.activations import layer_bytes
+from finetune.estimate.census import census
+from finetune.estimate.memory import model_states
+from finetune.estimate.settings import Layout, settings_of
 from finetune.estimate.shapes import parameters, read_shape
 
 VLM = QUICKSTART / "vlm.yaml"
@@ -66,6 +69,31 @@ def test_parameters_are_transformers_own(tmp_path):
         path = model_dir(tmp_path, config)
         real = [(n, p.numel()) for n, p in _meta_model(path).named_parameters()]
         assert [(p.name, p.numel) for p in parameters(read_shape(str(path)), "lm")] == real
+
+
+@pytest.mark.slow  # imports torch (the meta device)
+def test_zero3_gathers_the_largest_layer(tmp_path):
+    """ZeRO-3 and FSDP gather a layer at a time (and prefetch the next): sized as the
+    largest of transformers' own layers, here the Gated DeltaNet one, not as a dense
+    model's attention layer (43,008 parameters)."""
+    pytest.importorskip("torch")
+    path = model_dir(tmp_path, SMALL)
+    layers: dict[str, int] = {}
+    for name, p in _meta_model(path).named_parameters():
+        found = re.match(r"(.*\.(?:layers|blocks)\.\d+)\.", name)
+        if found:
+            layers[found.group(1)] = layers.get(found.group(1), 0) + p.numel()
+    largest = max(layers, key=layers.get)
+    assert largest == "model.language_model.layers.0"  # Gated DeltaNet
+    dense = 64 * (128 + 2 * 64) + 128 * 64 + 3 * 64 * 96
+    assert layers[largest] > layers["model.language_model.layers.1"] > dense
+    experiment = load_experiment(VLM, [f"model.name_or_path={path}", "peft.type=none",
+                                       "distributed.strategy=deepspeed",
+                                       "distributed.deepspeed.zero_stage=3"])
+    settings = settings_of(experiment, gpus=2)
+    states = model_states(census(read_shape(str(path)), settings), [], settings,
+                          Layout("deepspeed", 3))
+    assert states.buffers == 2 * 2 * layers[largest]  # 16 bits, two layers
 
 
 @pytest.mark.slow  # imports torch; two small layers, a few forwards (about 3 s)

@@ -90,7 +90,7 @@ def test_gemma3_against_autograd(tmp_path):
     from finetune.estimate.settings import Layout
 
     acts = activation_bytes(shape, settings, Layout("none"), False)
-    copies = model_states(census(shape, settings), [], shape, settings, Layout("none")).autocast
+    copies = model_states(census(shape, settings), [], settings, Layout("none")).autocast
     language_copies = sum(2 * t.numel for t in census(shape, settings) if t.matmul and
                           not t.name.startswith(("model.vision_tower.",
                                                  "model.multi_modal_projector.")))

@@ -88,7 +88,7 @@ def test_model_states_and_activations_against_a_training_step(tmp_path):
     shape = read_shape(str(TINY_VLM))
     settings = settings_of(experiment, max_positions=shape.max_positions).with_(
         images_per_row=1, device="cpu", attention="sdpa", mask="padding")
-    states = model_states(census(shape, settings), [], shape, settings, Layout("none"))
+    states = model_states(census(shape, settings), [], settings, Layout("none"))
 
     torch.manual_seed(0)
     model = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(TINY_VLM),

@@ -111,7 +111,7 @@ def test_tensors_and_a_training_step_against_the_training_code(case, tiny_vlm, t
     real = {_estimate_name(n): (*_held(p), p.requires_grad) for n, p in model.named_parameters()}
     counted = {t.name: (t.numel, t.nbytes, t.dtype, t.trainable) for t in tensors}
     assert counted == real
-    states = model_states(tensors, [], shape, settings, Layout("none"))
+    states = model_states(tensors, [], settings, Layout("none"))
     assert _held_bytes(model) == states.weights + states.trainable
 
     # One step of a batch TRL's vision collator makes: gradients, AdamW states, activations.

@@ -150,7 +150,7 @@ def activation_bytes(shape: Shape, settings: Settings, layout: Layout,
 
 def evaluate(shape: Shape, settings: Settings, tensors: list[Tensor], value: list[Tensor],
              layout: Layout, micro_batch: int, checkpointing: bool, gpu_memory: int) -> Evaluation:
-    states = model_states(tensors, value, shape, settings, layout)
+    states = model_states(tensors, value, settings, layout)
     acts = activation_bytes(shape, settings, layout, checkpointing)
     ckpt = "checkpointed" if checkpointing else "no checkpointing"
     rows = [

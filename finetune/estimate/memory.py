@@ -23,6 +23,7 @@ backward, NO_SHARD is data parallel; cpu_offload moves the sharded states to the
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
 
 from finetune.config.derived.effective import model_precision
@@ -30,11 +31,12 @@ from finetune.estimate import vision
 from finetune.estimate.census import BYTES, Tensor
 from finetune.estimate.optimizers import state_bytes
 from finetune.estimate.settings import Layout, Settings
-from finetune.estimate.shapes import Shape
 
 FLOAT = ("fp32", "bf16", "fp16")
 # What AutoTP splits: the decoder's linear layers (the model's tp_plan) and their biases.
 TENSOR_PARALLEL_ROLES = ("linear", "bias")
+# A decoder layer (or a vision tower's block): what ZeRO-3 and FSDP gather at once.
+LAYER = re.compile(r"(.*\.(?:layers|blocks)\.\d+)\.")
 # A VLM's tp_plan is its language model's: the vision tower and projector stay whole.
 WHOLE_UNDER_TENSOR_PARALLEL = vision.VISION_PREFIXES
 
@@ -101,12 +103,17 @@ def dora_bytes(tensors: list[Tensor], settings: Settings, layout: Layout) -> int
                for name in shapes if name.endswith(".lora_A"))
 
 
-def gathered_numel(shape: Shape) -> int:
+def gathered_numel(tensors: list[Tensor]) -> int:
     """Parameters gathered at once under ZeRO-3/FSDP: the current and the prefetched layer,
-    or the embedding matrix when that is bigger."""
-    h, i = shape.hidden, shape.intermediate
-    layer = h * (shape.q_dim + 2 * shape.kv_dim) + shape.q_dim * h + 3 * h * i
-    return max(2 * layer, shape.vocab * h)
+    sized as the largest (a hybrid model's Gated DeltaNet and attention layers differ, as
+    do mllama's cross-attention ones), or the embedding matrix when that is bigger."""
+    layers: dict[str, int] = {}
+    for t in tensors:
+        found = LAYER.match(t.name)
+        if found:
+            layers[found.group(1)] = layers.get(found.group(1), 0) + t.numel
+    embedding = max((t.numel for t in tensors if t.role == "embedding"), default=0)
+    return max(2 * max(layers.values(), default=0), embedding)
 
 
 def reference_numel(tensors: list[Tensor]) -> int:
@@ -140,8 +147,7 @@ def tensor_parallel_share(tensors: list[Tensor], tp: int) -> list[Tensor]:
             and not t.name.startswith(WHOLE_UNDER_TENSOR_PARALLEL) else t for t in tensors]
 
 
-def _deepspeed(tensors: list[Tensor], settings: Settings, layout: Layout,
-               shape: Shape) -> States:
+def _deepspeed(tensors: list[Tensor], settings: Settings, layout: Layout) -> States:
     s = States()
     half = settings.precision != "fp32"
     n, stage = settings.world // layout.tensor_parallel, layout.zero_stage
@@ -163,7 +169,7 @@ def _deepspeed(tensors: list[Tensor], settings: Settings, layout: Layout,
     s.master = _ceil(master, n) if stage >= 1 else master
     s.optimizer = _ceil(opt, n) if stage >= 1 else opt
     if stage == 3:
-        s.buffers, s.buffers_label = 2 * gathered_numel(shape), "ZeRO-3 gathered parameters"
+        s.buffers, s.buffers_label = 2 * gathered_numel(tensors), "ZeRO-3 gathered parameters"
     if layout.offload_optimizer != "none" and stage >= 1:
         host = s.master + s.optimizer + _ceil(4 * numel, n)  # + the fp32 gradient partition
         s.cpu += host if layout.offload_optimizer == "cpu" else 0
@@ -174,7 +180,7 @@ def _deepspeed(tensors: list[Tensor], settings: Settings, layout: Layout,
     return s
 
 
-def _fsdp(tensors: list[Tensor], settings: Settings, layout: Layout, shape: Shape) -> States:
+def _fsdp(tensors: list[Tensor], settings: Settings, layout: Layout) -> States:
     s = _plain(tensors, [], settings, Layout("none"))
     s.autocast = 0  # FSDP's mixed precision casts at the all-gather instead
     shards = {"FULL_SHARD": settings.world, "SHARD_GRAD_OP": settings.world,
@@ -185,7 +191,7 @@ def _fsdp(tensors: list[Tensor], settings: Settings, layout: Layout, shape: Shap
         s.buffers = 2 * sum(t.numel for t in tensors if t.dtype in FLOAT)
         s.buffers_label = "FSDP unsharded parameters (forward to backward)"
     elif shards > 1:
-        s.buffers, s.buffers_label = 2 * gathered_numel(shape), "FSDP gathered parameters"
+        s.buffers, s.buffers_label = 2 * gathered_numel(tensors), "FSDP gathered parameters"
     s.dora = dora_bytes(tensors, settings, layout)
     if layout.fsdp_offload:
         s.cpu = s.weights + s.trainable + s.gradients + s.optimizer
@@ -193,12 +199,12 @@ def _fsdp(tensors: list[Tensor], settings: Settings, layout: Layout, shape: Shap
     return s
 
 
-def model_states(tensors: list[Tensor], value: list[Tensor], shape: Shape, settings: Settings,
+def model_states(tensors: list[Tensor], value: list[Tensor], settings: Settings,
                  layout: Layout) -> States:
     if layout.strategy == "deepspeed":
-        s = _deepspeed(tensors, settings, layout, shape)
+        s = _deepspeed(tensors, settings, layout)
     elif layout.strategy == "fsdp":
-        s = _fsdp(tensors, settings, layout, shape)
+        s = _fsdp(tensors, settings, layout)
     else:
         s = _plain(tensors, value, settings, layout)
     if settings.reference == "copy":
