@@ -76,3 +76,37 @@ def test_weights_follow_the_trained_tokens(tokenizer):
     half = len(weights) // 2
     assert weights == [1.0] * half + [2.0] * half
     assert all(w == 0.0 for w, t in zip(row["token_weights"], row["labels"]) if t == IGNORE)
+
+
+def test_a_conversation_the_template_cannot_split_renders_through_trls_training_version(
+        tokenizer):
+    """Qwen3's template drops the think block of an assistant turn before the last user
+    turn, so "the conversation through turn 1" is no prefix of the whole: such a
+    conversation renders through TRL's training version of the template (every turn's
+    think block kept); a one-turn conversation still renders as the template has it; a
+    template TRL has no version of is refused naming the row."""
+    from pathlib import Path
+
+    import trl
+
+    templates = Path(trl.__file__).parent / "chat_templates"
+    qwen3 = tokenizer.__class__.from_pretrained(TINY_MODEL)
+    qwen3.chat_template = (templates / "qwen3.jinja").read_text()
+    training = (templates / "qwen3_training.jinja").read_text()
+
+    def rendered(messages, template=None):
+        return list(qwen3.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                              chat_template=template)["input_ids"])
+
+    rows = _one(qwen3, [{"messages": CHAT}, {"messages": CHAT[:2]}], "messages",
+                assistant_only=True)
+    assert rendered(CHAT) != rendered(CHAT, training)
+    assert rows[0]["input_ids"] == rendered(CHAT, training)
+    assert rows[1]["input_ids"] == rendered(CHAT[:2]) == rendered(CHAT[:2], training)
+    trained = qwen3.decode([t for t in rows[0]["labels"] if t != IGNORE])
+    assert trained == 2 * "<think>\n\n</think>\n\napple cat<|im_end|>\n"
+
+    qwen3.chat_template = qwen3.chat_template.replace("<|im_start|>", "<|im_start|> ")
+    with pytest.raises(DataError, match="data.train row 1: the chat template does not "
+                                        "render this conversation turn by turn"):
+        _one(qwen3, [{"messages": CHAT}], "messages", assistant_only=True)

@@ -8,18 +8,23 @@ A token's weight is its row's weight (data.weight_column, default 1) times its a
 turn's weight (`weight` on the message, default 1). Turns are located by rendering the
 chat template on growing prefixes of the conversation: the tokens between "messages up to
 turn i with the generation prompt" and "messages through turn i" are turn i's. A template
-whose renderings are not prefixes of each other cannot be split that way and is refused.
+whose renderings are not prefixes of each other cannot be split that way: such a
+conversation is rendered through TRL's training version of the template where TRL ships
+one (model/chat_template.training_version: Qwen3's, whose original drops the think block
+of every assistant turn before the last user turn), and refused otherwise.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from datasets import Dataset
 
 from finetune.data.formats import chat_message, row_tools
 from finetune.data.load import ORIGIN, WEIGHT
+from finetune.model.chat_template import training_version
 from finetune.model.tokenizer import render_chat
 from finetune.errors import DataError
 
@@ -38,12 +43,14 @@ class Masking:
 
 
 def _render(tokenizer, messages: list[dict[str, Any]], generation_prompt: bool,
-            label: str, tools: list[dict[str, Any]] | None = None) -> list[int]:
+            label: str, tools: list[dict[str, Any]] | None = None,
+            template: str | None = None) -> list[int]:
     plain = [chat_message(m) for m in messages]
-    return render_chat(tokenizer, plain, label, generation_prompt, tools)
+    return render_chat(tokenizer, plain, label, generation_prompt, tools, template)
 
 
 Tokens = tuple[list[int], list[bool], list[float]]  # ids, trained?, weight of each
+Version = Callable[[], "str | None"]  # the template's training version, found once a run
 
 
 def _altered(message: dict[str, Any]) -> dict[str, Any]:
@@ -57,38 +64,46 @@ def _altered(message: dict[str, Any]) -> dict[str, Any]:
 
 
 def _check_tool_parts(tokenizer, messages: list[dict[str, Any]], ids: list[int], label: str,
-                      tools: list[dict[str, Any]] | None) -> None:
+                      tools: list[dict[str, Any]] | None, template: str | None = None) -> None:
     """A template that ignores `tools`, a tool call or a tool result renders the row without
     it and raises nothing: the row would train as if it had none. Each part is changed in
     turn; a rendering the change leaves alike lost it."""
     fix = "use a chat template that renders tools, tool calls and tool results " \
           "(tokenizer.chat_template)"
-    if tools and _render(tokenizer, messages, False, label) == ids:
+    if tools and _render(tokenizer, messages, False, label, None, template) == ids:
         raise DataError(f"{label}: the chat template renders no `tools` (the row's function "
                         f"schemas would be lost); {fix}")
     for i, message in enumerate(messages):
         if message.get("tool_calls") or message["role"] == "tool":
             changed = messages[:i] + [_altered(message)] + messages[i + 1:]
-            if _render(tokenizer, changed, False, label, tools) == ids:
+            if _render(tokenizer, changed, False, label, tools, template) == ids:
                 what = "tool call" if message.get("tool_calls") else "tool result"
                 raise DataError(f"{label}: the chat template leaves out `messages[{i}]` (a "
                                 f"{what}): the row would train without it; {fix}")
 
 
 def _conversation(tokenizer, messages: list[dict[str, Any]], weight: float, masking: Masking,
-                  label: str, tools: list[dict[str, Any]] | None = None) -> Tokens:
-    ids = _render(tokenizer, messages, False, label, tools)
-    _check_tool_parts(tokenizer, messages, ids, label, tools)
+                  label: str, tools: list[dict[str, Any]] | None, version: Version,
+                  template: str | None = None) -> tuple[Tokens, str | None]:
+    """The conversation's tokens, and the template they were rendered with: `template`
+    (None: the tokenizer's own), or version() (TRL's training version of it) where that
+    one cannot split the conversation into turns."""
+    ids = _render(tokenizer, messages, False, label, tools, template)
+    _check_tool_parts(tokenizer, messages, ids, label, tools, template)
     needs_turns = masking.assistant_only or any(m.get("weight") is not None for m in messages)
     trained, weights = [not masking.assistant_only] * len(ids), [weight] * len(ids)
     if not needs_turns:
-        return ids, trained, weights
+        return (ids, trained, weights), template
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        start = _render(tokenizer, messages[:i], True, label, tools) if i else []
-        end = _render(tokenizer, messages[: i + 1], False, label, tools)
+        start = _render(tokenizer, messages[:i], True, label, tools, template) if i else []
+        end = _render(tokenizer, messages[: i + 1], False, label, tools, template)
         if ids[:len(start)] != start or ids[:len(end)] != end:
+            other = None if template else version()
+            if other:
+                return _conversation(tokenizer, messages, weight, masking, label, tools,
+                                     version, other)
             raise DataError(f"{label}: the chat template does not render this conversation "
                             "turn by turn (a prefix renders differently), so assistant turns "
                             "cannot be located for assistant_only_loss (on by default for "
@@ -99,18 +114,18 @@ def _conversation(tokenizer, messages: list[dict[str, Any]], weight: float, mask
         span = range(len(start), len(end))
         for position in span:
             trained[position], weights[position] = True, turn
-    return ids, trained, weights
+    return (ids, trained, weights), template
 
 
 def _prompt_completion(tokenizer, row: dict[str, Any], weight: float, masking: Masking,
-                       label: str) -> Tokens:
+                       label: str, version: Version) -> Tokens:
     prompt, completion = row["prompt"], row["completion"]
     if isinstance(prompt, list):
         completion = [{**m, "weight": None} for m in completion]
         tools = row_tools(row, label)
-        ids, trained, weights = _conversation(tokenizer, prompt + completion, weight, masking,
-                                              label, tools)
-        prompt_length = len(_render(tokenizer, prompt, True, label, tools))
+        (ids, trained, weights), template = _conversation(tokenizer, prompt + completion,
+                                                          weight, masking, label, tools, version)
+        prompt_length = len(_render(tokenizer, prompt, True, label, tools, template))
     else:
         # As TRL: the joined text is tokenized, and the completion starts where it and the
         # prompt alone stop agreeing (tokens may merge across the boundary).
@@ -135,6 +150,7 @@ def _text(tokenizer, row: dict[str, Any], weight: float) -> Tokens:
 
 def row_tokenizer(tokenizer, fmt: str, masking: Masking, split: str):
     """(row, index) -> input_ids, labels and (masking.weighted) token_weights."""
+    version = functools.cache(lambda: training_version(tokenizer))
     cut = None if masking.max_length is None else (
         slice(-masking.max_length, None) if masking.keep_end else slice(None, masking.max_length))
 
@@ -142,10 +158,12 @@ def row_tokenizer(tokenizer, fmt: str, masking: Masking, split: str):
         label = row.get(ORIGIN) or f"data.{split} row {index + 1}"
         weight = float(row.get(WEIGHT, 1.0))
         if fmt == "messages":
-            ids, trained, weights = _conversation(tokenizer, row["messages"], weight, masking,
-                                                  label, row_tools(row, label))
+            (ids, trained, weights), _ = _conversation(tokenizer, row["messages"], weight,
+                                                       masking, label, row_tools(row, label),
+                                                       version)
         elif fmt == "prompt_completion":
-            ids, trained, weights = _prompt_completion(tokenizer, row, weight, masking, label)
+            ids, trained, weights = _prompt_completion(tokenizer, row, weight, masking, label,
+                                                       version)
         else:
             ids, trained, weights = _text(tokenizer, row, weight)
         if not any(trained):  # before any truncation: the row itself has nothing to train

@@ -4,7 +4,7 @@ conversations). TRL's vision collator masks by the chat template's {% generation
 markers, and a hub checkpoint's template carries none as a rule. So, as TRL's
 SFTTrainer decides it:
 - a template with the markers is used as it is;
-- one TRL 1.16 ships a training version of (chat_template_utils.get_training_chat_template:
+- one TRL 1.16 ships a training version of (model/chat_template.training_version:
   Qwen2.5-VL's, Qwen3-VL's, Qwen3.5's, SmolVLM's, Idefics3's, Gemma 3's, LLaVA-NeXT's)
   through that version; the measures taken while preparing and `finetune data` use it too;
 - any other is split as finetune splits text conversations (data/sft_tokens.py): the
@@ -31,15 +31,15 @@ class Turns:
 
 
 def turns_of(processor) -> Turns:
-    from trl.chat_template_utils import get_training_chat_template, has_generation_markers
+    from trl.chat_template_utils import has_generation_markers
+
+    from finetune.model.chat_template import training_version
 
     own = processor.chat_template
     if not own or has_generation_markers(own):  # none: model/tokenizer.py says so
         return Turns()
-    try:
-        return Turns(template=get_training_chat_template(processor))
-    except ValueError:  # TRL knows no training version of this template
-        return Turns(by_prefixes=True)
+    version = training_version(processor)
+    return Turns(template=version) if version else Turns(by_prefixes=True)
 
 
 def rendered_ids(processor, rendered: list[dict], generation_prompt: bool = False,

@@ -32,6 +32,24 @@ def conversational(row: dict[str, Any]) -> bool:
                and "role" in value[0] for value in (row.get(key) for key in CHAT_COLUMNS))
 
 
+def training_version(processing_class) -> str | None:
+    """TRL's training version of the tokenizer's (or processor's) template, where TRL 1.16
+    ships one (trl/chat_templates: Llama 3's, Qwen2.5's, Qwen3's, Gemma's, Qwen2.5-VL's,
+    ...): it renders as the original does, but with {% generation %} markers and
+    prefix-preserving (Qwen3's keeps every assistant turn's think block, where the
+    original drops those before the last user turn). None where TRL ships none, or the
+    template has its markers already."""
+    from trl.chat_template_utils import get_training_chat_template, has_generation_markers
+
+    own = processing_class.chat_template
+    if not own or has_generation_markers(own):
+        return None
+    try:
+        return get_training_chat_template(processing_class)
+    except ValueError:  # TRL knows no training version of this template
+        return None
+
+
 def setting(experiment: Experiment) -> str | None:
     """tokenizer.chat_template's template: inline, or the text of its file."""
     template = experiment.tokenizer.chat_template

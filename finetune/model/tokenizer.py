@@ -107,16 +107,19 @@ def end_marker(tokenizer: PreTrainedTokenizerBase) -> str:
 
 
 def render_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict], where: str,
-                generation_prompt: bool = False, tools: list[dict] | None = None) -> list[int]:
+                generation_prompt: bool = False, tools: list[dict] | None = None,
+                template: str | None = None) -> list[int]:
     """The token ids of a conversation through the chat template. A template that fails on
     it (a Jinja error, a raise_exception on roles it refuses) is a DataError naming
-    `where` (the row's origin): every method renders every chat row while preparing."""
+    `where` (the row's origin): every method renders every chat row while preparing.
+    template: another template than the tokenizer's (chat_template.training_version)."""
     import jinja2
 
     try:
         return list(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
                                                   add_generation_prompt=generation_prompt,
-                                                  tools=tools or None)
+                                                  tools=tools or None,
+                                                  chat_template=template)
                     ["input_ids"])
     except (jinja2.TemplateError, ValueError, TypeError) as exc:
         raise chat_template.cannot_render(where, exc) from None
