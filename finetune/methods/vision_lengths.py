@@ -30,6 +30,10 @@ from finetune.errors import DataError
 from finetune.methods.vision_turns import SPANS, Turns, rendered_ids, spans
 
 SHOWN = "(`finetune data` shows every row's length with its image tokens)"
+# What to change when no row fits: a hub checkpoint's processor may make thousands of
+# tokens of a photo (Qwen2-VL's, up to 12.8 megapixels), which vision.max_pixels caps.
+RAISE = ("raise it, or give vision.max_pixels (fewer image tokens where they grow with the "
+         "picture: Qwen2-VL's and Qwen3-VL's, SmolVLM's tiles)")
 
 
 @dataclass(frozen=True)
@@ -83,7 +87,7 @@ def kept(rows: Dataset, split: str, processor, max_length: int | None, assistant
     keep = [fits(m, max_length) for m in measured]
     return _selected(rows, keep, notes, f"data.{split}: no row fits training.max_length "
                      f"{max_length} with its image tokens and a trained token {SHOWN}: "
-                     "raise it",
+                     f"{RAISE}",
                      f"data.{split}: {{}} row(s) dropped: training.max_length {max_length} "
                      "would cut their image tokens or leave no trained token")
 
@@ -107,7 +111,7 @@ def kept_completions(rows: Dataset, split: str, processor, max_length: int | Non
         keep.append(fits(measured, max_length))
     return _selected(rows, keep, notes, f"data.{split}: no row fits training.max_length "
                      f"{max_length} with its image tokens and a completion token {SHOWN}: "
-                     "raise it",
+                     f"{RAISE}",
                      f"data.{split}: {{}} row(s) dropped: training.max_length {max_length} "
                      "would cut their image tokens or leave no completion token")
 
@@ -141,7 +145,7 @@ def kept_pairs(rows: Dataset, split: str, processor, max_length: int | None, fit
             <= max_length for prompt, images in zip(rows["prompt"], rows[IMAGES])]
     return _selected(rows, keep, notes, f"data.{split}: no pair's prompt fits "
                      f"training.max_length {max_length} with its image tokens {SHOWN}: "
-                     "raise it",
+                     f"{RAISE}",
                      f"data.{split}: {{}} pair(s) dropped: training.max_length {max_length} "
                      "would cut their prompt's image tokens")
 
@@ -162,7 +166,7 @@ def kept_unpaired(rows: Dataset, split: str, processor, max_length: int | None, 
         for prompt, images in zip(rows["prompt"], rows[IMAGES])]
     return _selected(rows, keep, notes, f"data.{split}: no row's prompt fits "
                      f"training.max_length {max_length} with its image tokens and a "
-                     f"completion token {SHOWN}: raise it",
+                     f"completion token {SHOWN}: {RAISE}",
                      f"data.{split}: {{}} row(s) dropped: training.max_length {max_length} "
                      "would cut their prompt's image tokens or leave no completion token")
 
