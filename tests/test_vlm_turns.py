@@ -98,3 +98,36 @@ def test_finetune_data_shows_the_turns_and_names_a_row_it_cannot_split(write, tm
     assert error.startswith(f"error: {rows} row 1: the chat template does not render this "
                             "conversation turn by turn"), refused.stderr[-3000:]
     assert "training.assistant_only_loss: false" in error
+
+
+@pytest.mark.slow  # loads the processor; two worker processes
+def test_rows_are_measured_alike_in_worker_processes(tmp_path):
+    """What preparing keeps, and each row's assistant spans, whether this process measures
+    the rows or workers do (a hub processor takes tens of ms a photo: data/parallel.py)."""
+    from datasets import Dataset
+    from transformers import AutoProcessor
+
+    from finetune.data.load import ORIGIN
+    from finetune.methods import vision_lengths
+    from finetune.methods.vision_turns import SPANS, rendered_ids, turns_of
+    from finetune.model.vision import with_images
+
+    path = two_turns(tmp_path)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    parts = lambda m: {**m, "content": [{"type": "text", "text": m["content"]}]
+                       if isinstance(m["content"], str) else m["content"]}  # one Arrow type
+    rows = [{"messages": [parts(m) for m in r["messages"]],
+             "images": [str(path.parent / i) for i in r.get("images", [])],
+             ORIGIN: f"{path} row {n + 1}"} for n, r in enumerate(rows * 3)]
+    processor = AutoProcessor.from_pretrained(QUICKSTART / "tiny-vlm")
+    processor.chat_template = PLAIN
+    turns = turns_of(processor)
+    for limit in (None, 40):  # 40: the rows with pictures would be cut inside them
+        kept = [vision_lengths.kept(Dataset.from_list(rows), "train", processor, limit, True,
+                                    list, notes, turns, workers)
+                for notes, workers in (([], None), ([], 2))]
+        assert kept[0].to_list() == kept[1].to_list()
+        assert len(kept[0]) == (6 if limit is None else 3)
+    text_only = kept[0][0]  # the pictured rows were cut
+    ids = rendered_ids(processor, with_images(text_only["messages"], []))["input_ids"][0]
+    assert [processor.tokenizer.decode(ids[a:b]) for a, b in text_only[SPANS]] == [" blue\n"]

@@ -18,6 +18,7 @@ from finetune.config.schema import Experiment
 from finetune.data.image_size import ImagesSized, fitter
 from finetune.data.images import IMAGES
 from finetune.data.load import ORIGIN, Splits
+from finetune.data.parallel import processes
 from finetune.errors import ConfigError, DataError
 from finetune.methods import Job
 from finetune.model import vision
@@ -119,7 +120,8 @@ def vision_rows(splits: Splits, processor, experiment: Experiment, problems: lis
         ds = shaped(ds)
         if IMAGES not in ds.column_names:
             ds = ds.add_column(IMAGES, [[] for _ in range(len(ds))])
-        ds = kept(ds, split, processor, max_length, fit, splits.notes)
+        ds = kept(ds, split, processor, max_length, fit, splits.notes,
+                  processes(experiment, len(ds)))
         return ds.select_columns([*columns, ORIGIN])
 
     return splits.tokenized(rows)

@@ -26,6 +26,7 @@ from finetune.config.schema import Experiment
 from finetune.data.image_size import ImagesSized, fitter
 from finetune.data.images import IMAGES
 from finetune.data.load import ORIGIN, Splits
+from finetune.data.parallel import processes
 from finetune.data.rows import PREFIX_LM_ROWS, TURN_WEIGHTS_WITH_IMAGES, WEIGHT
 from finetune.errors import ConfigError, DataError
 from finetune.methods import Job, vision_lengths
@@ -102,10 +103,12 @@ def prepare(splits: Splits, processor, experiment: Experiment, said: str | None,
             rows = rows.add_column(IMAGES, [[] for _ in range(len(rows))])
         if splits.format == "messages":
             rows = vision_lengths.kept(rows, split, processor, max_length, assistant_only,
-                                       fit, splits.notes, turns)
+                                       fit, splits.notes, turns,
+                                       processes(experiment, len(rows)))
         else:
             rows = vision_lengths.kept_completions(rows, split, processor, max_length,
-                                                   completion_only, fit, splits.notes)
+                                                   completion_only, fit, splits.notes,
+                                                   processes(experiment, len(rows)))
         return rows.select_columns([c for c in (*FORMATS[splits.format], SPANS, WEIGHT, ORIGIN)
                                     if c in rows.column_names])
 

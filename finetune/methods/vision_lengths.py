@@ -21,6 +21,7 @@ written."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 from datasets import Dataset
 
@@ -77,43 +78,63 @@ def fits(measured: Measured, max_length: int | None) -> bool:
 
 
 def kept(rows: Dataset, split: str, processor, max_length: int | None, assistant_only: bool,
-         fit, notes: list[str], turns: Turns = Turns()) -> Dataset:
+         fit, notes: list[str], turns: Turns = Turns(), num_proc: int | None = None) -> Dataset:
     """The rows that fit; a note counting the others; a DataError when none does. With
-    turns.by_prefixes, each row's assistant spans in a SPANS column (vision_turns.py)."""
-    measured = [measure(processor, messages, images, assistant_only, fit, turns, where)
-                for messages, images, where in zip(rows["messages"], rows[IMAGES], rows[ORIGIN])]
+    turns.by_prefixes, each row's assistant spans in a SPANS column (vision_turns.py).
+    num_proc: processes that measure (data/parallel.py)."""
+    def one(row):
+        m = measure(processor, row["messages"], row[IMAGES], assistant_only, fit, turns,
+                    row[ORIGIN])
+        return {"keep": fits(m, max_length), "spans": [list(span) for span in m.spans]}
+
+    measured = _each(rows, one, num_proc)
     if assistant_only and turns.by_prefixes:
-        rows = rows.add_column(SPANS, [list(m.spans) for m in measured])
-    keep = [fits(m, max_length) for m in measured]
-    return _selected(rows, keep, notes, f"data.{split}: no row fits training.max_length "
-                     f"{max_length} with its image tokens and a trained token {SHOWN}: "
-                     f"{RAISE}",
+        rows = rows.add_column(SPANS, measured["spans"])
+    return _selected(rows, measured["keep"], notes, f"data.{split}: no row fits "
+                     f"training.max_length {max_length} with its image tokens and a trained "
+                     f"token {SHOWN}: {RAISE}",
                      f"data.{split}: {{}} row(s) dropped: training.max_length {max_length} "
                      "would cut their image tokens or leave no trained token")
 
 
 def kept_completions(rows: Dataset, split: str, processor, max_length: int | None,
-                     completion_only: bool, fit, notes: list[str]) -> Dataset:
+                     completion_only: bool, fit, notes: list[str],
+                     num_proc: int | None = None) -> Dataset:
     """kept, for prompt/completion rows: a plain one laid out as
     sft_plain_vision.PlainPictures collates it, a conversational one as TRL's collator
     renders it (the prompt with the generation prompt, then the completion's turns), its
     first trained token where the completion starts (every token with
     training.completion_only_loss false)."""
-    keep = []
-    for row, where in zip(rows, rows[ORIGIN]):
+    def one(row):
         if isinstance(row["prompt"], str):
-            measured = _measure_plain(processor, row, where, completion_only, fit)
+            measured = _measure_plain(processor, row, row[ORIGIN], completion_only, fit)
         else:
             whole = measure(processor, row["prompt"] + row["completion"], row[IMAGES], False,
                             fit)
             start = _prompt_length(processor, row["prompt"], row[IMAGES], fit)
             measured = Measured(whole.length, whole.image_end, start if completion_only else 0)
-        keep.append(fits(measured, max_length))
-    return _selected(rows, keep, notes, f"data.{split}: no row fits training.max_length "
+        return {"keep": fits(measured, max_length)}
+
+    return _selected(rows, _each(rows, one, num_proc)["keep"], notes,
+                     f"data.{split}: no row fits training.max_length "
                      f"{max_length} with its image tokens and a completion token {SHOWN}: "
                      f"{RAISE}",
                      f"data.{split}: {{}} row(s) dropped: training.max_length {max_length} "
                      "would cut their image tokens or leave no completion token")
+
+
+def _each(rows: Dataset, one: Callable[[dict], dict], num_proc: int | None) -> dict[str, list]:
+    """one(row) for every row, column by column: here, or in num_proc processes
+    (datasets' map keeps the order; a photo through a hub processor takes tens of ms,
+    and a dataset holds hundreds of thousands). Not cached by datasets: a picture can
+    change under its path (finetune's own cache stamps them: data/picture_stamps.py)."""
+    if num_proc is None:
+        out = [one(row) for row in rows]
+        return {key: [o[key] for o in out] for key in (out[0] if out else {})}
+    done = rows.map(one, num_proc=num_proc, remove_columns=rows.column_names,
+                    load_from_cache_file=False, keep_in_memory=True,
+                    desc="measuring rows with images")
+    return {key: done[key] for key in done.column_names}
 
 
 def _measure_plain(processor, row: dict, where: str, completion_only: bool, fit) -> Measured:
@@ -136,14 +157,18 @@ def _prompt_length(processor, prompt: list[dict], images: list, fit) -> int:
 
 
 def kept_pairs(rows: Dataset, split: str, processor, max_length: int | None, fit,
-               notes: list[str]) -> Dataset:
+               notes: list[str], num_proc: int | None = None) -> Dataset:
     """The pairs whose prompt's image tokens fit max_length (a pair without pictures
     always does); a note counting the others; a DataError when none does."""
     if max_length is None:
         return rows
-    keep = [not images or measure(processor, prompt, images, False, fit).image_end
-            <= max_length for prompt, images in zip(rows["prompt"], rows[IMAGES])]
-    return _selected(rows, keep, notes, f"data.{split}: no pair's prompt fits "
+
+    def one(row):
+        return {"keep": not row[IMAGES] or measure(processor, row["prompt"], row[IMAGES],
+                                                   False, fit).image_end <= max_length}
+
+    return _selected(rows, _each(rows, one, num_proc)["keep"], notes,
+                     f"data.{split}: no pair's prompt fits "
                      f"training.max_length {max_length} with its image tokens {SHOWN}: "
                      f"{RAISE}",
                      f"data.{split}: {{}} pair(s) dropped: training.max_length {max_length} "
@@ -151,7 +176,7 @@ def kept_pairs(rows: Dataset, split: str, processor, max_length: int | None, fit
 
 
 def kept_unpaired(rows: Dataset, split: str, processor, max_length: int | None, fit,
-                  notes: list[str]) -> Dataset:
+                  notes: list[str], num_proc: int | None = None) -> Dataset:
     """kto's rows whose prompt (rendered with its pictures and the generation prompt, as
     TRL's unpaired vision collator renders it before the completion) is shorter than
     max_length: its image tokens whole and a completion token left, as KTOTrainer's text
@@ -161,10 +186,13 @@ def kept_unpaired(rows: Dataset, split: str, processor, max_length: int | None, 
         return rows
     from finetune.model.vision import chat_prompts
 
-    keep = [not isinstance(prompt, list) or chat_prompts(
-        processor, [prompt], [images or []], fit)["input_ids"].shape[1] < max_length
-        for prompt, images in zip(rows["prompt"], rows[IMAGES])]
-    return _selected(rows, keep, notes, f"data.{split}: no row's prompt fits "
+    def one(row):
+        return {"keep": not isinstance(row["prompt"], list) or chat_prompts(
+            processor, [row["prompt"]], [row[IMAGES] or []], fit)["input_ids"].shape[1]
+            < max_length}
+
+    return _selected(rows, _each(rows, one, num_proc)["keep"], notes,
+                     f"data.{split}: no row's prompt fits "
                      f"training.max_length {max_length} with its image tokens and a "
                      f"completion token {SHOWN}: {RAISE}",
                      f"data.{split}: {{}} row(s) dropped: training.max_length {max_length} "
