@@ -8,11 +8,11 @@ and the prepared-data cache keeps the checked rows (messages and absolute image 
 What trains: the assistant turns by default, as for text conversations (sft.py
 assistant_only): TRL masks every token outside the template's {% generation %} markers
 (or its training version of the template), the prompt and so every image token; a
-template with neither has its turns found by prefixes (vision_turns.py). Prompt/completion rows train their completion
-(training.completion_only_loss, TRL's default): conversational ones through TRL's
-collator, plain ones through sft_plain_vision.PlainPictures. Image tokens never train,
-every turn trained or not (ImageTokensUntrained: TRL's collator leaves them in the
-labels then). With data.weight_column, each row's trained tokens weigh its weight (and
+template with neither has its turns found by prefixes (vision_turns.py).
+Prompt/completion rows train their completion (training.completion_only_loss, TRL's
+default): conversational ones through TRL's collator, plain ones through
+sft_plain_vision.PlainPictures. Image tokens never train, every turn trained or not
+(ImageTokensUntrained: TRL's collator leaves them in the labels then). With data.weight_column, each row's trained tokens weigh its weight (and
 a `weight` on an assistant message its turn's), and the loss is the weighted mean over
 the global batch as for text (trainers/weighted.py RowWeightsOnTokens)."""
 

@@ -130,7 +130,7 @@ def _each(rows: Dataset, one: Callable[[dict], dict], num_proc: int | None) -> d
     change under its path (finetune's own cache stamps them: data/picture_stamps.py)."""
     if num_proc is None:
         out = [one(row) for row in rows]
-        return {key: [o[key] for o in out] for key in (out[0] if out else {})}
+        return {key: [o[key] for o in out] for key in (out[0] if out else ("keep", "spans"))}
     done = rows.map(one, num_proc=num_proc, remove_columns=rows.column_names,
                     load_from_cache_file=False, keep_in_memory=True,
                     desc="measuring rows with images")
