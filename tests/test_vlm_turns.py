@@ -131,3 +131,52 @@ def test_rows_are_measured_alike_in_worker_processes(tmp_path):
     text_only = kept[0][0]  # the pictured rows were cut
     ids = rendered_ids(processor, with_images(text_only["messages"], []))["input_ids"][0]
     assert [processor.tokenizer.decode(ids[a:b]) for a, b in text_only[SPANS]] == [" blue\n"]
+
+
+class Counted:
+    """An image processor that counts the calls made to it."""
+
+    def __init__(self, inner):
+        self.inner, self.calls = inner, 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.inner(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+@pytest.mark.slow  # loads the processor
+def test_a_turn_after_the_last_picture_is_found_without_the_pictures_again(tmp_path):
+    """The work, bounded: the spans of a one-turn row with a picture come from its one
+    pass through the processor (the answer's text, tokenized alone, is the tail of the
+    row's tokens); a turn with a picture after it renders its prefix with its pictures."""
+    from datasets import Dataset
+    from transformers import AutoProcessor
+
+    from finetune.data.load import ORIGIN
+    from finetune.methods import vision_lengths
+    from finetune.methods.vision_turns import SPANS, rendered_ids, turns_of
+    from finetune.model.vision import with_images
+
+    processor = AutoProcessor.from_pretrained(QUICKSTART / "tiny-vlm")
+    processor.chat_template = PLAIN
+    processor.image_processor = counted = Counted(processor.image_processor)
+    picture = [{"type": "image"}, {"type": "text", "text": "Its color?"}]
+    answer = [{"type": "text", "text": "red"}]
+    one_turn = [{"role": "user", "content": picture}, {"role": "assistant", "content": answer}]
+    rows = Dataset.from_list([{"messages": one_turn, "images": [str(PICTURE)],
+                               ORIGIN: f"row {n}"} for n in range(4)])
+    kept = vision_lengths.kept(rows, "train", processor, None, True, list, [],
+                               turns_of(processor))
+    assert counted.calls == 4
+    ids = rendered_ids(processor, with_images(one_turn, [str(PICTURE)]))["input_ids"][0]
+    assert kept[SPANS] == [[[len(ids) - 5, len(ids)]]] * 4
+    assert processor.tokenizer.decode(ids[-5:]) == " red\n"
+
+    counted.calls = 0
+    two = one_turn + [{"role": "user", "content": picture},
+                      {"role": "assistant", "content": answer}]
+    vision_lengths.measure(processor, two, [str(PICTURE)] * 2, True, list, turns_of(processor))
+    assert counted.calls == 3  # the whole; the first turn's start and end, each with a picture

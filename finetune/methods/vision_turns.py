@@ -9,9 +9,10 @@ SFTTrainer decides it:
   through that version; the measures taken while preparing and `finetune data` use it too;
 - any other is split as finetune splits text conversations (data/sft_tokens.py): the
   tokens between "messages up to turn i with the generation prompt" and "messages through
-  turn i", each rendered through the processor with its pictures, are turn i's. The spans
-  are found once, while the data are prepared (the SPANS column), and TurnsTrained keeps
-  the labels inside them; TRL's collator then trains every token it is given."""
+  turn i" are turn i's (each rendered through the processor with its pictures, or, for
+  a turn after the last picture, from the text: _boundary). The spans are found once,
+  while the data are prepared (the SPANS column), and TurnsTrained keeps the labels
+  inside them; TRL's collator then trains every token it is given."""
 
 from __future__ import annotations
 
@@ -54,13 +55,14 @@ def rendered_ids(processor, rendered: list[dict], generation_prompt: bool = Fals
 
 def spans(processor, rendered: list[dict], ids: list[int], where: str) -> list[list[int]]:
     """Each assistant turn's [start, end) in `ids` (the whole conversation's tokens)."""
+    whole = _text(processor, rendered, False)
     out = []
     for i, message in enumerate(rendered):
         if message["role"] != "assistant":
             continue
-        start = _ids(processor, rendered[:i], True) if i else []
-        end = _ids(processor, rendered[: i + 1], False)
-        if ids[:len(start)] != start or ids[:len(end)] != end:
+        start = _boundary(processor, rendered[:i], True, whole, ids) if i else 0
+        end = _boundary(processor, rendered[: i + 1], False, whole, ids)
+        if start is None or end is None:
             raise DataError(f"{where}: the chat template does not render this conversation "
                             "turn by turn (a prefix renders differently) and has no "
                             "{% generation %} markers, so its assistant turns cannot be "
@@ -68,8 +70,31 @@ def spans(processor, rendered: list[dict], ids: list[int], where: str) -> list[l
                             "conversations); give a template that does, or one with the "
                             "markers (tokenizer.chat_template), or set "
                             "training.assistant_only_loss: false to train on every turn")
-        out.append([len(start), len(end)])
+        out.append([start, end])
     return out
+
+
+def _boundary(processor, head: list[dict], generation_prompt: bool, whole: str,
+              ids: list[int]) -> int | None:
+    """Where `head` (the first messages, rendered with or without the generation prompt)
+    ends in `ids`; None where its rendering is no prefix of the whole. Found from the end
+    where the text after it, tokenized alone, is the tail of `ids` (no picture after it,
+    no token merged across it): that spares putting the pictures through the processor
+    again (tens of ms a photo); else from the start, `head` with its pictures."""
+    text = _text(processor, head, generation_prompt)
+    if not whole.startswith(text):
+        return None
+    rest = processor.tokenizer(whole[len(text):], add_special_tokens=False)["input_ids"]
+    if len(rest) <= len(ids) and ids[len(ids) - len(rest):] == rest:
+        return len(ids) - len(rest)
+    prefix = _ids(processor, head, generation_prompt)
+    return len(prefix) if ids[:len(prefix)] == prefix else None
+
+
+def _text(processor, rendered: list[dict], generation_prompt: bool) -> str:
+    text = processor.apply_chat_template([rendered], tokenize=False,
+                                         add_generation_prompt=generation_prompt)
+    return text if isinstance(text, str) else text[0]
 
 
 def _ids(processor, rendered: list[dict], generation_prompt: bool) -> list[int]:
