@@ -180,3 +180,29 @@ def test_a_turn_after_the_last_picture_is_found_without_the_pictures_again(tmp_p
                       {"role": "assistant", "content": answer}]
     vision_lengths.measure(processor, two, [str(PICTURE)] * 2, True, list, turns_of(processor))
     assert counted.calls == 3  # the whole; the first turn's start and end, each with a picture
+
+
+@pytest.mark.slow  # loads the processor; two worker processes
+def test_finetune_data_renders_alike_in_worker_processes(tmp_path):
+    """`finetune data` over rows with pictures: the same samples, in the same order,
+    whether this process renders the rows or workers do (training.dataset_num_proc, where
+    there are 2,000 rows a process: data/parallel.py)."""
+    from finetune.commands.data_view import _sft_vision, in_processes
+    from finetune.config import load_experiment
+    from finetune.data.load import load_data
+    from finetune.model.tokenizer import load_processor
+
+    lines = (QUICKSTART / "data" / "vlm_train.jsonl").read_text().splitlines()[:6]
+    for line in lines:
+        for image in json.loads(line)["images"]:
+            (tmp_path / image).parent.mkdir(exist_ok=True)
+            shutil.copy(QUICKSTART / "data" / image, tmp_path / image)
+    (tmp_path / "rows.jsonl").write_text("\n".join(lines) + "\n")
+    experiment = load_experiment(QUICKSTART / "vlm.yaml", [
+        f"data.train={tmp_path / 'rows.jsonl'}", "data.eval=null", "evaluation.exact_match=false"])
+    splits, processor = load_data(experiment), load_processor(experiment)
+    rows = splits.train
+    made = [list(in_processes(_sft_vision, rows, processor, experiment, splits, "train", n))
+            for n in (None, 2)]
+    assert made[0] == made[1] and len(made[0]) == 6
+    assert made[0][0].parts[0][2].count(True) > 0  # the answer trains

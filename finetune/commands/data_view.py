@@ -11,6 +11,7 @@ from typing import Iterator
 from finetune.config.derived.effective import record, value
 from finetune.config.schema import Experiment
 from finetune.data.load import ORIGIN, load_data
+from finetune.data.parallel import processes
 from finetune.data.prompts import prompt_ids
 from finetune.model.tokenizer import render_chat, require_chat_template
 
@@ -96,6 +97,32 @@ def _sft_vision(rows, processor, experiment: Experiment, splits, split: str) -> 
         ids, trained = batch["input_ids"][0].tolist(), (batch["labels"][0] != -100).tolist()
         yield Sample(row[ORIGIN], [("", ids, trained)],
                      limit is not None and not any(trained[:limit]))
+
+
+def in_processes(sample, rows, processor, experiment: Experiment, splits, split: str,
+                 num_proc: int | None) -> Iterator[Sample]:
+    """A vision view's samples, in order, made in num_proc processes where the rows are
+    many (every picture goes through the image processor: tens of ms a photo), as
+    preparing measures them (methods/vision_lengths.py)."""
+    from datasets import Dataset
+
+    if num_proc is None:
+        yield from sample(rows, processor, experiment, splits, split)
+        return
+
+    def shard(batch):
+        done = list(sample(Dataset.from_dict(batch, features=rows.features), processor,
+                           experiment, splits, split))
+        return {"where": [s.where for s in done], "dropped": [s.dropped for s in done],
+                "parts": [[{"name": n, "ids": i, "trained": t} for n, i, t in s.parts]
+                          for s in done]}
+
+    made = rows.map(shard, batched=True, num_proc=num_proc, remove_columns=rows.column_names,
+                    load_from_cache_file=False, keep_in_memory=True,
+                    desc=f"rendering data.{split}")
+    for row in made:
+        parts = [(p["name"], p["ids"], p["trained"]) for p in row["parts"]]
+        yield Sample(row["where"], parts, row["dropped"])
 
 
 def _reward(rows, tokenizer, experiment: Experiment, splits, split: str) -> Iterator[Sample]:
@@ -324,7 +351,9 @@ def report(experiment: Experiment, shown: int) -> list[str]:
         streamed = not hasattr(rows, "__len__")
         if streamed:
             rows = _head(rows, max(STREAM_ROWS, shown))
-        samples = list(sample(rows, tokenizer, experiment, splits, split))
+        samples = list(in_processes(sample, rows, tokenizer, experiment, splits, split,
+                                    processes(experiment, len(rows)))
+                       if vision else sample(rows, tokenizer, experiment, splits, split))
         lines.append(f"data.{split}: streamed, its length unknown (read as training goes, "
                      f"from the start again when it ends); the first {len(samples)} rows "
                      "it reads:" if streamed else f"data.{split}: {len(samples)} rows")
