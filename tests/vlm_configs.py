@@ -547,3 +547,32 @@ def tiny_paligemma(directory):
     for leftover in ("chat_template.jinja", "chat_template.json"):
         (directory / leftover).unlink(missing_ok=True)
     return directory
+
+
+# Qwen/Qwen3-30B-A3B's config.json (the sizes as its model card and config list them:
+# 128 experts, 8 a token; transformers builds 30,532,122,624 parameters, the card's 30.5B)
+# and Qwen/Qwen3-VL-30B-A3B-Instruct's (that language model under Qwen3-VL-8B's tower
+# with out_hidden_size 2048: 31,070,754,032, the card's 31.1B). Transcribed from memory of
+# the published files (no network here): the totals are the check.
+_QWEN3_MOE_TEXT = {"attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 151643,
+                   "decoder_sparse_step": 1, "eos_token_id": 151645, "head_dim": 128,
+                   "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02,
+                   "intermediate_size": 6144, "mlp_only_layers": [],
+                   "moe_intermediate_size": 768, "norm_topk_prob": True,
+                   "num_attention_heads": 32, "num_experts": 128, "num_experts_per_tok": 8,
+                   "num_hidden_layers": 48, "num_key_value_heads": 4, "rms_norm_eps": 1e-06,
+                   "vocab_size": 151936}
+QWEN3_30B_A3B = {**_QWEN3_MOE_TEXT, "architectures": ["Qwen3MoeForCausalLM"],
+                 "model_type": "qwen3_moe", "max_position_embeddings": 40960,
+                 "rope_theta": 1000000.0, "tie_word_embeddings": False,
+                 "torch_dtype": "bfloat16", "use_cache": True, "use_sliding_window": False}
+QWEN3_VL_30B_A3B = {
+    **_QWEN3_VL, "architectures": ["Qwen3VLMoeForConditionalGeneration"],
+    "model_type": "qwen3_vl_moe", "tie_word_embeddings": False,
+    "text_config": {**_QWEN3_MOE_TEXT, "model_type": "qwen3_vl_moe_text", "dtype": "bfloat16",
+                    "max_position_embeddings": 262144, "rope_theta": 5000000,
+                    "rope_scaling": {"mrope_interleaved": True, "mrope_section": [24, 20, 20],
+                                     "rope_type": "default"}},
+    "vision_config": {**_QWEN3_VL_VISION, "model_type": "qwen3_vl_moe",
+                      "deepstack_visual_indexes": [8, 16, 24], "depth": 27, "hidden_size": 1152,
+                      "intermediate_size": 4304, "out_hidden_size": 2048}}

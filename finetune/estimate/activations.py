@@ -11,7 +11,8 @@ so that the differences between regimes come out by themselves:
 - sdpa/flash attention saves q, k, v, the output and a log-sum-exp, never the s x s
   scores (eager attention does); with a mask, transformers repeats k and v to every
   query head before sdpa (no GQA kernel then). A padding-free or packed batch under sdpa
-  gets a dense mask over the whole flattened row; a varlen kernel keeps none.
+  gets a dense mask over the whole flattened row; a varlen kernel keeps none;
+- a mixture-of-experts MLP keeps top-k rows a token (moe.py).
 The walk saves a tensor once however many ops save it, as autograd does.
 """
 
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from finetune.estimate import cross_attention, linear_attention
+from finetune.estimate import cross_attention, linear_attention, moe
 from finetune.estimate.shapes import Shape
 from finetune.estimate.walk import Regime, _gemma_norm, _linear, _norm, _T, _Walk
 
@@ -103,6 +104,9 @@ def layer_bytes(shape: Shape, reg: Regime, targets: frozenset[str], seq: int,
         o = _gemma_norm(w, o, 1, reg.base_trainable)
     x2 = w.new(h, max(reg.residual, o.nbytes))
     y2 = _any_norm(w, x2, 1, reg, shape)
+    if moe.sparse(shape, index):  # routed experts (moe.py)
+        moe.mlp_bytes(w, y2, shape, reg)
+        return w.total
     g = _linear(w, y2, i, reg, "gate_proj" in targets)
     u = _linear(w, y2, i, reg, "up_proj" in targets)
     a = w.new(i, g.nbytes)  # silu(g) saves g

@@ -4,7 +4,8 @@ Mirrors what finetune.model.load/peft (and TRL) do to the weights:
 - full fine-tuning loads fp32 master weights (autocast does the mixed precision);
 - (Q)LoRA loads the frozen base in the compute dtype (bf16/fp16; fp32 in fp32 runs);
 - QLoRA quantizes every nn.Linear inside the decoder layers with bitsandbytes; the
-  embeddings, norms, biases and the output head stay unquantized and
+  embeddings, norms, biases, the output head and a MoE's fused experts and router
+  (nn.Parameters, moe.py) stay unquantized and
   prepare_model_for_kbit_training casts those (16-bit) to fp32;
 - peft creates LoRA A/B (and DoRA magnitudes) in fp32 (autocast_adapter_dtype); a
   module in modules_to_save (and the score head of reward/classify, which peft adds)
@@ -20,7 +21,7 @@ from dataclasses import dataclass, replace
 
 from finetune.config.derived.effective import model_precision
 from finetune.errors import ConfigError
-from finetune.estimate import vision, vision_peft
+from finetune.estimate import moe, vision, vision_peft
 from finetune.estimate.settings import Settings
 from finetune.estimate.param import Param
 from finetune.estimate.shapes import (Linear, Shape, linears, matched, module_names,
@@ -71,6 +72,7 @@ def lora_targets(shape: Shape, settings: Settings) -> list[Linear]:
     saved = _modules_to_save(settings, shape)
     candidates = linears(shape, settings.head, settings.num_labels)
     target = spec.target_modules
+    moe.refuse_lora_on_experts(shape, target)
     if shape.vision:
         found = vision_peft.lora_targets(shape, settings.vision_training, target, candidates,
                                          vision_peft.projector_modules(shape))
@@ -114,7 +116,9 @@ def _adapters(lin: Linear, r: int, dora: bool) -> list[Tensor]:
 
 
 def _matmul(param: Param) -> bool:
-    return param.role in ("linear", "head", "bias", "conv")  # conv: a vision patch embedding
+    # conv: a vision patch embedding; router: a MoE's gate, read with F.linear (its experts
+    # run grouped_mm, which autocast leaves alone: moe.py)
+    return param.role in ("linear", "head", "bias", "conv", "router")
 
 
 def _2d(param: Param) -> tuple[int, int] | None:
@@ -183,7 +187,8 @@ def census(shape: Shape, settings: Settings) -> list[Tensor]:
                   and not any(p.name.startswith(m + ".") for m in copied)) or (
             p.role == "bias" and spec.bias == "lora_only" and p.module in target_names)
         out.append(Tensor(p.name, p.numel, p.numel * BYTES[dtype], trains, dtype, p.role,
-                          (trains and _matmul(p)) or _reads_output(p, shape, settings),
+                          (trains and _matmul(p)) or _reads_output(p, shape, settings)
+                          or p.role == "router",  # frozen fp32 (QLoRA): a 16-bit copy saved
                           gradient=not p.name.startswith(unused)))
     for lin in targets:
         out += [replace(t, gradient=not lin.name.startswith(unused))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from finetune.estimate import moe
 from finetune.estimate.api import Estimate
 from finetune.estimate.core import FRAGMENTATION, GiB, Evaluation
 
@@ -104,9 +105,14 @@ def render_text(est: Estimate) -> str:
         lines.append(f"  {mark}  {option.layout.label():<{width}}  {human(option.total):>14}  "
                      f"max micro batch {option.max_micro_batch}")
     lines += ["", "recommendation:"] + [f"  {line}" for line in est.recommendation]
-    lines += ["", "assumed:"] + [f"  - {line}" for line in est.assumptions]
+    lines += ["", "assumed:"] + [f"  - {line}" for line in _assumed(est)]
     lines += ["not counted:"] + [f"  - {line}" for line in est.not_counted]
     return "\n".join(lines) + "\n"
+
+
+def _assumed(est: Estimate) -> list[str]:
+    """What the estimate assumed, with a mixture of experts' routing and kernel."""
+    return est.assumptions + ([moe.note(est.shape)] if est.shape.moe else [])
 
 
 def _evaluation(ev: Evaluation) -> dict[str, Any]:
@@ -143,6 +149,6 @@ def as_dict(est: Estimate) -> dict[str, Any]:
         "configured": _evaluation(est.configured),
         "ladder": [_evaluation(ev) for ev in est.ladder],
         "recommendation": est.recommendation,
-        "assumptions": est.assumptions,
+        "assumptions": _assumed(est),
         "not_counted": est.not_counted,
     }

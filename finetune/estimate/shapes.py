@@ -18,12 +18,12 @@ from typing import Any
 
 from finetune.config.vision import image_text_model_types
 from finetune.errors import ConfigError
-from finetune.estimate import cross_attention, linear_attention, vision
+from finetune.estimate import cross_attention, linear_attention, moe, vision
 from finetune.estimate.defaults import with_defaults
 from finetune.estimate.param import Param
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text",
-             "qwen3_5_text")
+             "qwen3_5_text", "qwen3_moe")
 # Gemma's decoders (transformers models/gemma, gemma2, gemma3): Gemma's RMSNorm (x * (1 + w),
 # in fp32) and a GELU-tanh MLP; Gemma 2 and 3 add a norm after attention and after the MLP
 # (sandwich norms), Gemma 3 q/k norms. Their config classes' head_dim (256) is not
@@ -61,6 +61,7 @@ class Shape:
     linear_layers: tuple[int, ...] = ()  # qwen3_5: Gated DeltaNet layers (linear_attention.py)
     delta: Any = None                  # qwen3_5: their sizes (linear_attention.DeltaNet)
     attn_gate: bool = False            # qwen3_5: q_proj also makes the output's sigmoid gate
+    moe: Any = None                    # qwen3_moe: the experts' sizes (moe.Experts)
 
     @property
     def image_tokens(self) -> int:
@@ -161,13 +162,17 @@ def shape_of(config: dict[str, Any], where: str,
         raise ConfigError([f"{where}: model_type {kind!r} is a vision-language model the "
                            f"estimator does not count yet (it counts "
                            f"{', '.join(vision.COUNTED)}: docs/estimate.md)"])
-    if kind not in SUPPORTED:
+    if kind not in SUPPORTED and kind not in moe.CONFIG:
         raise ConfigError([f"{where}: model_type {kind!r} is not supported by the estimator "
                            f"(supported: {', '.join(SUPPORTED)})"])
     if kind in GEMMA:
         config = with_defaults(config, *GEMMA[kind])
     if kind == "qwen3_5_text":
         config = with_defaults(config, *linear_attention.CONFIG)
+    sparse = kind in moe.CONFIG  # qwen3_vl_moe's language model comes as qwen3_vl_moe_text
+    if sparse:
+        config = with_defaults(config, *moe.CONFIG[kind])
+        kind = "qwen3_moe"
     hidden = _int(config, "hidden_size", where)
     heads = _int(config, "num_attention_heads", where)
     kv_heads = _int(config, "num_key_value_heads", where, default=heads)
@@ -187,13 +192,14 @@ def shape_of(config: dict[str, Any], where: str,
         tied=bool(config.get("tie_word_embeddings", False)),
         qkv_bias=qkv_bias, o_bias=o_bias,
         mlp_bias=kind == "llama" and bool(config.get("mlp_bias", False)),
-        qk_norm=kind in ("qwen3", "gemma3_text") or hybrid, gemma=kind in GEMMA or hybrid,
+        qk_norm=kind in ("qwen3", "gemma3_text", "qwen3_moe") or hybrid, gemma=kind in GEMMA or hybrid,
         sandwich=kind in ("gemma2", "gemma3_text"),
         logit_softcap=kind in GEMMA and config.get("final_logit_softcapping") is not None,
         attn_softcap=kind in GEMMA and config.get("attn_logit_softcapping") is not None,
         max_positions=_int(config, "max_position_embeddings", where)
         if config.get("max_position_embeddings") is not None else None,
-        source=where, linear_layers=linear, delta=delta, attn_gate=hybrid)
+        source=where, linear_layers=linear, delta=delta, attn_gate=hybrid,
+        moe=moe.read(config, layers, where, _int) if sparse else None)
 
 
 def read_shape(name_or_path: str, revision: str | None = None) -> Shape:
@@ -244,6 +250,8 @@ def linears(shape: Shape, head: str, num_labels: int = 1) -> list[Linear]:
                     Linear(f"{a}.k_proj", h, shape.kv_dim, shape.qkv_bias, "layer"),
                     Linear(f"{a}.v_proj", h, shape.kv_dim, shape.qkv_bias, "layer"),
                     Linear(f"{a}.o_proj", shape.q_dim, h, shape.o_bias, "layer")]
+        if moe.sparse(shape, n):  # fused 3-D experts and a router: no nn.Linear
+            continue
         out += [Linear(f"{m}.gate_proj", h, i, shape.mlp_bias, "layer"),
                 Linear(f"{m}.up_proj", h, i, shape.mlp_bias, "layer"),
                 Linear(f"{m}.down_proj", i, h, shape.mlp_bias, "layer")]
@@ -287,8 +295,10 @@ def module_names(shape: Shape, head: str) -> list[str]:
             names += [p, a, f"{a}.q_proj", f"{a}.k_proj", f"{a}.v_proj", f"{a}.o_proj"]
         if (shape.qk_norm and n not in shape.linear_layers) or n in shape.cross_layers:
             names += [f"{a}.q_norm", f"{a}.k_norm"]
-        names += [f"{p}.mlp", f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj", f"{p}.mlp.down_proj",
-                  f"{p}.mlp.act_fn", *(f"{p}.{norm}" for norm in _norms(shape))]
+        names += moe.module_names(f"{p}.mlp") if moe.sparse(shape, n) else [
+            f"{p}.mlp", f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj", f"{p}.mlp.down_proj",
+            f"{p}.mlp.act_fn"]
+        names += [f"{p}.{norm}" for norm in _norms(shape)]
     names += [f"{lm}norm", f"{lm}rotary_emb", "lm_head" if head == "lm" else "score"]
     return names
 
@@ -323,8 +333,11 @@ def parameters(shape: Shape, head: str, num_labels: int = 1) -> list[Param]:
             base = lin.name.rsplit(".", 1)[0]
             params += [Param(f"{base}.q_norm.weight", shape.head_dim, "norm", f"{base}.q_norm"),
                        Param(f"{base}.k_norm.weight", shape.head_dim, "norm", f"{base}.k_norm")]
-        if lin.name.endswith("down_proj"):
-            layer = lin.name.rsplit(".", 2)[0]
+        layer = lin.name.rsplit(".", 2)[0]
+        experts = lin.name.endswith("o_proj") and moe.sparse(shape, int(layer.rsplit(".")[-1]))
+        if experts:  # a sparse layer's MLP follows its attention
+            params += moe.parameters(shape, f"{layer}.mlp")
+        if lin.name.endswith("down_proj") or experts:
             params += [Param(f"{layer}.{norm}.weight", h, "norm", f"{layer}.{norm}")
                        for norm in _norms(shape)]
             params += cross_attention.layer_extras(shape, layer)  # mllama's norms and gates

@@ -1,6 +1,7 @@
 """A vision-language model's vision tower and projector, from its config.json (torch-free),
 one module per family: LLaVA (llava.py), LLaVA-NeXT (llava_next.py), Qwen2-VL and
-Qwen2.5-VL (qwen2_vl.py), Qwen3-VL (qwen3_vl.py, on Qwen2-VL's shape), Qwen3.5 (qwen3_5.py:
+Qwen2.5-VL (qwen2_vl.py), Qwen3-VL (qwen3_vl.py, on Qwen2-VL's shape; qwen3_vl_moe's
+mixture-of-experts language model in estimate/moe.py), Qwen3.5 (qwen3_5.py:
 Qwen3-VL's tower; its hybrid language model in estimate/linear_attention.py), Gemma 3 (gemma3.py),
 PaliGemma (paligemma.py), Idefics3 and SmolVLM (idefics3.py), their SigLIP-layout towers
 in siglip.py, Mistral 3 (mistral3.py, its Pixtral tower's activations in
@@ -28,15 +29,12 @@ from finetune.estimate.vision import (gemma3, idefics3, internvl, llava, llava_n
 from finetune.estimate.vision.common import Training
 
 FAMILIES = {"llava": llava, "qwen2_vl": qwen2_vl, "qwen2_5_vl": qwen2_vl, "qwen3_vl": qwen3_vl,
-            "qwen3_5": qwen3_5, "gemma3": gemma3, "paligemma": paligemma, "llava_next": llava_next,
-            "idefics3": idefics3, "smolvlm": idefics3, "mistral3": mistral3,
-            "internvl": internvl, "mllama": mllama}
+            "qwen3_vl_moe": qwen3_vl, "qwen3_5": qwen3_5, "gemma3": gemma3,
+            "paligemma": paligemma, "llava_next": llava_next, "idefics3": idefics3,
+            "smolvlm": idefics3, "mistral3": mistral3, "internvl": internvl, "mllama": mllama}
 COUNTED = tuple(FAMILIES)
 # Types that share a counted family's tower but not its kind of language model.
 REFUSED = {
-    "qwen3_vl_moe": "Qwen3-VL's tower with a mixture-of-experts language model (routed "
-                    "experts), which the estimator does not count (it counts the dense "
-                    "qwen3_vl)",
     "qwen3_5_moe": "Qwen3.5's tower and hybrid language model with mixture-of-experts "
                    "MLPs (routed experts), which the estimator does not count (it counts "
                    "the dense qwen3_5)",

@@ -14,7 +14,8 @@ normalising the merged group rather than each patch) makes one feature per token
 the language model adds the k-th to the image tokens' hidden states after its k-th layer.
 The mergers are the projector, as Qwen2-VL's merger is; all of them sit inside the tower
 (model.visual), so they freeze and train with it. The language model is a Qwen3 (q/k
-norms), named model.language_model.
+norms), named model.language_model; qwen3_vl_moe's (the same tower) has mixture-of-experts
+MLPs (estimate/moe.py).
 """
 
 from __future__ import annotations
@@ -33,7 +34,10 @@ from finetune.estimate.vision.qwen2_vl import (TOWER, QwenVision, pixel_bounds, 
 MERGER = f"{TOWER}merger."
 DEEPSTACK = f"{TOWER}deepstack_merger_list."
 CONFIG = "qwen3_vl/configuration_qwen3_vl.py"
-MODEL_TYPE = "qwen3_vl_vision"
+# model_type: (its configuration module, the classes of the whole, its text, its tower)
+CLASSES = {"qwen3_vl": (CONFIG, "Qwen3VLConfig", "Qwen3VLTextConfig", "Qwen3VLVisionConfig"),
+           "qwen3_vl_moe": ("qwen3_vl_moe/configuration_qwen3_vl_moe.py", "Qwen3VLMoeConfig",
+                            "Qwen3VLMoeTextConfig", "Qwen3VLMoeVisionConfig")}
 
 
 @dataclass(frozen=True)
@@ -116,23 +120,29 @@ def read(config: dict[str, Any], where: str,
     """(the language model's config, read as a qwen3 one; the vision shape). The head is
     tied where the top level says so (Qwen3VLConfig's tie_word_embeddings, default false):
     transformers reads nothing else for it."""
-    full = with_defaults(config, CONFIG, "Qwen3VLConfig")
+    kind = config["model_type"]
+    module, whole, text_class, vision_class = CLASSES[kind]
+    full = with_defaults(config, module, whole)
     text = full.get("text_config") or {}
     if not isinstance(text, dict):
         raise ConfigError([f"{where}: text_config must be an object"])
-    text = {**with_defaults(text, CONFIG, "Qwen3VLTextConfig"), "model_type": "qwen3",
+    # qwen3_vl_moe's text is read as a qwen3_moe (shapes.shape_of, moe.CONFIG)
+    text = {**with_defaults(text, module, text_class),
+            "model_type": "qwen3" if kind == "qwen3_vl" else "qwen3_vl_moe_text",
             "tie_word_embeddings": bool(full.get("tie_word_embeddings"))}
-    vision = vision_config(full, "qwen3_vl", where)
-    defaults = {k: v for k, v in config_defaults(CONFIG, "Qwen3VLVisionConfig").items()
+    vision = vision_config(full, kind, where)
+    defaults = {k: v for k, v in config_defaults(module, vision_class).items()
                 if v is not None}
     vision = {**defaults, **vision}
     square_patches(vision, where)
     layers = vision_int(vision, "depth", "num_hidden_layers", where)
     low, high = pixel_bounds(processor, where)
     # Qwen3VLConfig renames the vision model_type "qwen3_vl" of the published configs
-    tower = vision.get("model_type", MODEL_TYPE)
+    # (Qwen3VLMoeConfig "qwen3_vl_moe")
+    own = f"{kind}_vision"
+    tower = vision.get("model_type", own)
     shape = Qwen3Vision(
-        family="qwen3_vl", tower=MODEL_TYPE if tower == "qwen3_vl" else str(tower),
+        family="qwen3_vl", tower=own if tower == kind else str(tower),
         hidden=positive(vision, "hidden_size", where),
         intermediate=positive(vision, "intermediate_size", where), layers=layers,
         **tower_fields(vision, where),
