@@ -208,9 +208,10 @@ def test_cli(tmp_path):
      "linear_num_value_heads (24) must be a multiple of linear_num_key_heads (16)"),
     (_with(QWEN3_5_0_8B, linear_key_head_dim=0), "linear_key_head_dim must be an integer"),
     ({**QWEN3_5_0_8B, "text_config": "big"}, "text_config must be an object"),
-    ({**QWEN3_5_0_8B, "model_type": "qwen3_5_moe"},
-     "model_type 'qwen3_5_moe' is Qwen3.5's tower and hybrid language model with "
-     "mixture-of-experts MLPs"),
+    # qwen3_5_moe is counted (test_estimate_moe.py): a dense config read with
+    # Qwen3_5MoeTextConfig's defaults (256 experts)
+    (_with({**QWEN3_5_0_8B, "model_type": "qwen3_5_moe"}, num_experts_per_tok=300),
+     "num_experts_per_tok (300) must be at most num_experts (256)"),
 ], ids=["layers", "kind", "heads", "head-dim", "text", "moe"])
 def test_bad_configs_are_one_error_naming_the_key(tmp_path, config, message):
     with pytest.raises(ConfigError, match=re.escape(message)) as raised:

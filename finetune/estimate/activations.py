@@ -105,7 +105,7 @@ def layer_bytes(shape: Shape, reg: Regime, targets: frozenset[str], seq: int,
     x2 = w.new(h, max(reg.residual, o.nbytes))
     y2 = _any_norm(w, x2, 1, reg, shape)
     if moe.sparse(shape, index):  # routed experts (moe.py)
-        moe.mlp_bytes(w, y2, shape, reg)
+        moe.mlp_bytes(w, y2, shape, reg, targets)
         return w.total
     g = _linear(w, y2, i, reg, "gate_proj" in targets)
     u = _linear(w, y2, i, reg, "up_proj" in targets)

@@ -1,6 +1,7 @@
 """Mixture-of-experts MLPs of the Qwen3 family (`qwen3_moe`; the language model of
-`qwen3_vl_moe`, vision/qwen3_vl.py), as transformers 5 builds and runs them (models/qwen3_moe,
-qwen3_vl_moe; integrations/moe.py).
+`qwen3_vl_moe`, vision/qwen3_vl.py; Qwen3.5-MoE's hybrid one, `qwen3_5_moe_text` and
+`qwen3_5_moe`, with a shared expert), as transformers 5 builds and runs them
+(models/qwen3_moe, qwen3_vl_moe, qwen3_5_moe; integrations/moe.py).
 
 A sparse layer's `mlp` holds `experts` (every expert's weights fused in two 3-D
 nn.Parameters: gate_up_proj (experts, 2 x moe_intermediate, hidden) and down_proj (experts,
@@ -8,7 +9,8 @@ hidden, moe_intermediate), no nn.Linear) and a router `gate` (a weight (experts,
 with F.linear, no nn.Linear either). bitsandbytes (which replaces nn.Linear) leaves them
 whole, in 16 bits, and prepare_model_for_kbit_training then casts them to fp32 like every
 other unquantized weight. LoRA: finetune's regex for qwen3_vl_moe's language model
-(vision_parts) reaches the attention and the dense MLPs only; on a text qwen3_moe, peft
+(vision_parts), and all-linear on Qwen3.5-MoE, reach its Linears only (the attention, the
+dense MLPs, Qwen3.5-MoE's shared expert and its gate); on a text qwen3_moe, peft
 turns targets naming the MLP (all-linear does) into LoRA on the fused parameters, which
 the estimator refuses (refuse_lora_on_experts). Layers in mlp_only_layers, or off
 decoder_sparse_step, keep a dense MLP.
@@ -32,11 +34,19 @@ from typing import Any, Callable
 
 from finetune.errors import ConfigError
 from finetune.estimate.param import Param
-from finetune.estimate.walk import _T, Regime, _Walk
+from finetune.estimate.walk import _T, Regime, _Walk, _linear
 
 CONFIG = {"qwen3_moe": ("qwen3_moe/configuration_qwen3_moe.py", "Qwen3MoeConfig"),
           "qwen3_vl_moe_text": ("qwen3_vl_moe/configuration_qwen3_vl_moe.py",
-                                "Qwen3VLMoeTextConfig")}
+                                "Qwen3VLMoeTextConfig"),
+          "qwen3_5_moe_text": ("qwen3_5_moe/configuration_qwen3_5_moe.py",
+                               "Qwen3_5MoeTextConfig")}
+# The text model each is counted as (qwen3_vl_moe's is a qwen3_moe)
+TEXT_KIND = {"qwen3_vl_moe_text": "qwen3_moe"}
+# Qwen3.5-MoE: every layer sparse, the router always renormalised, and a shared expert
+# (a dense SwiGLU MLP of shared_expert_intermediate_size, its output times the sigmoid of
+# shared_expert_gate, a Linear to 1) beside the routed ones; it has no dense MLP size.
+SHARED = "qwen3_5_moe_text"
 IMPLEMENTATION = "grouped_mm"
 
 
@@ -47,6 +57,7 @@ class Experts:
     intermediate: int     # moe_intermediate_size (each expert's)
     layers: tuple[int, ...]  # the sparse layers
     norm_topk: bool       # the top-k weights renormalised to sum to 1
+    shared: int = 0       # Qwen3.5-MoE: the shared expert's intermediate size (0: none)
 
 
 def read(config: dict[str, Any], layers: int, where: str,
@@ -58,6 +69,12 @@ def read(config: dict[str, Any], layers: int, where: str,
     if top_k > experts:
         raise ConfigError([f"{where}: num_experts_per_tok ({top_k}) must be at most "
                            f"num_experts ({experts})"])
+    kind = config["model_type"]
+    if kind == SHARED:
+        return Experts(experts=experts, top_k=top_k,
+                       intermediate=to_int(config, "moe_intermediate_size", where),
+                       layers=tuple(range(layers)), norm_topk=True,
+                       shared=to_int(config, "shared_expert_intermediate_size", where))
     step = to_int(config, "decoder_sparse_step", where)
     dense = config.get("mlp_only_layers") or []
     if not isinstance(dense, list) or not all(
@@ -68,7 +85,7 @@ def read(config: dict[str, Any], layers: int, where: str,
     return Experts(experts=experts, top_k=top_k,
                    intermediate=to_int(config, "moe_intermediate_size", where),
                    layers=sparse,
-                   norm_topk=config["model_type"] == "qwen3_vl_moe_text"
+                   norm_topk=kind == "qwen3_vl_moe_text"
                    or bool(config.get("norm_topk_prob")))
 
 
@@ -77,18 +94,56 @@ def sparse(shape, n: int) -> bool:
 
 
 def parameters(shape, mlp: str) -> list[Param]:
-    """A sparse layer's MLP in named_parameters() order: the experts, then the router."""
+    """A sparse layer's router and experts in named_parameters() order: the experts
+    first (Qwen3-MoE, Qwen3-VL-MoE), the router first (Qwen3.5-MoE: its shared expert's
+    Linears follow, shapes.linears)."""
     e, h, i = shape.moe.experts, shape.hidden, shape.moe.intermediate
-    return [Param(f"{mlp}.experts.gate_up_proj", e * 2 * i * h, "experts", f"{mlp}.experts"),
-            Param(f"{mlp}.experts.down_proj", e * h * i, "experts", f"{mlp}.experts"),
-            Param(f"{mlp}.gate.weight", e * h, "router", f"{mlp}.gate", e)]
+    router = [Param(f"{mlp}.gate.weight", e * h, "router", f"{mlp}.gate", e)]
+    experts = [Param(f"{mlp}.experts.gate_up_proj", e * 2 * i * h, "experts", f"{mlp}.experts"),
+               Param(f"{mlp}.experts.down_proj", e * h * i, "experts", f"{mlp}.experts")]
+    return router + experts if shape.moe.shared else experts + router
 
 
-def module_names(mlp: str) -> list[str]:
-    return [mlp, f"{mlp}.experts", f"{mlp}.experts.act_fn", f"{mlp}.gate"]
+def _index(layer: str) -> int:
+    return int(layer.rsplit(".", 1)[1])
 
 
-def mlp_bytes(w: _Walk, y: _T, shape, reg: Regime) -> _T:
+def after_attention(shape, layer: str) -> list[Param]:
+    """A sparse layer's router and experts where they follow its attention's parameters
+    (no shared expert: no Linear of the MLP to put them before)."""
+    if not sparse(shape, _index(layer)) or shape.moe.shared:
+        return []
+    return parameters(shape, f"{layer}.mlp")
+
+
+def last_linear(shape, layer: str) -> str:
+    """The Linear after which a decoder layer's norms come in named_parameters()."""
+    if not sparse(shape, _index(layer)):
+        return f"{layer}.mlp.down_proj"
+    if shape.moe.shared:
+        return f"{layer}.mlp.shared_expert_gate"
+    return f"{layer}.self_attn.o_proj"
+
+
+def shared_linears(shape, mlp: str) -> list[tuple[str, int, int]]:
+    """The shared expert's Linears and its gate's (name, in, out), in named_modules() order."""
+    h, s = shape.hidden, shape.moe.shared
+    if not s:
+        return []
+    e = f"{mlp}.shared_expert"
+    return [(f"{e}.gate_proj", h, s), (f"{e}.up_proj", h, s), (f"{e}.down_proj", s, h),
+            (f"{mlp}.shared_expert_gate", h, 1)]
+
+
+def module_names(shape, mlp: str) -> list[str]:
+    names = [mlp, f"{mlp}.experts", f"{mlp}.experts.act_fn", f"{mlp}.gate"]
+    if shape.moe.shared:
+        names += [f"{mlp}.shared_expert", f"{mlp}.shared_expert.act_fn"] + [
+            name for name, _, _ in shared_linears(shape, mlp)]
+    return names
+
+
+def mlp_bytes(w: _Walk, y: _T, shape, reg: Regime, targets: frozenset[str]) -> None:
     """What a sparse MLP saves for the backward, per token, on the normed input y (which
     requires grad). The experts' matmuls run in their weights' dtype, which is the
     residual stream's in every regime (fp32 masters; 16 bits when ZeRO-3/FSDP cast the
@@ -120,13 +175,22 @@ def mlp_bytes(w: _Walk, y: _T, shape, reg: Regime) -> _T:
         w.save(product)
     down = w.new(k * h, weights)
     w.save(down, routing)  # times the routing weight: saves both
-    return w.new(h, y.nbytes)
+    if moe.shared:  # a dense SwiGLU MLP on y, times sigmoid(shared_expert_gate(y))
+        g = _linear(w, y, moe.shared, reg, "gate_proj" in targets)
+        u = _linear(w, y, moe.shared, reg, "up_proj" in targets)
+        w.save(g, w.new(moe.shared, g.nbytes), u)  # silu saves g; the product its inputs
+        m = w.new(moe.shared, max(g.nbytes, u.nbytes))
+        d = _linear(w, m, h, reg, "down_proj" in targets)
+        gate = _linear(w, y, 1, reg, "shared_expert_gate" in targets)
+        w.save(w.new(1, gate.nbytes), d)  # the sigmoid's output, times the MLP's
 
 
 def note(shape) -> str:
     moe = shape.moe
     return (f"mixture of experts ({len(moe.layers)} of {shape.layers} layers): "
-            f"{moe.experts} experts, top {moe.top_k} a token, no capacity factor (every "
+            f"{moe.experts} experts, top {moe.top_k} a token"
+            f"{', and a shared expert every token reaches' if moe.shared else ''}, "
+            f"no capacity factor (every "
             f"token reaches its {moe.top_k}; how they split between experts changes nothing "
             f"counted); transformers' default experts implementation {IMPLEMENTATION} "
             "(grouped matmuls in the experts' weights' dtype, fp32 in full fine-tuning); "
@@ -144,9 +208,9 @@ PEFT_RENAMED = ("gate_proj", "up_proj", "down_proj", "gate")
 
 def refuse_lora_on_experts(shape, target) -> None:
     """peft.target_modules that reach a text qwen3_moe's experts or router (all-linear
-    does) are refused: the estimator does not count that LoRA. qwen3_vl_moe's language
-    model is not converted (finetune targets it with a regex of Linear names)."""
-    if shape.moe is None or shape.vision is not None:
+    does) are refused: the estimator does not count that LoRA. peft converts no other
+    (qwen3_vl_moe, qwen3_5_moe and qwen3_5_moe_text: LoRA on their Linears only)."""
+    if shape.model_type != "qwen3_moe":
         return
     if isinstance(target, str) and target.lower() == "all-linear":
         reached = True

@@ -1,10 +1,10 @@
 """Model shapes from a config.json, read as JSON: the estimator must not import torch.
 
 The parameter list mirrors what transformers builds for llama, mistral, qwen2, qwen3, the
-Gemmas and Qwen3.5's hybrid language model (linear_attention.py), and for the
-vision-language models of vision/ (their language model, a vision tower and a projector),
-names included, so a test can compare tensor by tensor; other architectures are refused
-rather than guessed.
+Gemmas, Qwen3.5's hybrid language model (linear_attention.py), the Qwen3 mixtures of
+experts (moe.py), and for the vision-language models of vision/ (their language model, a
+vision tower and a projector), names included, so a test can compare tensor by tensor;
+other architectures are refused rather than guessed.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from finetune.estimate.defaults import with_defaults
 from finetune.estimate.param import Param
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text",
-             "qwen3_5_text", "qwen3_moe")
+             "qwen3_5_text", "qwen3_moe", "qwen3_5_moe_text")
 # Gemma's decoders (transformers models/gemma, gemma2, gemma3): Gemma's RMSNorm (x * (1 + w),
 # in fp32) and a GELU-tanh MLP; Gemma 2 and 3 add a norm after attention and after the MLP
 # (sandwich norms), Gemma 3 q/k norms. Their config classes' head_dim (256) is not
@@ -169,10 +169,10 @@ def shape_of(config: dict[str, Any], where: str,
         config = with_defaults(config, *GEMMA[kind])
     if kind == "qwen3_5_text":
         config = with_defaults(config, *linear_attention.CONFIG)
-    sparse = kind in moe.CONFIG  # qwen3_vl_moe's language model comes as qwen3_vl_moe_text
+    sparse = kind in moe.CONFIG  # a VLM's language model comes as its text type
     if sparse:
         config = with_defaults(config, *moe.CONFIG[kind])
-        kind = "qwen3_moe"
+        kind = moe.TEXT_KIND.get(kind, kind)
     hidden = _int(config, "hidden_size", where)
     heads = _int(config, "num_attention_heads", where)
     kv_heads = _int(config, "num_key_value_heads", where, default=heads)
@@ -182,10 +182,11 @@ def shape_of(config: dict[str, Any], where: str,
     qkv_bias = {"qwen2": True, "mistral": False}.get(kind, attention_bias)
     o_bias = {"qwen2": False, "mistral": False}.get(kind, attention_bias)
     layers = _int(config, "num_hidden_layers", where)
-    hybrid = kind == "qwen3_5_text"
+    hybrid = kind in ("qwen3_5_text", moe.SHARED)
     linear, delta = linear_attention.read(config, layers, where, _int) if hybrid else ((), None)
     return Shape(
-        model_type=kind, hidden=hidden, intermediate=_int(config, "intermediate_size", where),
+        model_type=kind, hidden=hidden,  # Qwen3.5-MoE has no dense MLP (moe.SHARED)
+        intermediate=_int(config, "intermediate_size", where) if kind != moe.SHARED else 0,
         layers=layers, heads=heads, kv_heads=kv_heads,
         head_dim=_int({"head_dim": head_dim}, "head_dim", where),
         vocab=_int(config, "vocab_size", where),
@@ -251,6 +252,8 @@ def linears(shape: Shape, head: str, num_labels: int = 1) -> list[Linear]:
                     Linear(f"{a}.v_proj", h, shape.kv_dim, shape.qkv_bias, "layer"),
                     Linear(f"{a}.o_proj", shape.q_dim, h, shape.o_bias, "layer")]
         if moe.sparse(shape, n):  # fused 3-D experts and a router: no nn.Linear
+            out += [Linear(name, inp, o, False, "layer")
+                    for name, inp, o in moe.shared_linears(shape, m)]
             continue
         out += [Linear(f"{m}.gate_proj", h, i, shape.mlp_bias, "layer"),
                 Linear(f"{m}.up_proj", h, i, shape.mlp_bias, "layer"),
@@ -295,7 +298,7 @@ def module_names(shape: Shape, head: str) -> list[str]:
             names += [p, a, f"{a}.q_proj", f"{a}.k_proj", f"{a}.v_proj", f"{a}.o_proj"]
         if (shape.qk_norm and n not in shape.linear_layers) or n in shape.cross_layers:
             names += [f"{a}.q_norm", f"{a}.k_norm"]
-        names += moe.module_names(f"{p}.mlp") if moe.sparse(shape, n) else [
+        names += moe.module_names(shape, f"{p}.mlp") if moe.sparse(shape, n) else [
             f"{p}.mlp", f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj", f"{p}.mlp.down_proj",
             f"{p}.mlp.act_fn"]
         names += [f"{p}.{norm}" for norm in _norms(shape)]
@@ -326,6 +329,8 @@ def parameters(shape: Shape, head: str, num_labels: int = 1) -> list[Param]:
             params += linear_attention.parameters(shape, lin.name.rsplit(".", 1)[0])
         if ".linear_attn." in lin.name:
             continue
+        if lin.name.endswith(".mlp.shared_expert.gate_proj"):  # the router and experts first
+            params += moe.parameters(shape, lin.name.rsplit(".", 2)[0])
         params.append(Param(f"{lin.name}.weight", lin.inp * lin.out, "linear", lin.name, lin.out))
         if lin.bias:
             params.append(Param(f"{lin.name}.bias", lin.out, "bias", lin.name))
@@ -333,11 +338,10 @@ def parameters(shape: Shape, head: str, num_labels: int = 1) -> list[Param]:
             base = lin.name.rsplit(".", 1)[0]
             params += [Param(f"{base}.q_norm.weight", shape.head_dim, "norm", f"{base}.q_norm"),
                        Param(f"{base}.k_norm.weight", shape.head_dim, "norm", f"{base}.k_norm")]
-        layer = lin.name.rsplit(".", 2)[0]
-        experts = lin.name.endswith("o_proj") and moe.sparse(shape, int(layer.rsplit(".")[-1]))
-        if experts:  # a sparse layer's MLP follows its attention
-            params += moe.parameters(shape, f"{layer}.mlp")
-        if lin.name.endswith("down_proj") or experts:
+        layer = re.match(r"(.*\.layers\.\d+)\.", lin.name).group(1)
+        if lin.name.endswith("o_proj"):  # a qwen3_moe sparse layer's MLP follows
+            params += moe.after_attention(shape, layer)
+        if lin.name == moe.last_linear(shape, layer):
             params += [Param(f"{layer}.{norm}.weight", h, "norm", f"{layer}.{norm}")
                        for norm in _norms(shape)]
             params += cross_attention.layer_extras(shape, layer)  # mllama's norms and gates

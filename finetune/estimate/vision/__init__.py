@@ -2,7 +2,8 @@
 one module per family: LLaVA (llava.py), LLaVA-NeXT (llava_next.py), Qwen2-VL and
 Qwen2.5-VL (qwen2_vl.py), Qwen3-VL (qwen3_vl.py, on Qwen2-VL's shape; qwen3_vl_moe's
 mixture-of-experts language model in estimate/moe.py), Qwen3.5 (qwen3_5.py:
-Qwen3-VL's tower; its hybrid language model in estimate/linear_attention.py), Gemma 3 (gemma3.py),
+Qwen3-VL's tower; its hybrid language model in estimate/linear_attention.py; qwen3_5_moe's
+with mixture-of-experts MLPs), Gemma 3 (gemma3.py),
 PaliGemma (paligemma.py), Idefics3 and SmolVLM (idefics3.py), their SigLIP-layout towers
 in siglip.py, Mistral 3 (mistral3.py, its Pixtral tower's activations in
 pixtral_activations.py), InternVL (internvl.py) and Llama 3.2 Vision (mllama.py; its
@@ -22,23 +23,35 @@ some with the reason (REFUSED).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from finetune.estimate.vision import (gemma3, idefics3, internvl, llava, llava_next, mistral3,
                                       mllama, paligemma, qwen2_vl, qwen3_5, qwen3_vl)
 from finetune.estimate.vision.common import Training
 
+
+class _Qwen3_5Moe:
+    """qwen3_5_moe: Qwen3.5's tower and reader (Qwen3_5MoeConfig's and its vision config's
+    defaults are Qwen3_5Config's), the language model read as qwen3_5_moe_text (the
+    hybrid one with mixture-of-experts MLPs, estimate/moe.py)."""
+
+    @staticmethod
+    def read(config: dict[str, Any], where: str, processor: dict[str, Any] | None = None):
+        text, tower = qwen3_5.read(config, where, processor)
+        named = tower.tower if tower.tower not in ("qwen3_5_moe", qwen3_5.MODEL_TYPE) else \
+            "qwen3_5_moe_vision"
+        return {**text, "model_type": "qwen3_5_moe_text"}, replace(tower, tower=named)
+
+
 FAMILIES = {"llava": llava, "qwen2_vl": qwen2_vl, "qwen2_5_vl": qwen2_vl, "qwen3_vl": qwen3_vl,
-            "qwen3_vl_moe": qwen3_vl, "qwen3_5": qwen3_5, "gemma3": gemma3,
+            "qwen3_vl_moe": qwen3_vl, "qwen3_5": qwen3_5, "qwen3_5_moe": _Qwen3_5Moe,
+            "gemma3": gemma3,
             "paligemma": paligemma, "llava_next": llava_next, "idefics3": idefics3,
             "smolvlm": idefics3, "mistral3": mistral3, "internvl": internvl, "mllama": mllama}
 COUNTED = tuple(FAMILIES)
 # Types that share a counted family's tower but not its kind of language model.
-REFUSED = {
-    "qwen3_5_moe": "Qwen3.5's tower and hybrid language model with mixture-of-experts "
-                   "MLPs (routed experts), which the estimator does not count (it counts "
-                   "the dense qwen3_5)",
-}
+REFUSED: dict[str, str] = {}
 LANGUAGE_MODEL = "model.language_model."
 # Every family's tower and projector: a VLM's tp_plan is its language model's (Qwen's
 # mergers are inside its tower, model.visual).
