@@ -73,6 +73,7 @@ def lora_targets(shape: Shape, settings: Settings) -> list[Linear]:
     candidates = linears(shape, settings.head, settings.num_labels)
     target = spec.target_modules
     moe.refuse_lora_on_experts(shape, target)
+    target = moe.peft_target(shape, target, module_names(shape, settings.head))
     if shape.vision:
         found = vision_peft.lora_targets(shape, settings.vision_training, target, candidates,
                                          vision_peft.projector_modules(shape))

@@ -233,3 +233,17 @@ def refuse_lora_on_experts(shape, target) -> None:
             "it refuses lora dropout then, and the backward keeps each layer's whole experts' "
             "weights): the estimator does not count that. Target the attention, e.g. "
             "peft.target_modules=[q_proj,k_proj,v_proj,o_proj]"])
+
+
+def peft_target(shape, target, names: list[str]):
+    """peft (0.21) resolves a regex target_modules of a qwen3_moe to the last names of
+    the modules it matches, then matches those in every layer: a regex naming layer 0's
+    q_proj puts LoRA on every q_proj. names: the model's module names."""
+    if shape.model_type != "qwen3_moe" or not isinstance(target, str) \
+            or target.lower() == "all-linear":
+        return target
+    try:
+        leaves = sorted({n.rsplit(".", 1)[-1] for n in names if re.fullmatch(target, n)})
+    except re.error:
+        return target  # reported by shapes.matched
+    return leaves or target
