@@ -48,10 +48,39 @@ def apply_peft(model: PreTrainedModel, experiment: Experiment,
             keep_4bit_layers_differentiable(model)
             model = prepare_model_for_kbit_training(
                 model, use_gradient_checkpointing=gradient_checkpointing)
-        model = get_peft_model(model, lora_config(experiment, model))
+        config = lora_config(experiment, model)
+        _refuse_dropout_on_fused_experts(config, model)
+        model = get_peft_model(model, config)
     if is_vision_language(experiment):
         keep_frozen_tower_out_of_autograd(model)  # what trains is decided now
     return model
+
+
+def _refuse_dropout_on_fused_experts(config: LoraConfig, model: PreTrainedModel) -> None:
+    """transformers 5 holds a mixture-of-experts model's experts as fused 3-D parameters
+    (Qwen3-MoE, Qwen2-MoE, Mixtral, DeepSeek-V3, GLM-4.5, ...), and peft keeps its meaning
+    of all-linear from when they were nn.Linear: it puts LoRA on those parameters (and the
+    router) through its ParamWrapper, which takes no dropout; it would raise after the
+    model loaded, a traceback. One line naming the ways out instead."""
+    import copy
+
+    from peft.utils.transformers_weight_conversion import (convert_peft_config_for_transformers,
+                                                           get_model_conversion_mapping)
+
+    if not config.lora_dropout:
+        return
+    probe = copy.deepcopy(config)  # peft converts the config in place as it applies it
+    convert_peft_config_for_transformers(probe, model=model,
+                                         conversions=get_model_conversion_mapping(model))
+    wrapped = sorted(probe.target_parameters or ())
+    if wrapped:
+        raise ConfigError([
+            f"peft.dropout: {config.lora_dropout} cannot go with LoRA on "
+            f"{model.config.model_type}'s experts, which peft adapts as fused parameters "
+            f"({', '.join(wrapped)}: peft.target_modules {config.target_modules!r} reaches "
+            "them) and without dropout: set peft.dropout: 0 to adapt the experts, or "
+            "peft.target_modules: [q_proj, k_proj, v_proj, o_proj] to adapt the attention "
+            "and leave the experts whole"])
 
 
 def trainable_tensors(model) -> dict[str, torch.Tensor]:
