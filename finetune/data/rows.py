@@ -25,6 +25,9 @@ FORMATS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "prompt": (("prompt",), ()),  # every other column is kept for the reward functions
 }
 WEIGHT = "weight"  # the per-sample weight column, whatever data.weight_column names
+# A conversation's assistant turns, [start, end) in its tokens, where preparing found them
+# by prefixes (methods/vision_turns.py) for the collator (TRL drops unknown columns).
+SPANS = "assistant_spans"
 # Weights are relative (the loss is sum(w x loss) / sum(w)); beyond this, w x loss summed
 # over a batch nears float32's range (3.4e38) and the model trains to NaN.
 MAX_WEIGHT = 1e6

@@ -18,9 +18,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from finetune.data.rows import SPANS
 from finetune.errors import DataError
 
-SPANS = "assistant_spans"  # [start, end) of each assistant turn's tokens
+__all__ = ["SPANS", "Turns", "TurnsTrained", "rendered_ids", "spans", "turns_of"]
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,8 @@ from trl import DPOTrainer, KTOTrainer, SFTTrainer
 
 from finetune import compat
 from finetune.config.rules.vision import method_refused
+from finetune.data.rows import SPANS
 from finetune.errors import ConfigError, DataError
-from finetune.methods.vision_turns import SPANS
 from finetune.model.vision import load_saved_weights
 
 
