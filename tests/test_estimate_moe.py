@@ -166,9 +166,10 @@ def test_lora_and_qlora_against_apply_peft(tmp_path, config, yaml, targets):
 @pytest.mark.slow  # imports torch; the meta device (about 1 s)
 def test_lora_reaching_the_experts_is_refused(tmp_path):
     """finetune's default all-linear on a text qwen3_moe: peft maps gate_proj/up_proj/
-    down_proj/gate to the fused parameters (target_parameters) and then refuses the
-    default lora dropout; the estimate refuses it as one error naming the key, for a
-    list and a regex reaching them too."""
+    down_proj/gate to the fused parameters (target_parameters), which take no lora
+    dropout (training refuses the default one: model/peft.py, tests/test_lora_moe.py);
+    the estimate refuses it as one error naming the key, for a list and a regex reaching
+    them too."""
     torch = pytest.importorskip("torch")
     from transformers import AutoConfig, AutoModelForCausalLM
     from finetune.model.peft import apply_peft
@@ -177,7 +178,8 @@ def test_lora_reaching_the_experts_is_refused(tmp_path):
     experiment = load_experiment(SFT, [f"model.name_or_path={path}", "peft.type=lora"])
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
-        with pytest.raises(ValueError, match="lora_dropout"):
+        with pytest.raises(ConfigError, match="peft.dropout: 0.05 cannot go with LoRA on "
+                                              "qwen3_moe's experts"):
             apply_peft(model, experiment, gradient_checkpointing=False)
     for targets in ([], ["peft.target_modules=[q_proj,gate]"],
                     ["peft.target_modules=.*experts.(gate|up)_proj"]):

@@ -23,7 +23,6 @@ some with the reason (REFUSED).
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
 from finetune.estimate.vision import (gemma3, idefics3, internvl, llava, llava_next, mistral3,
@@ -31,21 +30,8 @@ from finetune.estimate.vision import (gemma3, idefics3, internvl, llava, llava_n
 from finetune.estimate.vision.common import Training
 
 
-class _Qwen3_5Moe:
-    """qwen3_5_moe: Qwen3.5's tower and reader (Qwen3_5MoeConfig's and its vision config's
-    defaults are Qwen3_5Config's), the language model read as qwen3_5_moe_text (the
-    hybrid one with mixture-of-experts MLPs, estimate/moe.py)."""
-
-    @staticmethod
-    def read(config: dict[str, Any], where: str, processor: dict[str, Any] | None = None):
-        text, tower = qwen3_5.read(config, where, processor)
-        named = tower.tower if tower.tower not in ("qwen3_5_moe", qwen3_5.MODEL_TYPE) else \
-            "qwen3_5_moe_vision"
-        return {**text, "model_type": "qwen3_5_moe_text"}, replace(tower, tower=named)
-
-
 FAMILIES = {"llava": llava, "qwen2_vl": qwen2_vl, "qwen2_5_vl": qwen2_vl, "qwen3_vl": qwen3_vl,
-            "qwen3_vl_moe": qwen3_vl, "qwen3_5": qwen3_5, "qwen3_5_moe": _Qwen3_5Moe,
+            "qwen3_vl_moe": qwen3_vl, "qwen3_5": qwen3_5, "qwen3_5_moe": qwen3_5,
             "gemma3": gemma3,
             "paligemma": paligemma, "llava_next": llava_next, "idefics3": idefics3,
             "smolvlm": idefics3, "mistral3": mistral3, "internvl": internvl, "mllama": mllama}

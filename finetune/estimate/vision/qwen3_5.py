@@ -3,7 +3,9 @@ a vision-language model) from its config.json: Qwen3-VL's tower (qwen3_vl.py: pa
 learned positions, blocks and the merger, named alike under model.visual) without
 deepstack (Qwen3_5VisionModel has no deepstack_merger_list), and a hybrid language model
 of Gated DeltaNet and gated attention layers (estimate/linear_attention.py), named
-model.language_model.
+model.language_model. Qwen3.5-MoE (`qwen3_5_moe`) has the same tower and defaults
+(Qwen3_5MoeConfig's are Qwen3_5Config's) and mixture-of-experts MLPs in its language model
+(estimate/moe.py, read as `qwen3_5_moe_text`).
 """
 
 from __future__ import annotations
@@ -26,11 +28,12 @@ def read(config: dict[str, Any], where: str,
     """(the language model's config, read as a qwen3_5_text one; the vision shape). The
     head is tied where the top level says so (Qwen3_5Config's tie_word_embeddings, default
     false), as Qwen3-VL's."""
+    kind = config.get("model_type", "qwen3_5")  # or qwen3_5_moe
     full = with_defaults(config, CONFIG, "Qwen3_5Config")
     text = full.get("text_config") or {}
     if not isinstance(text, dict):
         raise ConfigError([f"{where}: text_config must be an object"])
-    text = {**text, "model_type": "qwen3_5_text",
+    text = {**text, "model_type": f"{kind}_text",
             "tie_word_embeddings": bool(full.get("tie_word_embeddings"))}
     # none: Qwen3_5Config builds its vision config's defaults, as it does a text config's
     vision = vision_config({"vision_config": full.get("vision_config") or {}}, "qwen3_5", where)
@@ -40,9 +43,10 @@ def read(config: dict[str, Any], where: str,
     square_patches(vision, where)
     low, high = pixel_bounds(processor, where)
     # Qwen3_5Config renames the vision model_type "qwen3_5" of older configs
-    tower = vision.get("model_type", MODEL_TYPE)
+    own = f"{kind}_vision"
+    tower = vision.get("model_type", own)
     shape = Qwen3Vision(
-        family="qwen3_5", tower=MODEL_TYPE if tower == "qwen3_5" else str(tower),
+        family="qwen3_5", tower=own if tower in (kind, MODEL_TYPE) else str(tower),
         hidden=positive(vision, "hidden_size", where),
         intermediate=positive(vision, "intermediate_size", where),
         layers=vision_int(vision, "depth", "num_hidden_layers", where),
