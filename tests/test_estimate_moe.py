@@ -175,17 +175,19 @@ def test_lora_reaching_the_experts_is_refused(tmp_path):
     from finetune.model.peft import apply_peft
 
     path = model_dir(tmp_path, SMALL)
-    experiment = load_experiment(SFT, [f"model.name_or_path={path}", "peft.type=lora"])
+    lora = [f"model.name_or_path={path}", "peft.type=lora", "peft.dropout=0"]
+    experiment = load_experiment(SFT, lora)  # validate refuses the dropout of a local one
+    hub_like = experiment.model_copy(update={"peft": experiment.peft.model_copy(
+        update={"dropout": 0.05})})
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
         with pytest.raises(ConfigError, match="peft.dropout: 0.05 cannot go with LoRA on "
                                               "qwen3_moe's experts"):
-            apply_peft(model, experiment, gradient_checkpointing=False)
+            apply_peft(model, hub_like, gradient_checkpointing=False)
     for targets in ([], ["peft.target_modules=[q_proj,gate]"],
                     ["peft.target_modules=.*experts.(gate|up)_proj"]):
         with pytest.raises(ConfigError, match="reaches this qwen3_moe's MLPs") as raised:
-            estimate(load_experiment(SFT, [f"model.name_or_path={path}", "peft.type=lora",
-                                           *targets]))
+            estimate(load_experiment(SFT, [*lora, *targets]))
         assert len(raised.value.problems) == 1
 
 

@@ -1,7 +1,8 @@
 """LoRA on a mixture-of-experts model whose experts transformers 5 fuses into 3-D
-parameters (model/peft.py): peft's all-linear adapts them (and the router) as parameters,
-which takes no dropout, so finetune's default dropout is one error naming the ways out
-before training; with dropout 0 the experts train and the adapter saves."""
+parameters (config/fused_experts.py): peft's all-linear adapts them (and the router) as
+parameters, which takes no dropout, so finetune's default dropout is one error naming the
+ways out at validate (training's own check, for a hub model: tests/test_estimate_moe.py);
+with dropout 0 the experts train and the adapter saves."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ def tiny_qwen3_moe(directory):
     return directory
 
 
-@pytest.mark.slow  # two CLI training processes
+@pytest.mark.slow  # a CLI validate and a CLI training process
 def test_lora_on_fused_experts_needs_no_dropout(write, tmp_path):
     model = tiny_qwen3_moe(tmp_path / "tiny-moe")
     config = write("exp.yaml", f"extends: {QUICKSTART / 'sft.yaml'}\n"
@@ -37,9 +38,9 @@ def test_lora_on_fused_experts_needs_no_dropout(write, tmp_path):
     refused = run_cli("train", str(config), cwd=tmp_path)
     assert refused.returncode != 0
     assert refused.stderr.strip().splitlines()[-1] == (
-        "error: peft.dropout: 0.05 cannot go with LoRA on qwen3_moe's experts, which peft "
-        "adapts as fused parameters (down_proj, gate.weight, gate_up_proj: "
-        "peft.target_modules 'all-linear' reaches them) and without dropout: set "
+        f"error: {config}:3: peft.dropout: 0.05 cannot go with LoRA on qwen3_moe's experts, "
+        "which peft adapts as fused parameters (peft.target_modules 'all-linear' reaches "
+        "them) and without dropout: set "
         "peft.dropout: 0 to adapt the experts, or peft.target_modules: [q_proj, k_proj, "
         "v_proj, o_proj] to adapt the attention and leave the experts whole")
 

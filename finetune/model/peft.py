@@ -15,6 +15,7 @@ from finetune.model import vision_parts
 from finetune.model.frozen_tower import keep_frozen_tower_out_of_autograd
 from finetune.model.load import head
 from finetune.model.vision import is_vision_language
+from finetune.config import fused_experts
 from finetune.config.schema import Experiment
 from finetune.errors import ConfigError
 
@@ -57,11 +58,10 @@ def apply_peft(model: PreTrainedModel, experiment: Experiment,
 
 
 def _refuse_dropout_on_fused_experts(config: LoraConfig, model: PreTrainedModel) -> None:
-    """transformers 5 holds a mixture-of-experts model's experts as fused 3-D parameters
-    (Qwen3-MoE, Qwen2-MoE, Mixtral, DeepSeek-V3, GLM-4.5, ...), and peft keeps its meaning
-    of all-linear from when they were nn.Linear: it puts LoRA on those parameters (and the
-    router) through its ParamWrapper, which takes no dropout; it would raise after the
-    model loaded, a traceback. One line naming the ways out instead."""
+    """config/fused_experts.py: peft puts LoRA on a mixture-of-experts model's fused
+    expert parameters (and router) through its ParamWrapper, which takes no dropout, and
+    would raise a traceback. Told here for any model from peft's own conversion of the
+    config (validate tells it for a local model before anything loads)."""
     import copy
 
     from peft.utils.transformers_weight_conversion import (convert_peft_config_for_transformers,
@@ -74,13 +74,10 @@ def _refuse_dropout_on_fused_experts(config: LoraConfig, model: PreTrainedModel)
                                          conversions=get_model_conversion_mapping(model))
     wrapped = sorted(probe.target_parameters or ())
     if wrapped:
-        raise ConfigError([
-            f"peft.dropout: {config.lora_dropout} cannot go with LoRA on "
-            f"{model.config.model_type}'s experts, which peft adapts as fused parameters "
-            f"({', '.join(wrapped)}: peft.target_modules {config.target_modules!r} reaches "
-            "them) and without dropout: set peft.dropout: 0 to adapt the experts, or "
-            "peft.target_modules: [q_proj, k_proj, v_proj, o_proj] to adapt the attention "
-            "and leave the experts whole"])
+        reached = f"{', '.join(wrapped)}: peft.target_modules {config.target_modules!r} " \
+                  "reaches them"
+        why = fused_experts.refusal(model.config.model_type, config.lora_dropout, reached)
+        raise ConfigError([f"peft.dropout: {why}"])
 
 
 def trainable_tensors(model) -> dict[str, torch.Tensor]:

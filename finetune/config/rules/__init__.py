@@ -17,7 +17,7 @@ from typing import Iterator
 
 from pydantic import BaseModel
 
-from finetune.config import inputs, paths
+from finetune.config import fused_experts, inputs, paths
 from finetune.config.rules import deepspeed_file, models, parallel, sequence, values, vision
 from finetune.config.formats import accepted as accepted_formats, trained
 from finetune.config.derived.effective import record, value
@@ -389,7 +389,7 @@ def _teacher(exp: Experiment, loc: tuple, teacher: str) -> Iterator[Problem]:
 
 RULES = (_credentials, _paths, _peft, _data, _precision, _method_sections, _rewards, _ppo,
          _classify, _distributed, parallel.check, sequence.check, _resume, values.check,
-         _distill, vision.check, models.flattened_state)
+         _distill, vision.check, models.flattened_state, fused_experts.check)
 
 
 def check(exp: Experiment) -> list[Problem]:
