@@ -156,8 +156,6 @@ def shape_of(config: dict[str, Any], where: str,
         text, tower = vision.read(config, where, processor)
         language = vision.language(kind, shape_of(text, where), tower)
         return replace(language, model_type=kind, vision=tower, prefix=vision.text_prefix(kind))
-    if kind in vision.REFUSED:
-        raise ConfigError([f"{where}: model_type {kind!r} is {vision.REFUSED[kind]}"])
     if kind in image_text_model_types():
         raise ConfigError([f"{where}: model_type {kind!r} is a vision-language model the "
                            f"estimator does not count yet (it counts "

@@ -17,8 +17,7 @@ never reaches), image_bytes(regime, checkpointing, training) (what one image sav
 the backward, with a frozen tower or projector as `training` says), for_image(size) (the
 shape for pictures of that size, where the tokens depend on it), tower_prefix and
 projector_prefix, and image_note()/tower_note() (what the report says it assumed).
-Other vision-language types are refused by name rather than guessed (shapes.shape_of),
-some with the reason (REFUSED).
+Other vision-language types are refused by name rather than guessed (shapes.shape_of).
 """
 
 from __future__ import annotations
@@ -36,8 +35,6 @@ FAMILIES = {"llava": llava, "qwen2_vl": qwen2_vl, "qwen2_5_vl": qwen2_vl, "qwen3
             "paligemma": paligemma, "llava_next": llava_next, "idefics3": idefics3,
             "smolvlm": idefics3, "mistral3": mistral3, "internvl": internvl, "mllama": mllama}
 COUNTED = tuple(FAMILIES)
-# Types that share a counted family's tower but not its kind of language model.
-REFUSED: dict[str, str] = {}
 LANGUAGE_MODEL = "model.language_model."
 # Every family's tower and projector: a VLM's tp_plan is its language model's (Qwen's
 # mergers are inside its tower, model.visual).
@@ -72,5 +69,5 @@ def part_of(name: str, vision) -> str:
     return "language_model"
 
 
-__all__ = ["COUNTED", "LANGUAGE_MODEL", "REFUSED", "Training", "VISION_PREFIXES", "language",
+__all__ = ["COUNTED", "LANGUAGE_MODEL", "Training", "VISION_PREFIXES", "language",
            "part_of", "read", "text_prefix"]
